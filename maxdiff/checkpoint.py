@@ -1,0 +1,397 @@
+"""Read diffusers / transformers checkpoint folders into Flax parameter trees.
+
+No torch: safetensors files are parsed here (an 8-byte little-endian header
+length, a JSON header, then raw little-endian tensors) and memory-mapped, so
+each tensor is read, cast and handed to JAX one at a time. Peak host memory
+while loading stays near the size of the weights in the target dtype.
+
+Naming convention shared by every maxdiff model: a Flax submodule is named
+exactly as the PyTorch module path segment it mirrors (``"down_blocks.0"``,
+``"to_out.0"``), so a Flax parameter path maps onto a PyTorch key by joining
+with dots and renaming the leaf:
+
+================  ==================  =====================================
+Flax leaf         PyTorch leaf        layout change
+================  ==================  =====================================
+``kernel`` (4-d)  ``weight``          conv OIHW -> HWIO
+``kernel`` (2-d)  ``weight``          linear (out, in) -> (in, out)
+``scale``         ``weight``          (norms)
+``embedding``     ``weight``          (embeddings)
+``bias``          ``bias``
+================  ==================  =====================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import jax
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "CheckpointError",
+    "SafetensorsFile",
+    "WeightSource",
+    "open_weights",
+    "flax_to_torch_key",
+    "load_params",
+    "read_config",
+    "resolve_dtype",
+    "save_safetensors",
+]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or folder cannot be used; the message names the file and key."""
+
+
+_ST_DTYPES = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+_DTYPES = {
+    "float32": np.dtype("float32"),
+    "fp32": np.dtype("float32"),
+    "float16": np.dtype("float16"),
+    "fp16": np.dtype("float16"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "bf16": np.dtype(ml_dtypes.bfloat16),
+}
+
+
+def resolve_dtype(dtype: Any) -> np.dtype:
+    """``"float32" | "bfloat16" | "float16"`` (or short forms, or a dtype) -> numpy dtype."""
+    if isinstance(dtype, str):
+        try:
+            return _DTYPES[dtype.lower()]
+        except KeyError:
+            raise ValueError(
+                f"dtype={dtype!r} is not supported; use one of float32, bfloat16, float16"
+            ) from None
+    dt = np.dtype(dtype)
+    if dt not in set(_DTYPES.values()):
+        raise ValueError(f"dtype={dt} is not supported; use one of float32, bfloat16, float16")
+    return dt
+
+
+class SafetensorsFile:
+    """A memory-mapped ``.safetensors`` file, validated against its header.
+
+    A truncated or corrupt file raises :class:`CheckpointError` naming the file
+    (and the tensor, where one is at fault) when it is opened.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: file not found") from None
+        if size < 8:
+            raise CheckpointError(f"{self.path}: not a safetensors file (only {size} bytes)")
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8 or n > 100_000_000:
+                raise CheckpointError(
+                    f"{self.path}: corrupt or truncated safetensors file "
+                    f"(header says {n} bytes, file has {size})"
+                )
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (not a JSON object)")
+        self.metadata = header.pop("__metadata__", None) or {}
+        self._base = 8 + n
+        data_len = size - self._base
+        self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+        for key, info in header.items():
+            try:
+                dtype = _ST_DTYPES[info["dtype"]]
+                shape = tuple(int(s) for s in info["shape"])
+                start, end = (int(o) for o in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(
+                    f"{self.path}: tensor {key!r} has an unreadable header entry {info!r}"
+                ) from None
+            if end > data_len:
+                raise CheckpointError(
+                    f"{self.path}: truncated file: tensor {key!r} needs bytes up to "
+                    f"{end} of the data section, which has only {data_len}"
+                )
+            if end - start != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+                raise CheckpointError(
+                    f"{self.path}: tensor {key!r} size does not match its shape {shape} "
+                    f"and dtype {info['dtype']}"
+                )
+            self._entries[key] = (dtype, shape, start, end)
+        self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r") if data_len else None
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._entries[key][1]
+
+    def get(self, key: str) -> np.ndarray:
+        """The tensor as a read-only numpy view into the mapped file (no copy)."""
+        dtype, shape, start, end = self._entries[key]
+        if end == start:
+            return np.zeros(shape, dtype)
+        buf = self._mmap[self._base + start : self._base + end]
+        return buf.view(dtype).reshape(shape)
+
+
+@dataclass
+class WeightSource:
+    """Where each tensor of one component lives (one file, or several shards)."""
+
+    files: dict[str, SafetensorsFile]
+    index: dict[str, str] = field(default_factory=dict)  # key -> file name
+
+    @classmethod
+    def from_files(cls, paths: Iterable[str | os.PathLike]) -> "WeightSource":
+        files, index = {}, {}
+        for p in paths:
+            f = SafetensorsFile(p)
+            files[str(f.path)] = f
+            for k in f.keys():
+                index[k] = str(f.path)
+        return cls(files, index)
+
+    def keys(self) -> list[str]:
+        return list(self.index)
+
+    def file_of(self, key: str) -> str:
+        return self.index[key]
+
+    def get(self, key: str) -> np.ndarray:
+        return self.files[self.index[key]].get(key)
+
+    def describe(self) -> str:
+        names = sorted(Path(p).name for p in self.files)
+        parent = Path(next(iter(self.files))).parent if self.files else Path(".")
+        return f"{parent}/{names[0]}" if len(names) == 1 else f"{parent}/{{{', '.join(names)}}}"
+
+
+_WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
+
+
+def open_weights(path: str | os.PathLike, variant: str | None = None) -> WeightSource:
+    """Find and open the safetensors weights of one component.
+
+    ``path`` is a single ``.safetensors`` file or a component folder holding
+    ``diffusion_pytorch_model[.{variant}].safetensors`` / ``model[.{variant}].safetensors``
+    or a sharded set described by ``*.safetensors.index.json``. With
+    ``variant=None`` the plain files are preferred and an fp16 variant is used
+    when it is the only one present.
+    """
+    p = Path(path)
+    if p.is_file():
+        return WeightSource.from_files([p])
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: no such file or folder")
+    variants = [variant] if variant else [None, "fp16"]
+    for v in variants:
+        for stem in _WEIGHT_STEMS:
+            suffix = f".{v}.safetensors" if v else ".safetensors"
+            single = p / f"{stem}{suffix}"
+            if single.is_file():
+                return WeightSource.from_files([single])
+            idx = p / f"{stem}{suffix}.index.json"
+            if idx.is_file():
+                try:
+                    weight_map = json.loads(idx.read_text())["weight_map"]
+                except (json.JSONDecodeError, KeyError) as e:
+                    raise CheckpointError(f"{idx}: unreadable shard index ({e})") from None
+                missing = sorted({f for f in weight_map.values() if not (p / f).is_file()})
+                if missing:
+                    raise CheckpointError(f"{idx}: shard file(s) missing: {', '.join(missing)}")
+                src = WeightSource.from_files(p / f for f in sorted(set(weight_map.values())))
+                stray = sorted(set(weight_map) - set(src.index))
+                if stray:
+                    raise CheckpointError(
+                        f"{idx}: index names keys no shard holds, e.g. {stray[0]!r}"
+                    )
+                return src
+    found = sorted(x.name for x in p.iterdir())
+    want = f"variant {variant!r} of " if variant else ""
+    raise CheckpointError(
+        f"{p}: no {want}safetensors weights found (looked for diffusion_pytorch_model*.safetensors "
+        f"and model*.safetensors, single or sharded); the folder holds: {found or 'nothing'}. "
+        "maxdiff reads safetensors only: convert .bin checkpoints with diffusers first."
+    )
+
+
+def read_config(folder: str | os.PathLike, name: str = "config.json") -> dict:
+    """A component's ``config.json`` as a dict, with a clear error if absent or broken."""
+    p = Path(folder) / name
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{p}: missing config file") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{p}: not valid JSON ({e})") from None
+
+
+def flax_to_torch_key(path: tuple[str, ...], ndim: int) -> tuple[str, Callable[[np.ndarray], np.ndarray]]:
+    """Map a Flax parameter path to its PyTorch key and the layout change it needs."""
+    *mods, leaf = path
+    prefix = ".".join(mods)
+    if leaf == "kernel":
+        if ndim == 4:
+            fn = lambda a: np.transpose(a, (2, 3, 1, 0))  # OIHW -> HWIO
+        elif ndim == 2:
+            fn = lambda a: np.transpose(a)
+        else:
+            fn = lambda a: a
+        return f"{prefix}.weight", fn
+    if leaf in ("scale", "embedding"):
+        return f"{prefix}.weight", lambda a: a
+    return f"{prefix}.{leaf}", lambda a: a
+
+
+def torch_to_flax_layout(path: tuple[str, ...], arr: np.ndarray) -> np.ndarray:
+    """The inverse layout change: a Flax array back to the PyTorch layout."""
+    if path[-1] == "kernel":
+        if arr.ndim == 4:
+            return np.transpose(arr, (3, 2, 0, 1))
+        if arr.ndim == 2:
+            return np.transpose(arr)
+    return arr
+
+
+def _flatten(tree: Mapping, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def _unflatten(flat: dict[tuple[str, ...], Any]) -> dict:
+    tree: dict = {}
+    for path, v in flat.items():
+        node = tree
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return tree
+
+
+def load_params(
+    shapes: Mapping,
+    source: WeightSource,
+    dtype: Any = "float32",
+    *,
+    key_prefix: str = "",
+    ignore_unexpected: Iterable[str] = (),
+    put: Callable[[np.ndarray], Any] | None = None,
+    keep_float32: Callable[[tuple[str, ...]], bool] | None = None,
+) -> dict:
+    """Fill a Flax parameter tree of known shapes from a checkpoint.
+
+    ``shapes`` is the tree ``jax.eval_shape(model.init, ...)["params"]`` gives
+    (leaves with ``.shape``). Every leaf must be found, every tensor in the file
+    must be used (except keys matching ``ignore_unexpected`` suffixes, such as
+    non-persistent buffers), and shapes must agree; otherwise
+    :class:`CheckpointError` names the file and key. Each tensor is cast to
+    ``dtype`` and passed to ``put`` (default ``jax.device_put``) one at a time.
+    """
+    target = resolve_dtype(dtype)
+    put = put or jax.device_put
+    ignore = tuple(ignore_unexpected)
+    flat = _flatten(shapes)
+    used: set[str] = set()
+    out = {}
+    where = source.describe()
+    for path, leaf in flat.items():
+        want = tuple(leaf.shape)
+        key, fn = flax_to_torch_key(path, len(want))
+        key = key_prefix + key
+        if key not in source.index:
+            raise CheckpointError(
+                f"{where}: missing key {key!r} (needed for parameter {'/'.join(path)} of shape {want})"
+            )
+        arr = fn(source.get(key))
+        if tuple(arr.shape) != want:
+            raise CheckpointError(
+                f"{source.file_of(key)}: key {key!r} has shape {tuple(source.get(key).shape)}, "
+                f"expected {_torch_shape(path, want)} "
+                "(does config.json match these weights?)"
+            )
+        dt = np.dtype("float32") if keep_float32 is not None and keep_float32(path) else target
+        if np.issubdtype(arr.dtype, np.floating) or arr.dtype == ml_dtypes.bfloat16:
+            arr = arr.astype(dt)
+        out[path] = put(np.ascontiguousarray(arr))
+        used.add(key)
+    unexpected = [
+        k for k in source.keys()
+        if k.startswith(key_prefix) and k not in used and not k.endswith(ignore or ("\0",))
+    ]
+    if unexpected:
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        raise CheckpointError(
+            f"{source.file_of(unexpected[0])}: unexpected key {unexpected[0]!r}{more}: the "
+            "weights do not belong to a model of this config.json"
+        )
+    return _unflatten(out)
+
+
+def _torch_shape(path: tuple[str, ...], flax_shape: tuple[int, ...]) -> tuple[int, ...]:
+    if path[-1] == "kernel" and len(flax_shape) == 4:
+        h, w, i, o = flax_shape
+        return (o, i, h, w)
+    if path[-1] == "kernel" and len(flax_shape) == 2:
+        return flax_shape[::-1]
+    return flax_shape
+
+
+def save_safetensors(tensors: Mapping[str, np.ndarray], path: str | os.PathLike,
+                     metadata: Mapping[str, str] | None = None) -> None:
+    """Write tensors as a safetensors file, atomically (temp file, then rename)."""
+    path = Path(path)
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    arrays = {}
+    for k in sorted(tensors):
+        a = np.ascontiguousarray(tensors[k])
+        dt = _ST_NAMES.get(a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype)
+        if dt is None:
+            raise ValueError(f"cannot store tensor {k!r} of dtype {a.dtype} in safetensors")
+        header[k] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays[k] = a
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for k in sorted(arrays):
+            f.write(arrays[k].tobytes())
+    os.replace(tmp, path)

@@ -1,0 +1,361 @@
+"""diffusers' ``UNet2DConditionModel`` in Flax, for the SD-1.x, SD-2.x and SDXL families.
+
+``UNet2DConditionModel(config)(sample, timesteps, encoder_hidden_states, text_embeds=,
+time_ids=)``: sample (B, H, W, C_in) NHWC latents, timesteps () or (B,), text embeddings
+(B, L, cross_attention_dim); for SDXL (``addition_embed_type="text_time"``) also the pooled
+text embeddings (B, P) and the six size/crop ids (B, 6). Returns (B, H, W, C_out).
+
+Submodules carry diffusers' names, so :func:`load_unet` fills the parameters straight from a
+diffusers folder or a single-file UNet in diffusers key format (SDXL-Lightning's files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+import numpy as np
+
+from maxdiff import checkpoint
+from maxdiff.models.attention import DEFAULT_CHUNK, KERNELS
+from maxdiff.models.layers import Downsample2D, ResnetBlock2D, Upsample2D, conv, dense, group_norm
+from maxdiff.models.transformer import Transformer2DModel
+
+DOWN_BLOCKS = ("DownBlock2D", "CrossAttnDownBlock2D")
+UP_BLOCKS = ("UpBlock2D", "CrossAttnUpBlock2D")
+MID_BLOCKS = ("UNetMidBlock2DCrossAttn", None)
+
+# Config keys diffusers writes whose value we support only at the given default.
+_FIXED = {
+    "dual_cross_attention": False,
+    "class_embed_type": None,
+    "num_class_embeds": None,
+    "encoder_hid_dim": None,
+    "encoder_hid_dim_type": None,
+    "resnet_time_scale_shift": "default",
+    "resnet_skip_time_act": False,
+    "time_embedding_type": "positional",
+    "time_embedding_act_fn": None,
+    "timestep_post_act": None,
+    "attention_type": "default",
+    "class_embeddings_concat": False,
+    "cross_attention_norm": None,
+    "act_fn": "silu",
+}
+# Keys that do not change the maths.
+_IGNORED = {"sample_size", "dropout", "upcast_attention", "addition_embed_type_num_heads",
+            "_class_name", "_diffusers_version", "_name_or_path", "_use_default_values"}
+
+
+@dataclass(frozen=True)
+class UNetConfig:
+    """The fields of diffusers' ``UNet2DConditionModel`` config that shape the network."""
+
+    in_channels: int = 4
+    out_channels: int = 4
+    center_input_sample: bool = False
+    flip_sin_to_cos: bool = True
+    freq_shift: int = 0
+    down_block_types: tuple = ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",)
+    mid_block_type: str | None = "UNetMidBlock2DCrossAttn"
+    up_block_types: tuple = ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3
+    only_cross_attention: Any = False
+    block_out_channels: tuple = (320, 640, 1280, 1280)
+    layers_per_block: Any = 2
+    downsample_padding: int = 1
+    mid_block_scale_factor: float = 1.0
+    norm_num_groups: int = 32
+    norm_eps: float = 1e-5
+    cross_attention_dim: Any = 1280
+    transformer_layers_per_block: Any = 1
+    reverse_transformer_layers_per_block: Any = None
+    attention_head_dim: Any = 8
+    num_attention_heads: Any = None
+    use_linear_projection: bool = False
+    addition_embed_type: str | None = None
+    addition_time_embed_dim: int | None = None
+    resnet_out_scale_factor: float = 1.0
+    time_embedding_dim: int | None = None
+    time_cond_proj_dim: int | None = None
+    conv_in_kernel: int = 3
+    conv_out_kernel: int = 3
+    projection_class_embeddings_input_dim: int | None = None
+    mid_block_only_cross_attention: bool | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "UNetConfig":
+        """Build from a diffusers ``config.json`` dict; unsupported settings raise ``ValueError``."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {}
+        for k, v in d.items():
+            if k in fields:
+                kw[k] = tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
+            elif k in _FIXED:
+                if v != _FIXED[k]:
+                    raise ValueError(f"UNet config: {k}={v!r} is not supported (only {_FIXED[k]!r})")
+            elif k not in _IGNORED and not k.startswith("_"):
+                raise ValueError(f"UNet config: unknown key {k!r}; maxdiff supports "
+                                 f"{', '.join(sorted(fields | set(_FIXED)))}")
+        cfg = cls(**kw)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        n = len(self.block_out_channels)
+        for name, types, allowed in (("down_block_types", self.down_block_types, DOWN_BLOCKS),
+                                     ("up_block_types", self.up_block_types, UP_BLOCKS)):
+            if len(types) != n:
+                raise ValueError(f"UNet config: {name} has {len(types)} entries, "
+                                 f"block_out_channels has {n}; they must match")
+            for t in types:
+                if t not in allowed:
+                    raise ValueError(f"UNet config: {name} entry {t!r} is not supported; "
+                                     f"use {' or '.join(allowed)}")
+        if self.mid_block_type not in MID_BLOCKS:
+            raise ValueError(f"UNet config: mid_block_type={self.mid_block_type!r} is not "
+                             f"supported; use 'UNetMidBlock2DCrossAttn' or null")
+        if self.addition_embed_type not in (None, "text_time"):
+            raise ValueError(f"UNet config: addition_embed_type={self.addition_embed_type!r} "
+                             "is not supported; use 'text_time' (SDXL) or null")
+        if self.addition_embed_type == "text_time" and (
+                self.addition_time_embed_dim is None
+                or self.projection_class_embeddings_input_dim is None):
+            raise ValueError("UNet config: addition_embed_type='text_time' needs "
+                             "addition_time_embed_dim and projection_class_embeddings_input_dim")
+        for name in ("only_cross_attention", "layers_per_block", "cross_attention_dim",
+                     "transformer_layers_per_block", "attention_head_dim"):
+            v = getattr(self, name)
+            if isinstance(v, tuple) and len(v) != n:
+                raise ValueError(f"UNet config: {name} has {len(v)} entries, expected {n} "
+                                 "(one per block) or a single value")
+
+    def per_block(self, name: str) -> tuple:
+        v = getattr(self, name)
+        return tuple(v) if isinstance(v, tuple) else (v,) * len(self.block_out_channels)
+
+    @property
+    def heads(self) -> tuple:
+        """Attention heads per block: diffusers' ``attention_head_dim`` is really the head count
+        (its naming quirk); ``num_attention_heads``, when given, takes precedence."""
+        v = self.num_attention_heads if self.num_attention_heads is not None else self.attention_head_dim
+        return tuple(v) if isinstance(v, tuple) else (v,) * len(self.block_out_channels)
+
+
+def timestep_embedding(t: jax.Array, dim: int, flip_sin_to_cos: bool, shift: float,
+                       max_period: float = 10000.0) -> jax.Array:
+    """Sinusoidal embedding of (B,) timesteps -> (B, dim), as diffusers' ``get_timestep_embedding``."""
+    half = dim // 2
+    exponent = -math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / (half - shift)
+    args = t.astype(jnp.float32)[:, None] * jnp.exp(exponent)[None, :]
+    emb = jnp.concatenate([jnp.sin(args), jnp.cos(args)], axis=-1)
+    if flip_sin_to_cos:
+        emb = jnp.concatenate([emb[:, half:], emb[:, :half]], axis=-1)
+    if dim % 2:
+        emb = jnp.pad(emb, ((0, 0), (0, 1)))
+    return emb
+
+
+class TimestepEmbedding(nn.Module):
+    """``linear_1`` -> SiLU -> ``linear_2`` (with an optional ``cond_proj`` added to the input)."""
+
+    dim: int
+    cond_proj_dim: int | None = None
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, cond: jax.Array | None = None) -> jax.Array:
+        if self.cond_proj_dim is not None and cond is not None:
+            x = x + dense(x.shape[-1], "cond_proj", self.dtype, use_bias=False)(cond)
+        x = dense(self.dim, "linear_1", self.dtype)(x)
+        return dense(self.dim, "linear_2", self.dtype)(nn.silu(x))
+
+
+@dataclass(frozen=True)
+class _BlockSpec:
+    in_ch: int
+    out_ch: int
+    prev_ch: int  # up blocks: channels coming from the block below
+    layers: int
+    cross: bool
+    heads: int
+    transformer_layers: tuple
+    only_cross: bool
+    resample: bool
+
+
+class UNet2DConditionModel(nn.Module):
+    config: UNetConfig
+    attention_kernel: str = "xla"
+    attention_chunk: int = DEFAULT_CHUNK
+    dtype: Any = jnp.float32
+
+    def _transformer(self, ch, heads, layers, only_cross, name):
+        c = self.config
+        return Transformer2DModel(ch, heads, ch // heads, layers, c.norm_num_groups,
+                                  c.use_linear_projection, only_cross, self.attention_kernel,
+                                  self.attention_chunk, self.dtype, name=name)
+
+    def _resnet(self, cin, cout, temb, name, scale=None):
+        c = self.config
+        return ResnetBlock2D(cin, cout, temb, c.norm_num_groups, c.norm_eps,
+                             c.resnet_out_scale_factor if scale is None else scale, self.dtype,
+                             name=name)
+
+    @nn.compact
+    def __call__(self, sample: jax.Array, timesteps: jax.Array, encoder_hidden_states: jax.Array,
+                 text_embeds: jax.Array | None = None, time_ids: jax.Array | None = None,
+                 timestep_cond: jax.Array | None = None) -> jax.Array:
+        c = self.config
+        chans = c.block_out_channels
+        n = len(chans)
+        b = sample.shape[0]
+        dt = self.dtype
+        sample = sample.astype(dt)
+        encoder_hidden_states = encoder_hidden_states.astype(dt)
+        if c.center_input_sample:
+            sample = 2 * sample - 1.0
+
+        # time (and SDXL's size/crop + pooled text) embedding
+        t = jnp.broadcast_to(jnp.asarray(timesteps, jnp.float32).reshape(-1), (b,))
+        temb_dim = c.time_embedding_dim or chans[0] * 4
+        t_emb = timestep_embedding(t, chans[0], c.flip_sin_to_cos, c.freq_shift).astype(dt)
+        emb = TimestepEmbedding(temb_dim, c.time_cond_proj_dim, dt, name="time_embedding")(
+            t_emb, timestep_cond)
+        if c.addition_embed_type == "text_time":
+            if text_embeds is None or time_ids is None:
+                raise ValueError("this UNet (addition_embed_type='text_time', SDXL) needs "
+                                 "text_embeds and time_ids")
+            tid = timestep_embedding(time_ids.reshape(-1), c.addition_time_embed_dim,
+                                     c.flip_sin_to_cos, c.freq_shift).reshape(b, -1)
+            add = jnp.concatenate([text_embeds.astype(dt), tid.astype(dt)], axis=-1)
+            emb = emb + TimestepEmbedding(temb_dim, dtype=dt, name="add_embedding")(add)
+
+        h = conv(chans[0], "conv_in", dt, kernel=c.conv_in_kernel,
+                 padding=(c.conv_in_kernel - 1) // 2)(sample)
+
+        heads = c.heads
+        layers = c.per_block("layers_per_block")
+        tlayers = c.per_block("transformer_layers_per_block")
+        only_cross = c.per_block("only_cross_attention")
+
+        # down
+        skips = [h]
+        for i, btype in enumerate(c.down_block_types):
+            cin = chans[i - 1] if i else chans[0]
+            cout = chans[i]
+            cross = btype == "CrossAttnDownBlock2D"
+            tl = tlayers[i] if isinstance(tlayers[i], tuple) else (tlayers[i],) * layers[i]
+            for j in range(layers[i]):
+                h = self._resnet(cin if j == 0 else cout, cout, temb_dim,
+                                 f"down_blocks.{i}.resnets.{j}")(h, emb)
+                if cross:
+                    h = self._transformer(cout, heads[i], tl[j], only_cross[i],
+                                          f"down_blocks.{i}.attentions.{j}")(h, encoder_hidden_states)
+                skips.append(h)
+            if i < n - 1:
+                h = Downsample2D(cout, c.downsample_padding, dt,
+                                 name=f"down_blocks.{i}.downsamplers.0")(h)
+                skips.append(h)
+
+        # mid
+        if c.mid_block_type == "UNetMidBlock2DCrossAttn":
+            tl_mid = tlayers[-1] if not isinstance(tlayers[-1], tuple) else tlayers[-1][0]
+            ch = chans[-1]
+            h = self._resnet(ch, ch, temb_dim, "mid_block.resnets.0", c.mid_block_scale_factor)(h, emb)
+            h = self._transformer(ch, heads[-1], tl_mid, False,
+                                  "mid_block.attentions.0")(h, encoder_hidden_states)
+            h = self._resnet(ch, ch, temb_dim, "mid_block.resnets.1", c.mid_block_scale_factor)(h, emb)
+
+        # up
+        rchans = chans[::-1]
+        rheads = heads[::-1]
+        rlayers = layers[::-1]
+        ronly = only_cross[::-1]
+        if c.reverse_transformer_layers_per_block is not None:
+            rtl = [tuple(x) if isinstance(x, (tuple, list)) else x
+                   for x in c.reverse_transformer_layers_per_block]
+        else:
+            rtl = list(tlayers[::-1])
+        prev = rchans[0]
+        for i, btype in enumerate(c.up_block_types):
+            cout = rchans[i]
+            cin = rchans[min(i + 1, n - 1)]
+            nl = rlayers[i] + 1
+            cross = btype == "CrossAttnUpBlock2D"
+            tl = rtl[i] if isinstance(rtl[i], tuple) else (rtl[i],) * nl
+            for j in range(nl):
+                skip = skips.pop()
+                h = jnp.concatenate([h, skip], axis=-1)
+                h = self._resnet((prev if j == 0 else cout) + (cin if j == nl - 1 else cout), cout,
+                                 temb_dim, f"up_blocks.{i}.resnets.{j}")(h, emb)
+                if cross:
+                    h = self._transformer(cout, rheads[i], tl[j], ronly[i],
+                                          f"up_blocks.{i}.attentions.{j}")(h, encoder_hidden_states)
+            if i < n - 1:
+                size = skips[-1].shape[1:3]
+                h = Upsample2D(cout, dt, name=f"up_blocks.{i}.upsamplers.0")(h, size)
+            prev = cout
+
+        h = group_norm(c.norm_num_groups, c.norm_eps, "conv_norm_out", dt)(h)
+        h = nn.silu(h)
+        return conv(c.out_channels, "conv_out", dt, kernel=c.conv_out_kernel,
+                    padding=(c.conv_out_kernel - 1) // 2)(h)
+
+    def dummy_inputs(self, batch: int = 1, height: int = 8, width: int = 8, seq: int = 77):
+        """Abstract inputs of the right shapes, for ``jax.eval_shape(model.init, ...)``."""
+        c = self.config
+        ctx_dim = c.per_block("cross_attention_dim")[0]
+        args = dict(
+            sample=jax.ShapeDtypeStruct((batch, height, width, c.in_channels), jnp.float32),
+            timesteps=jax.ShapeDtypeStruct((batch,), jnp.float32),
+            encoder_hidden_states=jax.ShapeDtypeStruct((batch, seq, ctx_dim), jnp.float32),
+        )
+        if c.addition_embed_type == "text_time":
+            pooled = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
+            args["text_embeds"] = jax.ShapeDtypeStruct((batch, pooled), jnp.float32)
+            args["time_ids"] = jax.ShapeDtypeStruct((batch, 6), jnp.float32)
+        if c.time_cond_proj_dim is not None:
+            args["timestep_cond"] = jax.ShapeDtypeStruct((batch, c.time_cond_proj_dim), jnp.float32)
+        return args
+
+
+def param_shapes(model: UNet2DConditionModel) -> dict:
+    """The parameter tree's shapes (``jax.ShapeDtypeStruct`` leaves), without running init."""
+    inputs = model.dummy_inputs()
+    return jax.eval_shape(model.init, jax.random.key(0), **inputs)["params"]
+
+
+def load_unet(path: str | os.PathLike, dtype: Any = "float32", *, config: dict | None = None,
+              attention_kernel: str = "xla", attention_chunk: int = DEFAULT_CHUNK,
+              put=None) -> tuple[UNet2DConditionModel, dict]:
+    """Load a UNet from a diffusers ``unet/`` folder, or a single ``.safetensors`` file in
+    diffusers key format together with ``config`` (the base model's ``unet/config.json``).
+
+    Returns ``(module, params)``; params are cast to ``dtype`` tensor by tensor.
+    """
+    path = Path(path)
+    if config is None:
+        if path.is_file():
+            raise checkpoint.CheckpointError(
+                f"{path}: a single-file UNet needs the config of the model it belongs to "
+                "(pass config=, e.g. the base model's unet/config.json)")
+        config = checkpoint.read_config(path)
+    if attention_kernel not in KERNELS:
+        raise ValueError(f"attention_kernel={attention_kernel!r}; use one of {', '.join(KERNELS)}")
+    cfg = UNetConfig.from_dict(config)
+    np_dtype = checkpoint.resolve_dtype(dtype)
+    model = UNet2DConditionModel(cfg, attention_kernel, attention_chunk, jnp.dtype(np_dtype))
+    source = checkpoint.open_weights(path)
+    params = checkpoint.load_params(param_shapes(model), source, np_dtype, put=put)
+    return model, params
+
+
+def count_params(tree: Any) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))

@@ -1,0 +1,15 @@
+"""Shared fixtures: tiny random checkpoints written once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+import tiny
+
+
+@pytest.fixture(scope="session")
+def sdxl_dir(tmp_path_factory):
+    """A complete tiny SDXL checkpoint folder (model_index.json + components), torch seed 0."""
+    path = tmp_path_factory.mktemp("tiny-sdxl")
+    tiny.make_sdxl_pipeline(path)
+    return path

@@ -1,0 +1,222 @@
+"""Tiny random checkpoints written by diffusers / transformers themselves (``save_pretrained``).
+
+No hub access here, so the tests build every checkpoint they read: small configs of the
+real architectures, random weights from a fixed torch seed, and a small byte-level BPE
+vocabulary in the CLIP tokenizer format. Used by the test suite only (imports torch).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# Words that get merged into whole tokens, so prompts tokenize into a mix of words and bytes.
+_WORDS = ["a", "the", "red", "blue", "green", "circle", "square", "on", "photo", "of", "cat",
+          "dog", "background", "small", "large", "white", "black", "triangle", "astronaut"]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def _vocab_and_merges() -> tuple[dict[str, int], list[str]]:
+    chars = list(_bytes_to_unicode().values())
+    vocab_list = chars + [c + "</w>" for c in chars]
+    merges: list[str] = []
+    for w in _WORDS:
+        pieces = list(w[:-1]) + [w[-1] + "</w>"]
+        while len(pieces) > 1:
+            merges.append(f"{pieces[0]} {pieces[1]}")
+            vocab_list.append(pieces[0] + pieces[1])
+            pieces = [pieces[0] + pieces[1]] + pieces[2:]
+    vocab_list += ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(vocab_list))}
+    return vocab, list(dict.fromkeys(merges))
+
+
+def vocab_size() -> int:
+    return len(_vocab_and_merges()[0])
+
+
+def write_clip_tokenizer(folder: str | Path, pad_token: str = "<|endoftext|>") -> Path:
+    """A CLIPTokenizer folder (vocab.json + merges.txt) with a small BPE vocabulary.
+
+    Like CLIP's, ``!`` is id 0 and the two special tokens have the highest ids, so
+    ``argmax(input_ids)`` finds the end-of-text token.
+    """
+    from transformers import CLIPTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab, merges = _vocab_and_merges()
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    tok = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), pad_token=pad_token)
+    tok.model_max_length = 77
+    tok.save_pretrained(folder)
+    return folder
+
+
+def clip_text_config(*, projection: bool, hidden_act: str = "gelu", legacy_eos: bool = True):
+    from transformers import CLIPTextConfig
+
+    v = vocab_size()
+    return CLIPTextConfig(
+        bos_token_id=v - 2,
+        eos_token_id=2 if legacy_eos else v - 1,  # 2: transformers' legacy "argmax" pooling
+        pad_token_id=1,
+        hidden_size=32,
+        intermediate_size=37,
+        layer_norm_eps=1e-5,
+        num_attention_heads=4,
+        num_hidden_layers=5,
+        vocab_size=v,
+        hidden_act=hidden_act,
+        projection_dim=32 if projection else 512,
+        max_position_embeddings=77,
+    )
+
+
+def make_text_encoder(folder: str | Path, *, projection: bool, hidden_act: str = "gelu",
+                      legacy_eos: bool = True, seed: int = 0):
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    cls = CLIPTextModelWithProjection if projection else CLIPTextModel
+    model = cls(clip_text_config(projection=projection, hidden_act=hidden_act,
+                                 legacy_eos=legacy_eos)).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+SDXL_UNET = dict(
+    sample_size=16,
+    in_channels=4,
+    out_channels=4,
+    block_out_channels=(32, 64),
+    layers_per_block=2,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    attention_head_dim=(2, 4),
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=8,
+    transformer_layers_per_block=(1, 2),
+    projection_class_embeddings_input_dim=80,  # 6 * 8 + text_encoder_2 projection (32)
+    cross_attention_dim=64,  # 32 + 32 hidden sizes of the two text encoders
+    norm_num_groups=8,
+)
+
+SD15_UNET = dict(
+    sample_size=16,
+    in_channels=4,
+    out_channels=4,
+    block_out_channels=(32, 64),
+    layers_per_block=2,
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    attention_head_dim=8,
+    cross_attention_dim=32,
+    norm_num_groups=8,
+)
+
+VAE = dict(
+    block_out_channels=(32, 64),
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+    up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+    latent_channels=4,
+    norm_num_groups=8,
+    sample_size=32,
+    scaling_factor=0.13025,
+)
+
+
+def make_unet(folder: str | Path, config: dict, seed: int = 0):
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    model = UNet2DConditionModel(**config).eval()
+    _randomize(model, seed)
+    model.save_pretrained(folder)
+    return model
+
+
+def make_vae(folder: str | Path, config: dict = VAE, seed: int = 0):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    model = AutoencoderKL(**config).eval()
+    _randomize(model, seed)
+    model.save_pretrained(folder)
+    return model
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """diffusers zero-initialises some output layers; give every tensor a random value so
+    parity tests exercise every weight (norms stay near 1, everything else small)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.ndim <= 1:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in**0.5)
+
+
+def make_sdxl_pipeline(folder: str | Path, seed: int = 0, scheduler_config: dict | None = None):
+    """A complete tiny SDXL folder in the diffusers layout (model_index.json and components)."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+    from transformers import CLIPTokenizer
+
+    folder = Path(folder)
+    tmp = folder / "_tok"
+    tok1 = CLIPTokenizer.from_pretrained(write_clip_tokenizer(tmp / "1"))
+    tok2 = CLIPTokenizer.from_pretrained(write_clip_tokenizer(tmp / "2", pad_token="!"))
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(**SDXL_UNET).eval()
+    _randomize(unet, seed)
+    vae = AutoencoderKL(**VAE).eval()
+    _randomize(vae, seed + 10)
+    torch.manual_seed(seed + 20)
+    te1 = CLIPTextModel(clip_text_config(projection=False, hidden_act="quick_gelu")).eval()
+    te2 = CLIPTextModelWithProjection(clip_text_config(projection=True, legacy_eos=False)).eval()
+    sched = EulerDiscreteScheduler(**(scheduler_config or SDXL_SCHEDULER))
+    pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=te1, text_encoder_2=te2, tokenizer=tok1,
+                                     tokenizer_2=tok2, unet=unet, scheduler=sched)
+    pipe.save_pretrained(folder)
+    import shutil
+
+    shutil.rmtree(tmp)
+    return pipe
+
+
+SDXL_SCHEDULER = dict(
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    num_train_timesteps=1000,
+    steps_offset=1,
+    prediction_type="epsilon",
+    timestep_spacing="leading",
+    interpolation_type="linear",
+    use_karras_sigmas=False,
+)
