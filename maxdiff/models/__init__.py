@@ -1,0 +1,1 @@
+"""maxdiff models: Flax modules mirroring the diffusers / transformers PyTorch models, with loaders."""
