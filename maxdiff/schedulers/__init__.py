@@ -1,0 +1,44 @@
+"""Diffusion samplers as pure JAX functions of a small state.
+
+Each sampler is a frozen dataclass built from a diffusers ``scheduler_config.json``; its
+``set_timesteps(n)`` computes the schedule on the host and returns a pytree state, and every
+other method is a pure function of ``(state, arrays, step_index)`` usable inside ``jax.jit`` and
+``lax.scan`` (``step_index`` may be traced). A denoising loop::
+
+    scheduler = load_scheduler("lightning-4step")
+    state = scheduler.set_timesteps(4, sample_shape=latents.shape)
+    x = noise * scheduler.init_noise_sigma(state)
+
+    def body(carry, i):
+        state, x = carry
+        t = scheduler.timestep_for_model(state, i)
+        eps = unet(scheduler.scale_model_input(state, x, i), t)
+        return scheduler.step(state, eps, x, i), None
+
+    (state, x), _ = jax.lax.scan(body, (state, x), jnp.arange(state.timesteps.shape[0]))
+
+Every step is elementwise in the sample, so any layout works (maxdiff keeps latents NHWC).
+Samplers: ``euler`` (Euler), ``euler_ancestral``, ``ddim``, ``dpm_solver`` (DPM-Solver++ 2M,
+with Karras sigmas "DPM++ 2M Karras"), ``lcm``. Named presets live in ``presets``.
+"""
+
+from maxdiff.schedulers.common import AlphaState, Scheduler, SigmaState
+from maxdiff.schedulers.ddim import DDIMScheduler
+from maxdiff.schedulers.dpm_solver import DPMSolverMultistepScheduler, DPMSolverState
+from maxdiff.schedulers.euler import EulerDiscreteScheduler
+from maxdiff.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
+from maxdiff.schedulers.lcm import LCMScheduler
+from maxdiff.schedulers.loading import (
+    SCHEDULERS,
+    load_scheduler,
+    read_scheduler_config,
+    scheduler_from_config,
+)
+from maxdiff.schedulers.presets import PRESETS, SDXL_BASE_SCHEDULER_CONFIG, Preset, get_preset
+
+__all__ = [
+    "AlphaState", "DDIMScheduler", "DPMSolverMultistepScheduler", "DPMSolverState",
+    "EulerAncestralDiscreteScheduler", "EulerDiscreteScheduler", "LCMScheduler", "PRESETS", "Preset",
+    "SCHEDULERS", "SDXL_BASE_SCHEDULER_CONFIG", "Scheduler", "SigmaState", "get_preset",
+    "load_scheduler", "read_scheduler_config", "scheduler_from_config",
+]

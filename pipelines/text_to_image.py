@@ -1,0 +1,475 @@
+"""The SDXL text-to-image pipeline: one compiled, data-parallel program per shape.
+
+``TextToImagePipeline.from_pretrained(folder)`` reads a diffusers SDXL folder; calling the
+pipeline tokenizes on the host, then runs ONE jitted program over the device mesh:
+
+    text encoders -> initial noise from per-image seeds -> lax.scan over scheduler steps
+    (UNet, classifier-free guidance) -> VAE decode -> pixels
+
+Token ids, seeds, guidance and the scheduler's timesteps/sigmas are traced inputs, so a new
+prompt, seed or guidance never recompiles. Programs are cached per (padded batch, height,
+width, steps, CFG on/off, latents given, output kind); JAX's persistent compilation cache
+makes a restarted process start warm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxdiff import checkpoint, mesh as meshlib
+from maxdiff.models.clip import load_text_encoder
+from maxdiff.models.unet import load_unet
+from maxdiff.models.vae import load_vae
+from maxdiff.schedulers import (EulerAncestralDiscreteScheduler, LCMScheduler, get_preset,
+                                load_scheduler)
+from maxdiff.tokenizers import load_tokenizer, tokenize
+
+MAX_SEED = 2**32 - 1
+DEFAULT_COMPILE_CACHE = Path(os.environ.get("MAXDIFF_COMPILE_CACHE",
+                                            Path.home() / ".cache" / "maxdiff" / "jax"))
+
+
+@dataclass
+class PipelineOutput:
+    """``images``: PIL images, or float32 NumPy (N, H, W, 3) in [0, 1] for ``output_type="np"``;
+    ``seeds``: the seed of each image (pass it back as ``seed=`` to reproduce that image)."""
+
+    images: Any
+    seeds: list[int]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def enable_compile_cache(path: str | os.PathLike | None = DEFAULT_COMPILE_CACHE) -> None:
+    """Turn on JAX's persistent compilation cache in ``path`` (None or "" turns nothing on)."""
+    if not path:
+        return
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def _as_list(x, name: str) -> list[str] | None:
+    if x is None:
+        return None
+    if isinstance(x, str):
+        return [x]
+    if isinstance(x, (list, tuple)) and all(isinstance(p, str) for p in x):
+        return list(x)
+    raise ValueError(f"{name} must be a string or a list of strings, got {type(x).__name__}")
+
+
+class TextToImagePipeline:
+    """SDXL text-to-image in JAX. Build with :meth:`from_pretrained`; call like diffusers'
+    ``StableDiffusionXLPipeline``."""
+
+    def __init__(self, *, tokenizer, tokenizer_2, text_encoder, text_encoder_2, unet, vae,
+                 scheduler, params: dict, mesh, force_zeros_for_empty_prompt: bool = True,
+                 default_steps: int = 50, default_guidance: float = 5.0, name: str = ""):
+        self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
+        self.text_encoder, self.text_encoder_2 = text_encoder, text_encoder_2
+        self.unet, self.vae, self.scheduler = unet, vae, scheduler
+        self.params = params
+        self.mesh = mesh
+        self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
+        self.default_steps = default_steps
+        self.default_guidance = default_guidance
+        self.name = name
+        self.vae_scale_factor = vae.config.vae_scale_factor
+        self.latent_channels = unet.config.in_channels
+        self.default_height = self.default_width = None
+        self.run_config = None
+        self._programs: dict[tuple, Any] = {}
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike | None = None, dtype: str = "float32",
+                        unet: str | os.PathLike | None = None, scheduler: Any = None,
+                        devices: int | Sequence[Any] | None = None, *,
+                        attention_kernel: str = "xla", attention_chunk: int = 512,
+                        compile_cache_dir: str | os.PathLike | None = DEFAULT_COMPILE_CACHE,
+                        variant: str | None = None) -> "TextToImagePipeline":
+        """Load a diffusers SDXL folder (``model_index.json``, ``unet/``, ``vae/``,
+        ``text_encoder/``, ``text_encoder_2/``, ``tokenizer*/``, ``scheduler/``).
+
+        ``unet``: a single-file UNet in diffusers key format that replaces the folder's (the
+        SDXL-Lightning files). ``scheduler``: a diffusers scheduler config dict, a folder or
+        json file, or a preset name such as ``"lightning-4step"`` (which also sets the default
+        steps and guidance). ``devices``: None for all local devices, N for the first N.
+        """
+        if path is None:
+            from pipelines.default_model import default_model_path
+
+            path = default_model_path()
+        root = Path(path)
+        index = root / "model_index.json"
+        if not index.is_file():
+            raise checkpoint.CheckpointError(
+                f"{root}: not a diffusers pipeline folder (no model_index.json)")
+        model_index = json.loads(index.read_text())
+        for comp in ("unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+            if not (root / comp).is_dir():
+                raise checkpoint.CheckpointError(
+                    f"{root}: missing component folder {comp}/ (an SDXL pipeline needs unet, vae, "
+                    "text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler)")
+        enable_compile_cache(compile_cache_dir)
+        mesh = meshlib.make_mesh(devices)
+        put = meshlib.put_replicated(mesh)
+
+        unet_cfg = checkpoint.read_config(root / "unet")
+        unet_model, unet_params = load_unet(unet if unet is not None else root / "unet", dtype,
+                                            config=unet_cfg, attention_kernel=attention_kernel,
+                                            attention_chunk=attention_chunk, put=put)
+        vae_model, vae_params = load_vae(root / "vae", dtype, variant=variant, put=put)
+        te1, te1_params = load_text_encoder(root / "text_encoder", dtype, variant=variant)
+        te2, te2_params = load_text_encoder(root / "text_encoder_2", dtype, variant=variant)
+        te1_params, te2_params = jax.device_put((te1_params, te2_params), meshlib.replicated(mesh))
+
+        steps, guidance = 50, 5.0
+        if scheduler is None:
+            sched = load_scheduler(root / "scheduler")
+        elif isinstance(scheduler, str) and not Path(scheduler).exists():
+            preset = get_preset(scheduler)
+            sched = load_scheduler(scheduler)
+            steps, guidance = preset.num_inference_steps, preset.guidance_scale
+        else:
+            sched = load_scheduler(scheduler)
+
+        expected = (unet_model.config.addition_time_embed_dim or 0) * 6 + te2.config.projection_dim
+        if unet_model.config.projection_class_embeddings_input_dim != expected:
+            raise checkpoint.CheckpointError(
+                f"{root}: unet projection_class_embeddings_input_dim="
+                f"{unet_model.config.projection_class_embeddings_input_dim} but text_encoder_2 "
+                f"projection_dim={te2.config.projection_dim} and addition_time_embed_dim="
+                f"{unet_model.config.addition_time_embed_dim} need {expected}")
+        pipe = cls(
+            tokenizer=load_tokenizer(root / "tokenizer"),
+            tokenizer_2=load_tokenizer(root / "tokenizer_2"),
+            text_encoder=te1, text_encoder_2=te2, unet=unet_model, vae=vae_model,
+            scheduler=sched,
+            params={"unet": unet_params, "vae": vae_params, "text_encoder": te1_params,
+                    "text_encoder_2": te2_params},
+            mesh=mesh,
+            force_zeros_for_empty_prompt=bool(model_index.get("force_zeros_for_empty_prompt", True)),
+            default_steps=steps, default_guidance=guidance, name=str(root),
+        )
+        sample_size = unet_cfg.get("sample_size")
+        if isinstance(sample_size, int):
+            pipe.default_height = pipe.default_width = sample_size * pipe.vae_scale_factor
+        return pipe
+
+    @classmethod
+    def from_config(cls, config: Any = None, overrides: Sequence[str] | dict | None = None
+                    ) -> "TextToImagePipeline":
+        """Load from a run config (a :class:`pipelines.config.RunConfig`, a YAML path or a name
+        in ``configs/``) with optional ``key=value`` overrides. The config's steps, guidance and
+        size become this pipeline's defaults."""
+        from pipelines.config import RunConfig, load_run_config
+
+        cfg = config if isinstance(config, RunConfig) else load_run_config(config, overrides)
+        pipe = cls.from_pretrained(**cfg.pipeline_kwargs())
+        if cfg.steps is not None:
+            pipe.default_steps = cfg.steps
+        if cfg.guidance is not None:
+            pipe.default_guidance = cfg.guidance
+        pipe.default_height = cfg.height or pipe.default_height
+        pipe.default_width = cfg.width or pipe.default_width
+        pipe.run_config = cfg
+        return pipe
+
+    # ------------------------------------------------------------------ the program
+    @property
+    def num_compiled(self) -> int:
+        """How many programs have been compiled (one per distinct shape key)."""
+        return sum(fn._cache_size() for fn in self._programs.values())
+
+    def _program(self, key: tuple):
+        fn = self._programs.get(key)
+        if fn is None:
+            fn = jax.jit(self._build(*key))
+            self._programs[key] = fn
+        return fn
+
+    def _build(self, batch: int, lh: int, lw: int, steps: int, cfg: bool, given_latents: bool,
+               as_uint8: bool):
+        te1, te2, unet, vae, sched = (self.text_encoder, self.text_encoder_2, self.unet, self.vae,
+                                      self.scheduler)
+        channels = self.latent_channels
+        stochastic = isinstance(sched, (EulerAncestralDiscreteScheduler, LCMScheduler))
+
+        def encode(p, ids1, ids2):
+            o1 = te1.apply({"params": p["text_encoder"]}, ids1)
+            o2 = te2.apply({"params": p["text_encoder_2"]}, ids2)
+            emb = jnp.concatenate([o1.hidden_states[-2], o2.hidden_states[-2]], axis=-1)
+            return emb, o2.text_embeds
+
+        def program(p, ids, neg_ids, zero_negative, seeds, latents, guidance, rescale, time_ids,
+                    neg_time_ids, sched_state):
+            emb, pooled = encode(p, ids[0], ids[1])
+            keys = jax.vmap(jax.random.key)(seeds)
+            init_keys, step_keys = jax.vmap(lambda k: tuple(jax.random.split(k)))(keys)
+            if latents is None:
+                latents = jax.vmap(lambda k: jax.random.normal(k, (lh, lw, channels)))(init_keys)
+            latents = latents.astype(jnp.float32) * sched.init_noise_sigma(sched_state)
+            if cfg:
+                nemb, npooled = encode(p, neg_ids[0], neg_ids[1])
+                z = zero_negative[:, None, None]
+                nemb = jnp.where(z, 0.0, nemb)
+                npooled = jnp.where(zero_negative[:, None], 0.0, npooled)
+                emb = jnp.concatenate([nemb, emb])
+                pooled = jnp.concatenate([npooled, pooled])
+                time_ids = jnp.concatenate([neg_time_ids, time_ids])
+            g = guidance[:, None, None, None]
+            r = rescale[:, None, None, None]
+
+            def body(carry, i):
+                x, state = carry
+                xin = sched.scale_model_input(state, x, i)
+                t = sched.timestep_for_model(state, i)
+                if cfg:
+                    xin = jnp.concatenate([xin, xin])
+                out = unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids)
+                out = out.astype(jnp.float32)
+                if cfg:
+                    uncond, text = jnp.split(out, 2)
+                    out = uncond + g * (text - uncond)
+                    # guidance rescale (Lin et al. 2023, "Common Diffusion Noise Schedules and
+                    # Sample Steps are Flawed", eq. 15-16), with torch's unbiased std
+                    std_text = jnp.std(text, axis=(1, 2, 3), keepdims=True, ddof=1)
+                    std_cfg = jnp.std(out, axis=(1, 2, 3), keepdims=True, ddof=1)
+                    out = jnp.where(r > 0, r * out * (std_text / std_cfg) + (1 - r) * out, out)
+                noise = None
+                if stochastic:
+                    noise = jax.vmap(lambda k: jax.random.normal(
+                        jax.random.fold_in(k, i), (lh, lw, channels)))(step_keys)
+                state, x = sched.step(state, out, x, i, noise=noise)
+                return (x, state), None
+
+            (latents, _), _ = jax.lax.scan(body, (latents, sched_state),
+                                           jnp.arange(steps, dtype=jnp.int32))
+            img = vae.apply({"params": p["vae"]}, latents, method=vae.latents_to_image)
+            img = jnp.clip(img.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
+            if as_uint8:
+                return jnp.round(img * 255).astype(jnp.uint8)
+            return img
+
+        return program
+
+    # ------------------------------------------------------------------ calling
+    def __call__(self, prompt: str | list[str], prompt_2: str | list[str] | None = None,
+                 negative_prompt: str | list[str] | None = None,
+                 negative_prompt_2: str | list[str] | None = None,
+                 num_inference_steps: int | None = None, guidance_scale: float | None = None,
+                 guidance_rescale: float = 0.0, height: int | None = None, width: int | None = None,
+                 num_images_per_prompt: int = 1, seed: int | Sequence[int] | None = None,
+                 latents: np.ndarray | None = None, output_type: str = "pil",
+                 original_size: tuple[int, int] | None = None,
+                 crops_coords_top_left: tuple[int, int] = (0, 0),
+                 target_size: tuple[int, int] | None = None,
+                 negative_original_size: tuple[int, int] | None = None,
+                 negative_crops_coords_top_left: tuple[int, int] = (0, 0),
+                 negative_target_size: tuple[int, int] | None = None) -> PipelineOutput:
+        """Generate images; arguments mean what diffusers' ``StableDiffusionXLPipeline`` gives
+        them. ``seed``: one int (image k gets ``seed + k``), one int per image, or None (random
+        seeds, reported in the output). ``latents``: initial noise in diffusers' layout
+        (N, C, H/f, W/f), scaled by the scheduler's initial sigma as diffusers does."""
+        prompts = _as_list(prompt, "prompt")
+        if not prompts:
+            raise ValueError("prompt is empty: give a prompt string or a non-empty list of prompts")
+        n_prompts = len(prompts)
+        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt={num_images_per_prompt!r}; it must be an "
+                             "integer >= 1")
+        lists = {"prompt_2": _as_list(prompt_2, "prompt_2") or prompts,
+                 "negative_prompt": _as_list(negative_prompt, "negative_prompt"),
+                 "negative_prompt_2": _as_list(negative_prompt_2, "negative_prompt_2")}
+        for name, lst in lists.items():
+            if lst is not None and len(lst) == 1 and n_prompts > 1:
+                lists[name] = lst * n_prompts
+            if lists[name] is not None and len(lists[name]) != n_prompts:
+                raise ValueError(f"{name} has {len(lst)} entries but prompt has {n_prompts}; "
+                                 "give one per prompt (or a single string)")
+        n = n_prompts * num_images_per_prompt
+        seeds = self._seeds(seed, n)
+        guidance = self.default_guidance if guidance_scale is None else guidance_scale
+        neg_size = None
+        if negative_original_size is not None and negative_target_size is not None:
+            neg_size = (tuple(negative_original_size), tuple(negative_crops_coords_top_left),
+                        tuple(negative_target_size))
+        items = []
+        for k in range(n):
+            i = k // num_images_per_prompt
+            pick = lambda name: None if lists[name] is None else lists[name][i]
+            items.append(ImageRequest(
+                prompt=prompts[i], prompt_2=pick("prompt_2"),
+                negative_prompt=pick("negative_prompt"), negative_prompt_2=pick("negative_prompt_2"),
+                seed=seeds[k], guidance_scale=guidance, guidance_rescale=guidance_rescale,
+                original_size=original_size, crops_coords_top_left=tuple(crops_coords_top_left),
+                target_size=target_size, negative_size=neg_size))
+        return self.generate(items, height=height, width=width, num_inference_steps=num_inference_steps,
+                             latents=latents, output_type=output_type)
+
+    def generate(self, items: Sequence["ImageRequest"], *, height: int | None = None,
+                 width: int | None = None, num_inference_steps: int | None = None,
+                 latents: np.ndarray | None = None, output_type: str = "pil") -> PipelineOutput:
+        """Generate one image per :class:`ImageRequest` in one device batch (padded to a bucket).
+
+        Every item has its own prompt, negative prompt, seed and guidance; they share the size
+        and step count. Classifier-free guidance runs when any item's guidance is > 1 (items at
+        <= 1 then get exactly the text-conditioned prediction). The serving batcher and the CLI
+        fill batches across prompts with this.
+        """
+        t0 = time.perf_counter()
+        items = list(items)
+        if not items:
+            raise ValueError("items is empty: give at least one ImageRequest")
+        steps = self.default_steps if num_inference_steps is None else num_inference_steps
+        height = self.default_height if height is None else height
+        width = self.default_width if width is None else width
+        self._check(steps, height, width, output_type)
+        for k, it in enumerate(items):
+            it.validate(k)
+        f = self.vae_scale_factor
+        n = len(items)
+        lh, lw = height // f, width // f
+        if latents is not None:
+            latents = np.asarray(latents, np.float32)
+            want = (n, self.latent_channels, lh, lw)
+            if latents.shape != want:
+                raise ValueError(f"latents has shape {latents.shape}; for {n} image(s) of "
+                                 f"{width}x{height} it must be {want} (N, C, H/{f}, W/{f})")
+            latents = latents.transpose(0, 2, 3, 1)
+        seeds = [it.seed if it.seed is not None else secrets.randbelow(MAX_SEED + 1) for it in items]
+        cfg = any(it.guidance_scale > 1.0 for it in items)
+
+        ids = np.stack([tokenize(self.tokenizer, [it.prompt for it in items]),
+                        tokenize(self.tokenizer_2, [it.prompt_2 or it.prompt for it in items])])
+        negs = [it.negative_prompt or "" for it in items]
+        neg_ids = np.stack([tokenize(self.tokenizer, negs),
+                            tokenize(self.tokenizer_2, [it.negative_prompt_2 or neg
+                                                        for it, neg in zip(items, negs)])])
+        zero_negative = np.array([it.negative_prompt is None and self.force_zeros_for_empty_prompt
+                                  for it in items])
+        time_ids = np.array([it.time_ids(height, width) for it in items], np.float32)
+        neg_time_ids = np.array([it.negative_time_ids(height, width) for it in items], np.float32)
+        guidance = np.array([it.guidance_scale if it.guidance_scale > 1.0 else 1.0
+                             for it in items], np.float32)
+        rescale = np.array([it.guidance_rescale for it in items], np.float32)
+
+        bucket = meshlib.bucket_size(n, self.mesh.size)
+
+        def pad(a, axis=0):
+            if bucket == n:
+                return a
+            last = np.take(a, [-1], axis=axis)
+            return np.concatenate([a, np.repeat(last, bucket - n, axis=axis)], axis=axis)
+
+        batch = meshlib.batch_sharded(self.mesh)
+        batch_1 = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, meshlib.DATA))
+        put = lambda a, sh=batch: None if a is None else jax.device_put(a, sh)
+        args = (
+            put(pad(ids, 1), batch_1), put(pad(neg_ids, 1), batch_1), put(pad(zero_negative)),
+            put(pad(np.asarray(seeds, np.uint32))), put(None if latents is None else pad(latents)),
+            put(pad(guidance)), put(pad(rescale)), put(pad(time_ids)), put(pad(neg_time_ids)),
+        )
+        state = self.scheduler.set_timesteps(steps, (bucket, lh, lw, self.latent_channels))
+        state = jax.device_put(state, meshlib.replicated(self.mesh))
+        as_uint8 = output_type != "np"
+        program = self._program((bucket, lh, lw, steps, cfg, latents is not None, as_uint8))
+        t1 = time.perf_counter()
+        out = program(self.params, *args, state)
+        images = np.asarray(jax.device_get(out))[:n]
+        t2 = time.perf_counter()
+        if output_type == "pil":
+            from PIL import Image
+
+            images = [Image.fromarray(im) for im in images]
+        return PipelineOutput(images, [int(s) for s in seeds],
+                              {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket})
+
+    def _seeds(self, seed, n: int) -> list[int]:
+        if seed is None:
+            return [secrets.randbelow(MAX_SEED + 1) for _ in range(n)]
+        if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+            seeds = [int(seed) + k for k in range(n)]
+        else:
+            seeds = [int(s) for s in seed]
+            if len(seeds) != n:
+                raise ValueError(f"seed has {len(seeds)} values but {n} image(s) are generated; "
+                                 "give one int, or one per image")
+        for s in seeds:
+            if not 0 <= s <= MAX_SEED:
+                raise ValueError(f"seed {s} is out of range; seeds are integers in 0..{MAX_SEED}")
+        return seeds
+
+    def _check(self, steps, height, width, output_type):
+        f = self.vae_scale_factor
+        if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"num_inference_steps={steps!r}; it must be an integer >= 1")
+        for name, v in (("height", height), ("width", width)):
+            if v is None:
+                raise ValueError(f"{name} is required: this model's unet config has no sample_size")
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < f or v % f:
+                raise ValueError(f"{name}={v!r}; it must be a positive multiple of {f} "
+                                 f"(the VAE's scale factor)")
+        if output_type not in ("pil", "np"):
+            raise ValueError(f"output_type={output_type!r}; use 'pil' or 'np'")
+
+
+@dataclass
+class ImageRequest:
+    """One image to generate: its text, seed and guidance (sizes and steps are per batch).
+
+    ``seed`` None draws a random one (reported in the output). ``negative_size``:
+    (original_size, crops_coords_top_left, target_size) for the negative branch; None uses the
+    positive ones, as diffusers does.
+    """
+
+    prompt: str
+    prompt_2: str | None = None
+    negative_prompt: str | None = None
+    negative_prompt_2: str | None = None
+    seed: int | None = None
+    guidance_scale: float = 5.0
+    guidance_rescale: float = 0.0
+    original_size: tuple[int, int] | None = None
+    crops_coords_top_left: tuple[int, int] = (0, 0)
+    target_size: tuple[int, int] | None = None
+    negative_size: tuple | None = None
+
+    def validate(self, index: int = 0) -> None:
+        where = f"item {index}: " if index else ""
+        for name in ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"{where}{name} must be a string, got {type(v).__name__}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"{where}seed {self.seed!r} is out of range; seeds are integers in 0..{MAX_SEED}")
+        g = self.guidance_scale
+        if isinstance(g, bool) or not isinstance(g, (int, float, np.floating)) or not np.isfinite(g) or g < 0:
+            raise ValueError(f"{where}guidance_scale={g!r}; it must be a number >= 0 "
+                             "(<= 1 turns classifier-free guidance off)")
+        r = self.guidance_rescale
+        if not isinstance(r, (int, float, np.floating)) or not 0.0 <= r <= 1.0:
+            raise ValueError(f"{where}guidance_rescale={r!r}; it must be in [0, 1]")
+
+    def time_ids(self, height: int, width: int) -> list[float]:
+        return [*(self.original_size or (height, width)), *self.crops_coords_top_left,
+                *(self.target_size or (height, width))]
+
+    def negative_time_ids(self, height: int, width: int) -> list[float]:
+        if self.negative_size is None:
+            return self.time_ids(height, width)
+        o, c, t = self.negative_size
+        return [*o, *c, *t]

@@ -1,0 +1,26 @@
+"""notebooks/quickstart.ipynb runs top to bottom (on the tiny checkpoint), so it never rots."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
+
+
+def test_quickstart_notebook_runs(sdxl_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXDIFF_MODEL", str(sdxl_dir))
+    monkeypatch.setenv("MAXDIFF_STEPS", "2")
+    monkeypatch.setenv("MAXDIFF_COMPILE_CACHE", str(tmp_path / "cache"))
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(NOTEBOOK.parent.parent)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "max pixel difference: 0" in text
+    assert any("image/png" in o.get("data", {}) for o in outputs)

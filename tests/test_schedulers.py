@@ -1,0 +1,555 @@
+"""Tests of maxdiff.schedulers.
+
+Parity: every sampler and option is run for a whole denoising loop next to diffusers' PyTorch
+scheduler built from the same config, with a fixed fake model (a deterministic function of the
+model input and the timestep) and, for the stochastic samplers, the same noise fed to both.
+
+Each step is checked on its own (diffusers' input sample and model output fed to our step) and
+over the whole run (each side feeding its own outputs back). Tolerances, and why not zero:
+* timesteps: identical, except Euler with Karras sigmas whose fractional timesteps come out of
+  ``log(sigma)``: within 1e-3 there (PyTorch's vectorised sqrt, which makes the training sigmas,
+  is not always correctly rounded; numpy's is).
+* sigmas: within 1e-6 * max(1, sigma) (1e-5 with zero-terminal-SNR betas, whose rescaling
+  amplifies those last-bit differences).
+* samples: within 1e-5 * (1 + scale), scale being the largest |value| among the step's input,
+  its output and its x0 estimate (for the whole run: the largest so far). XLA turns
+  ``x / scalar`` into ``x * (1 / scalar)`` and its exp/log differ from PyTorch's in the last
+  bit, so results agree to float32 rounding of the largest intermediate. The scale only matters
+  for huge noise levels: sigma 4096 with zero-terminal-SNR betas, and x0 = x / sqrt(alpha-bar)
+  of ~1e4 at t = 999 of the cosine schedule; for SD/SDXL-like configs errors stay below ~4e-5.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxdiff.schedulers import (
+    PRESETS,
+    SDXL_BASE_SCHEDULER_CONFIG,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+    LCMScheduler,
+    Preset,
+    get_preset,
+    load_scheduler,
+)
+
+try:  # the PyTorch reference, for the parity tests only
+    import diffusers
+    import torch
+except ImportError:
+    diffusers = torch = None
+needs_reference = pytest.mark.skipif(diffusers is None, reason="parity tests need torch and diffusers")
+
+SHAPE = (2, 4, 8, 8)
+STEPS = [1, 2, 4, 8, 25, 50]
+SD = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000}
+
+
+def fake_model(x: np.ndarray, t: float) -> np.ndarray:
+    """A deterministic stand-in for the UNet: a smooth function of its input and timestep."""
+    x = np.asarray(x, np.float32)
+    return (0.8 * np.tanh(0.5 * x) + 0.2 * np.sin(0.3 * x + np.float32(0.01 * t))).astype(np.float32)
+
+
+def noises(n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(1)
+    return [rng.standard_normal(SHAPE).astype(np.float32) for _ in range(n)]
+
+
+def run_reference(name: str, config: dict, n: int, monkeypatch):
+    """diffusers' loop. Returns the scheduler (after set_timesteps), the samples (initial one
+    first, then each step's output), and per step: the model input, the model output and the
+    largest |value| among the step's input sample, its output and its x0 estimate."""
+    ref = getattr(diffusers, name).from_config(config)
+    ref.set_timesteps(n)
+    if hasattr(ref, "set_begin_index"):
+        # Start at step 0 as we do. Without it diffusers looks the first timestep up and takes its
+        # second occurrence when it repeats (DPM-Solver, cosine betas with Karras sigmas).
+        ref.set_begin_index(0)
+    queue = [torch.from_numpy(z) for z in noises(len(ref.timesteps))]
+    if monkeypatch is not None:  # the stochastic samplers draw their noise through randn_tensor
+        module = type(ref).__module__
+        monkeypatch.setattr(f"{module}.randn_tensor", lambda *a, **k: queue[len(model_outs) - 1])
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32))
+    x = x * ref.init_noise_sigma
+    xs, model_ins, model_outs, scales = [x.numpy().copy()], [], [], []
+    for t in ref.timesteps:
+        model_in = ref.scale_model_input(x, t)
+        model_ins.append(model_in.numpy().copy())
+        model_outs.append(fake_model(model_in.numpy(), float(t)))
+        out = ref.step(torch.from_numpy(model_outs[-1]), t, x)
+        x0 = getattr(out, "pred_original_sample", None)
+        x0 = getattr(out, "denoised", x0)
+        x0 = ref.model_outputs[-1] if x0 is None else x0  # DPM-Solver keeps its x0 there
+        scales.append(max(float(v.abs().max()) for v in (x, out.prev_sample, x0)))
+        x = out.prev_sample
+        xs.append(x.numpy().copy())
+    return ref, xs, model_ins, model_outs, scales
+
+
+def run_ours(scheduler, n: int):
+    """Our loop, eager, step by step. Returns the state from set_timesteps and the samples
+    (initial one first, then each step's output)."""
+    state0 = state = scheduler.set_timesteps(n, sample_shape=SHAPE)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32))
+    x = x * scheduler.init_noise_sigma(state)
+    zs = noises(state.timesteps.shape[0])
+    xs = [np.asarray(x)]
+    for i in range(state.timesteps.shape[0]):
+        model_in = scheduler.scale_model_input(state, x, i)
+        t = float(scheduler.timestep_for_model(state, i))
+        eps = jnp.asarray(fake_model(np.asarray(model_in), t))
+        state, x = scheduler.step(state, eps, x, i, noise=jnp.asarray(zs[i]))
+        xs.append(np.asarray(x))
+    return state0, xs
+
+
+# Largest differences seen by assert_parity in this session, per sampler (for reports).
+MAX_ERRORS: dict[str, dict[str, float]] = {}
+
+
+def _record(name: str, **errors: float) -> None:
+    worst = MAX_ERRORS.setdefault(name, {})
+    for k, v in errors.items():
+        worst[k] = max(worst.get(k, 0.0), float(v))
+
+
+def assert_parity(name: str, config: dict, n: int, monkeypatch=None, *, timestep_atol: float = 0.0,
+                  sigma_rtol: float = 1e-6) -> None:
+    """Schedule, per-step and whole-run parity of our sampler with diffusers' (see module doc)."""
+    ours = load_scheduler({"_class_name": name, "_diffusers_version": "0.42.1", **config})
+    ref, ref_xs, ref_ins, ref_outs, ref_scales = run_reference(name, config, n, monkeypatch)
+    state, xs = run_ours(ours, n)
+
+    ref_t = ref.timesteps.numpy()
+    assert np.asarray(state.timesteps).shape == ref_t.shape
+    _record(name, timesteps=np.abs(np.asarray(state.timesteps, np.float64) - ref_t).max(initial=0))
+    if timestep_atol:
+        np.testing.assert_allclose(np.asarray(state.timesteps), ref_t, rtol=0, atol=timestep_atol)
+    else:
+        np.testing.assert_array_equal(np.asarray(state.timesteps), ref_t)
+    if hasattr(state, "sigmas"):
+        ref_s = ref.sigmas.numpy()
+        err = np.abs(np.asarray(state.sigmas) - ref_s) / np.maximum(1, np.abs(ref_s))
+        _record(name, sigmas_rel=err.max(), sigmas_abs=np.abs(np.asarray(state.sigmas) - ref_s).max())
+        assert err.max() <= sigma_rtol, f"sigmas differ by {err.max():.3g} (relative)"
+    init = float(ours.init_noise_sigma(state))
+    assert init == pytest.approx(float(ref.init_noise_sigma), rel=sigma_rtol)
+
+    # Each step on its own: diffusers' input sample and model output in, compare the step's output.
+    zs = noises(len(ref_outs))
+    step_state = state
+    for i in range(len(ref_outs)):
+        model_in = np.asarray(ours.scale_model_input(step_state, jnp.asarray(ref_xs[i]), i))
+        scale = 1 + ref_scales[i]
+        err_in = float(np.abs(model_in - ref_ins[i]).max())
+        step_state, out = ours.step(step_state, jnp.asarray(ref_outs[i]), jnp.asarray(ref_xs[i]), i,
+                                    noise=jnp.asarray(zs[i]))
+        err = float(np.abs(np.asarray(out) - ref_xs[i + 1]).max())
+        _record(name, step_abs=err, step_scaled=err / scale, model_in_abs=err_in)
+        if scale < 100:
+            _record(name, step_abs_moderate=err)
+        assert err_in <= 1e-5 * scale, f"scale_model_input at step {i}: max error {err_in:.3g}"
+        assert err <= 1e-5 * scale, f"step {i}: max error {err:.3g} at scale {scale:.3g}"
+
+    # The whole run, each side feeding its own outputs back.
+    assert len(xs) == len(ref_xs)
+    for i, (a, b) in enumerate(zip(xs[1:], ref_xs[1:])):
+        scale = 1 + max(ref_scales[:i + 1])
+        err = float(np.abs(a - b).max())
+        _record(name, run_abs=err, run_scaled=err / scale)
+        if scale < 100:
+            _record(name, run_abs_moderate=err)
+        assert err <= 1e-5 * scale, f"after step {i}: max error {err:.3g} at scale {scale:.3g}"
+    assert np.isfinite(xs[-1]).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Parity with diffusers.
+# --------------------------------------------------------------------------------------------
+
+SPACINGS = ["leading", "linspace", "trailing"]
+PREDICTIONS = ["epsilon", "v_prediction", "sample"]
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", STEPS)
+@pytest.mark.parametrize("karras", [False, True], ids=["plain", "karras"])
+@pytest.mark.parametrize("prediction", PREDICTIONS)
+@pytest.mark.parametrize("spacing", SPACINGS)
+def test_euler_parity(spacing, prediction, karras, n):
+    config = dict(SD, steps_offset=1, timestep_spacing=spacing, prediction_type=prediction,
+                  use_karras_sigmas=karras)
+    assert_parity("EulerDiscreteScheduler", config, n, timestep_atol=1e-3 if karras else 0.0)
+
+
+EULER_EXTRA = {
+    "sdxl-base": dict(SDXL_BASE_SCHEDULER_CONFIG),
+    "sigma-min-final": dict(SD, timestep_spacing="trailing", final_sigmas_type="sigma_min"),
+    "karras-sigma-min-final": dict(SD, use_karras_sigmas=True, final_sigmas_type="sigma_min"),
+    "karras-custom-range": dict(SD, use_karras_sigmas=True, sigma_min=0.05, sigma_max=10.0),
+    "zero-snr-v": dict(SD, timestep_spacing="trailing", prediction_type="v_prediction",
+                       rescale_betas_zero_snr=True),
+    "linear-betas": dict(beta_schedule="linear", timestep_spacing="leading", steps_offset=1),
+    "cosine-betas": dict(beta_schedule="squaredcos_cap_v2", timestep_spacing="trailing"),
+    "trained-betas": dict(trained_betas=np.linspace(1e-4, 2e-2, 1000).tolist(), timestep_spacing="trailing"),
+}
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", STEPS)
+@pytest.mark.parametrize("variant", sorted(EULER_EXTRA))
+def test_euler_parity_options(variant, n):
+    config = EULER_EXTRA[variant]
+    karras = config.get("use_karras_sigmas", False)
+    zero_snr = config.get("rescale_betas_zero_snr", False)
+    assert_parity("EulerDiscreteScheduler", config, n, timestep_atol=1e-3 if karras else 0.0,
+                  sigma_rtol=1e-5 if zero_snr else 1e-6)
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", STEPS)
+@pytest.mark.parametrize("variant", ["epsilon", "v_prediction", "zero-snr-v", "leading-offset", "linspace"])
+def test_euler_ancestral_parity(variant, n, monkeypatch):
+    config = dict(SD, timestep_spacing="trailing")
+    if variant == "v_prediction":
+        config["prediction_type"] = "v_prediction"
+    elif variant == "zero-snr-v":
+        config.update(prediction_type="v_prediction", rescale_betas_zero_snr=True)
+    elif variant == "leading-offset":
+        config.update(timestep_spacing="leading", steps_offset=1)
+    elif variant == "linspace":
+        config.update(timestep_spacing="linspace")
+    assert_parity("EulerAncestralDiscreteScheduler", config, n, monkeypatch,
+                  sigma_rtol=1e-5 if variant == "zero-snr-v" else 1e-6)
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", STEPS)
+@pytest.mark.parametrize("prediction", PREDICTIONS)
+@pytest.mark.parametrize("spacing", SPACINGS)
+def test_ddim_parity(spacing, prediction, n):
+    config = dict(SD, steps_offset=1, timestep_spacing=spacing, prediction_type=prediction,
+                  clip_sample=False, set_alpha_to_one=False)
+    assert_parity("DDIMScheduler", config, n)
+
+
+DDIM_EXTRA = {
+    "defaults": {},  # linear betas, clip_sample=True, set_alpha_to_one=True, leading
+    "clip-range": dict(SD, clip_sample=True, clip_sample_range=0.5, timestep_spacing="trailing"),
+    "zero-snr-v": dict(SD, rescale_betas_zero_snr=True, prediction_type="v_prediction",
+                       timestep_spacing="trailing", clip_sample=False),
+    "cosine": dict(beta_schedule="squaredcos_cap_v2", clip_sample=False, timestep_spacing="linspace"),
+}
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", STEPS)
+@pytest.mark.parametrize("variant", sorted(DDIM_EXTRA))
+def test_ddim_parity_options(variant, n):
+    assert_parity("DDIMScheduler", DDIM_EXTRA[variant], n)
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", STEPS)
+@pytest.mark.parametrize("spacing", SPACINGS)
+@pytest.mark.parametrize("final", ["zero", "sigma_min"])
+@pytest.mark.parametrize("karras", [False, True], ids=["plain", "karras"])
+def test_dpm_solver_parity(karras, final, spacing, n):
+    config = dict(SD, steps_offset=1, timestep_spacing=spacing, use_karras_sigmas=karras,
+                  final_sigmas_type=final)
+    assert_parity("DPMSolverMultistepScheduler", config, n)
+
+
+DPM_EXTRA = {
+    "v_prediction": dict(SD, prediction_type="v_prediction", use_karras_sigmas=True),
+    "sample": dict(SD, prediction_type="sample"),
+    "no-lower-order-final": dict(SD, lower_order_final=False, final_sigmas_type="sigma_min"),
+    "euler-at-final": dict(SD, euler_at_final=True, final_sigmas_type="sigma_min", use_karras_sigmas=True),
+    "heun": dict(SD, solver_type="heun", use_karras_sigmas=True),
+    "first-order": dict(SD, solver_order=1),
+    "zero-snr-v": dict(SD, rescale_betas_zero_snr=True, prediction_type="v_prediction",
+                       timestep_spacing="trailing"),
+    "cosine-clipped": dict(beta_schedule="squaredcos_cap_v2", lambda_min_clipped=-5.1,
+                           timestep_spacing="trailing"),
+    "cosine-karras": dict(beta_schedule="squaredcos_cap_v2", use_karras_sigmas=True),
+}
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", STEPS)
+@pytest.mark.parametrize("variant", sorted(DPM_EXTRA))
+def test_dpm_solver_parity_options(variant, n):
+    config = DPM_EXTRA[variant]
+    assert_parity("DPMSolverMultistepScheduler", config, n,
+                  sigma_rtol=1e-5 if config.get("rescale_betas_zero_snr") else 1e-6)
+
+
+LCM_VARIANTS = {
+    "epsilon": {},
+    "v_prediction": dict(prediction_type="v_prediction"),
+    "sample": dict(prediction_type="sample"),
+    "clip": dict(clip_sample=True, clip_sample_range=0.8),
+    "zero-snr-v": dict(rescale_betas_zero_snr=True, prediction_type="v_prediction"),
+    "original-100": dict(original_inference_steps=100, timestep_scaling=5.0),
+}
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", STEPS)
+@pytest.mark.parametrize("variant", sorted(LCM_VARIANTS))
+def test_lcm_parity(variant, n, monkeypatch):
+    assert_parity("LCMScheduler", dict(SD, **LCM_VARIANTS[variant]), n, monkeypatch)
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_lightning_presets_match_diffusers(name):
+    """A Lightning preset is diffusers' SDXL scheduler with trailing spacing (x0 for 1 step)."""
+    preset = get_preset(name)
+    config = dict(SDXL_BASE_SCHEDULER_CONFIG, timestep_spacing="trailing")
+    if preset.num_inference_steps == 1:
+        config["prediction_type"] = "sample"
+    assert dict(preset.scheduler_config) == config
+    assert preset.guidance_scale == 0
+    assert_parity("EulerDiscreteScheduler", config, preset.num_inference_steps)
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("name,config", [
+    ("EulerDiscreteScheduler", dict(SD, timestep_spacing="trailing")),
+    ("EulerAncestralDiscreteScheduler", dict(SD, timestep_spacing="leading", steps_offset=1)),
+    ("DDIMScheduler", dict(SD, timestep_spacing="leading", steps_offset=1)),
+    ("DPMSolverMultistepScheduler", dict(SD, use_karras_sigmas=True)),
+    ("LCMScheduler", dict(SD)),
+])
+def test_add_noise_parity(name, config):
+    """add_noise(step i) is diffusers' add_noise at timesteps[i] (the img2img starting point)."""
+    ref = getattr(diffusers, name).from_config(config)
+    ref.set_timesteps(8)
+    ours = load_scheduler({"_class_name": name, **config})
+    state = ours.set_timesteps(8, sample_shape=SHAPE)
+    rng = np.random.default_rng(3)
+    x0, noise = (rng.standard_normal(SHAPE).astype(np.float32) for _ in range(2))
+    for i in (0, 3, 7):
+        t = ref.timesteps[i:i + 1].repeat(SHAPE[0])
+        want = ref.add_noise(torch.from_numpy(x0), torch.from_numpy(noise), t).numpy()
+        got = np.asarray(ours.add_noise(state, jnp.asarray(x0), jnp.asarray(noise), i))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# jit and lax.scan.
+# --------------------------------------------------------------------------------------------
+
+def jax_fake_model(x: jax.Array, t: jax.Array) -> jax.Array:
+    return 0.8 * jnp.tanh(0.5 * x) + 0.2 * jnp.sin(0.3 * x + 0.01 * t.astype(jnp.float32))
+
+
+def python_loop(scheduler, state, x, key):
+    keys = jax.random.split(key, state.timesteps.shape[0])
+    for i in range(state.timesteps.shape[0]):
+        model_in = scheduler.scale_model_input(state, x, i)
+        out = jax_fake_model(model_in, scheduler.timestep_for_model(state, i))
+        state, x = scheduler.step(state, out, x, i, key=keys[i])
+    return x
+
+
+def scan_loop(scheduler, state, x, key):
+    keys = jax.random.split(key, state.timesteps.shape[0])
+
+    def body(carry, inputs):
+        state, x = carry
+        i, k = inputs
+        model_in = scheduler.scale_model_input(state, x, i)
+        out = jax_fake_model(model_in, scheduler.timestep_for_model(state, i))
+        return scheduler.step(state, out, x, i, key=k), None
+
+    steps = jnp.arange(state.timesteps.shape[0], dtype=jnp.int32)
+    (_, x), _ = jax.lax.scan(body, (state, x), (steps, keys))
+    return x
+
+
+def test_lightning_4step_scan_matches_python_loop():
+    scheduler = load_scheduler("lightning-4step")
+    preset = get_preset("lightning-4step")
+    state = scheduler.set_timesteps(preset.num_inference_steps, sample_shape=SHAPE)
+    np.testing.assert_array_equal(np.asarray(state.timesteps), [999, 749, 499, 249])
+    key = jax.random.key(0)
+    x = jax.random.normal(jax.random.key(1), SHAPE) * scheduler.init_noise_sigma(state)
+    want = python_loop(scheduler, state, x, key)
+    got = jax.jit(scan_loop, static_argnums=0)(scheduler, state, x, key)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,config", [
+    ("EulerAncestralDiscreteScheduler", dict(SD, timestep_spacing="trailing")),
+    ("DDIMScheduler", dict(SD, timestep_spacing="trailing")),
+    ("DPMSolverMultistepScheduler", dict(SD, use_karras_sigmas=True)),
+    ("LCMScheduler", dict(SD)),
+])
+def test_scan_matches_python_loop(name, config):
+    """Every sampler's step works with a traced step index inside a jitted lax.scan."""
+    scheduler = load_scheduler({"_class_name": name, **config})
+    state = scheduler.set_timesteps(6, sample_shape=SHAPE)
+    key = jax.random.key(2)
+    x = jax.random.normal(jax.random.key(3), SHAPE) * scheduler.init_noise_sigma(state)
+    want = python_loop(scheduler, state, x, key)
+    got = jax.jit(scan_loop, static_argnums=0)(scheduler, state, x, key)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_ancestral_noise_from_key_is_standard_normal():
+    scheduler = EulerAncestralDiscreteScheduler(**SD)
+    state = scheduler.set_timesteps(4)
+    x = jnp.zeros(SHAPE)
+    out = jnp.zeros(SHAPE)
+    key = jax.random.key(5)
+    _, a = scheduler.step(state, out, x, 0, key=key)
+    _, b = scheduler.step(state, out, x, 0, noise=jax.random.normal(key, SHAPE))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="key"):
+        scheduler.step(state, out, x, 0)
+
+
+def test_schedulers_are_hashable_static_arguments():
+    a = load_scheduler("lightning-4step")
+    b = EulerDiscreteScheduler.from_config(dict(SDXL_BASE_SCHEDULER_CONFIG, timestep_spacing="trailing"))
+    assert a == b and hash(a) == hash(b)
+
+
+# --------------------------------------------------------------------------------------------
+# Configs, presets and errors.
+# --------------------------------------------------------------------------------------------
+
+def test_presets():
+    assert sorted(PRESETS) == ["lightning-1step", "lightning-2step", "lightning-4step", "lightning-8step"]
+    for name, preset in PRESETS.items():
+        assert isinstance(preset, Preset)
+        assert preset.num_inference_steps == int(name.split("-")[1].removesuffix("step"))
+        assert preset.guidance_scale == 0.0
+        scheduler = preset.scheduler()
+        assert isinstance(scheduler, EulerDiscreteScheduler)
+        assert scheduler.timestep_spacing == "trailing"
+        assert scheduler.prediction_type == ("sample" if preset.num_inference_steps == 1 else "epsilon")
+    with pytest.raises(ValueError, match="lightning-4step"):
+        get_preset("lightning-3step")
+
+
+def test_load_scheduler_from_files(tmp_path):
+    (tmp_path / "model" / "scheduler").mkdir(parents=True)
+    path = tmp_path / "model" / "scheduler" / "scheduler_config.json"
+    path.write_text(json.dumps(dict(SDXL_BASE_SCHEDULER_CONFIG)))
+    want = EulerDiscreteScheduler.from_config(SDXL_BASE_SCHEDULER_CONFIG)
+    for source in (path, str(path), path.parent, tmp_path / "model"):
+        assert load_scheduler(source) == want
+    with pytest.raises(ValueError, match="scheduler_config.json"):
+        load_scheduler(tmp_path)
+    with pytest.raises(ValueError, match="preset"):
+        load_scheduler("no-such-preset")
+
+
+def test_config_keys_of_other_schedulers_are_ignored():
+    """SDXL's Euler config carries DDIM/PNDM keys that diffusers ignores; so do we."""
+    scheduler = load_scheduler(dict(SDXL_BASE_SCHEDULER_CONFIG))
+    assert scheduler.steps_offset == 1 and scheduler.timestep_spacing == "leading"
+    dpm = load_scheduler(dict(SDXL_BASE_SCHEDULER_CONFIG, _class_name="DPMSolverMultistepScheduler",
+                              use_karras_sigmas=True, algorithm_type="dpmsolver++"))
+    assert isinstance(dpm, DPMSolverMultistepScheduler) and dpm.use_karras_sigmas
+
+
+SAMPLERS = ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DDIMScheduler",
+            "DPMSolverMultistepScheduler", "LCMScheduler")
+EULER, ANCESTRAL, DDIM, DPM, LCM = SAMPLERS
+BAD_CONFIGS = [
+    ({"_class_name": "PNDMScheduler"}, "_class_name"),
+    ({"beta_schedule": "scaled_linear"}, "_class_name"),
+    ({"_class_name": EULER, "timestep_spacing": "uniform"}, "timestep_spacing.*linspace"),
+    ({"_class_name": DDIM, "timestep_spacing": "karras"}, "timestep_spacing.*trailing"),
+    ({"_class_name": EULER, "beta_schedule": "sigmoid"}, "beta_schedule.*squaredcos_cap_v2"),
+    ({"_class_name": EULER, "prediction_type": "flow_prediction"}, "prediction_type.*epsilon"),
+    ({"_class_name": ANCESTRAL, "prediction_type": "sample"}, "prediction_type.*v_prediction"),
+    ({"_class_name": EULER, "interpolation_type": "log_linear"}, "interpolation_type.*linear"),
+    ({"_class_name": EULER, "use_exponential_sigmas": True}, "use_exponential_sigmas"),
+    ({"_class_name": EULER, "timestep_type": "continuous"}, "timestep_type.*discrete"),
+    ({"_class_name": EULER, "final_sigmas_type": "one"}, "final_sigmas_type.*sigma_min"),
+    ({"_class_name": EULER, "beta_shedule": "linear"}, "unknown config key `beta_shedule`"),
+    ({"_class_name": DDIM, "thresholding": True}, "thresholding.*False"),
+    ({"_class_name": DPM, "algorithm_type": "sde-dpmsolver++"}, "algorithm_type.*dpmsolver\\+\\+"),
+    ({"_class_name": DPM, "solver_order": 3}, "solver_order.*1, 2"),
+    ({"_class_name": DPM, "solver_type": "bh2"}, "solver_type.*midpoint"),
+    ({"_class_name": DPM, "variance_type": "learned_range"}, "variance_type"),
+    ({"_class_name": DPM, "use_lu_lambdas": True}, "use_lu_lambdas"),
+    ({"_class_name": LCM, "thresholding": True}, "thresholding"),
+    ({"_class_name": EULER, "trained_betas": [0.1, 0.2]}, "trained_betas.*num_train_timesteps"),
+    ({"_class_name": DDIM, "steps_offset": -1}, "steps_offset"),
+    ({"_class_name": LCM, "original_inference_steps": 0}, "original_inference_steps"),
+]
+
+
+@pytest.mark.parametrize("config,message", BAD_CONFIGS)
+def test_bad_configs_are_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        load_scheduler(config)
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("steps", [0, -1, 1001, 2.5, True])
+def test_bad_step_counts_are_refused(name, steps):
+    scheduler = load_scheduler({"_class_name": name})
+    with pytest.raises(ValueError, match="num_inference_steps"):
+        scheduler.set_timesteps(steps, sample_shape=SHAPE)
+
+
+def test_lcm_steps_beyond_original_schedule_are_refused():
+    with pytest.raises(ValueError, match="original_inference_steps"):
+        LCMScheduler().set_timesteps(51)
+
+
+def test_dpm_solver_needs_sample_shape():
+    with pytest.raises(ValueError, match="sample_shape"):
+        DPMSolverMultistepScheduler().set_timesteps(10)
+
+
+def test_steps_offset_past_the_schedule_is_refused():
+    scheduler = load_scheduler({"_class_name": "DDIMScheduler", "steps_offset": 1})
+    with pytest.raises(ValueError, match="steps_offset"):
+        scheduler.set_timesteps(1000)
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_step_keeps_the_sample_dtype(name):
+    """A bfloat16 sample stays bfloat16 (the lax.scan carry keeps its type); maths is float32."""
+    scheduler = load_scheduler({"_class_name": name, **SD})
+    state = scheduler.set_timesteps(4, sample_shape=SHAPE)
+    x = jnp.ones(SHAPE, jnp.bfloat16)
+    new_state, out = scheduler.step(state, jnp.ones(SHAPE, jnp.bfloat16), x, 0, noise=jnp.zeros(SHAPE))
+    assert out.dtype == jnp.bfloat16
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+
+
+def test_runtime_code_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, maxdiff.schedulers; assert not {'torch', 'diffusers'} & set(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
