@@ -1,8 +1,8 @@
 """Read diffusers / transformers checkpoint folders into Flax parameter trees.
 
 No torch: safetensors files are parsed here (an 8-byte little-endian header
-length, a JSON header, then raw little-endian tensors) and memory-mapped, so
-each tensor is read, cast and handed to JAX one at a time. Peak host memory
+length, a JSON header, then raw little-endian tensors) and each tensor is read,
+cast and handed to JAX one at a time. Peak host memory
 while loading stays near the size of the weights in the target dtype.
 
 Naming convention shared by every maxdiff model: a Flax submodule is named
@@ -91,7 +91,7 @@ def resolve_dtype(dtype: Any) -> np.dtype:
 
 
 class SafetensorsFile:
-    """A memory-mapped ``.safetensors`` file, validated against its header.
+    """A ``.safetensors`` file, validated against its header; tensors are read one at a time.
 
     A truncated or corrupt file raises :class:`CheckpointError` naming the file
     (and the tensor, where one is at fault) when it is opened.
@@ -142,7 +142,6 @@ class SafetensorsFile:
                     f"and dtype {info['dtype']}"
                 )
             self._entries[key] = (dtype, shape, start, end)
-        self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r") if data_len else None
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -154,12 +153,17 @@ class SafetensorsFile:
         return self._entries[key][1]
 
     def get(self, key: str) -> np.ndarray:
-        """The tensor as a read-only numpy view into the mapped file (no copy)."""
+        """The tensor, read from disk into a fresh array (no mapping left behind, so loading
+        tensor by tensor keeps peak memory near the size of what is kept)."""
         dtype, shape, start, end = self._entries[key]
-        if end == start:
-            return np.zeros(shape, dtype)
-        buf = self._mmap[self._base + start : self._base + end]
-        return buf.view(dtype).reshape(shape)
+        arr = np.empty(shape, dtype)
+        if end > start:
+            with open(self.path, "rb") as f:
+                f.seek(self._base + start)
+                got = f.readinto(arr.reshape(-1).view(np.uint8))
+            if got != end - start:
+                raise CheckpointError(f"{self.path}: truncated file while reading tensor {key!r}")
+        return arr
 
 
 @dataclass
@@ -344,8 +348,9 @@ def load_params(
             )
         dt = np.dtype("float32") if keep_float32 is not None and keep_float32(path) else target
         if np.issubdtype(arr.dtype, np.floating) or arr.dtype == ml_dtypes.bfloat16:
-            arr = arr.astype(dt)
+            arr = arr.astype(dt, copy=False)
         out[path] = put(np.ascontiguousarray(arr))
+        del arr
         used.add(key)
     unexpected = [
         k for k in source.keys()

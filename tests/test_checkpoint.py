@@ -139,3 +139,41 @@ def test_load_params_casts_each_tensor(unet_dir):
     np.testing.assert_array_equal(
         np.asarray(p["conv_in"]["kernel"]),
         np.transpose(src.get("conv_in.weight"), (2, 3, 1, 0)).astype(ml_dtypes.bfloat16))
+
+
+def test_peak_memory_while_loading(tmp_path):
+    """Loading reads, casts and places one tensor at a time: the process's peak memory grows by
+    less than 1.5x the weights' size (here ~150 MB of float32)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from maxdiff.checkpoint import save_safetensors
+
+    rng = np.random.default_rng(0)
+    tensors = {f"layers.{i}.weight": rng.standard_normal((1024, 1024), dtype=np.float32) for i in range(36)}
+    nbytes = sum(t.nbytes for t in tensors.values())
+    save_safetensors(tensors, tmp_path / "model.safetensors")
+    del tensors
+    script = textwrap.dedent(f"""
+        import jax, numpy as np
+        from maxdiff.checkpoint import load_params, open_weights
+        def rss(field):
+            for line in open("/proc/self/status"):
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+        shapes = {{"layers.%d" % i: {{"kernel": jax.ShapeDtypeStruct((1024, 1024), np.float32)}}
+                  for i in range(36)}}
+        jax.device_put(np.zeros(4)).block_until_ready()
+        before = rss("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak (VmHWM) to the current RSS
+        params = load_params(shapes, open_weights({str(tmp_path)!r}), "float32")
+        jax.block_until_ready(params)
+        print(rss("VmHWM") - before)
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    grew = int(res.stdout.split()[-1])
+    print(f"peak growth {grew / nbytes:.2f}x the weights")
+    assert grew < 1.5 * nbytes, (grew / nbytes)
