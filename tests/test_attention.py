@@ -1,0 +1,38 @@
+"""The attention kernels agree with each other and with torch's scaled_dot_product_attention."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from maxdiff.models.attention import KERNELS, attention
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("lq, lk", [(300, 300), (1024, 77), (64, 64)])
+def test_kernels_agree(lq, lk):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, lq, 4, 32)).astype(np.float32)
+    k = rng.standard_normal((2, lk, 4, 32)).astype(np.float32)
+    v = rng.standard_normal((2, lk, 4, 32)).astype(np.float32)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(x).transpose(1, 2) for x in (q, k, v))).transpose(1, 2).numpy()
+    for kernel in KERNELS:
+        out = np.asarray(jax.jit(lambda a, b, c: attention(a, b, c, kernel, chunk_size=128))(q, k, v))
+        assert out.shape == ref.shape
+        assert np.abs(out - ref).max() <= 1e-5, kernel
+
+
+def test_bf16_inputs_keep_dtype():
+    q = jnp.ones((1, 10, 2, 8), jnp.bfloat16)
+    for kernel in KERNELS:
+        assert attention(q, q, q, kernel, chunk_size=4).dtype == jnp.bfloat16
+
+
+def test_unknown_kernel():
+    q = jnp.ones((1, 4, 1, 8))
+    with pytest.raises(ValueError, match="attention kernel 'flash' is unknown; use one of xla, dot_product, chunked"):
+        attention(q, q, q, "flash")
