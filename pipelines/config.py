@@ -31,7 +31,7 @@ class RunConfig:
     height: int | None = None
     width: int | None = None
     dtype: str = "float32"  # float32 | bfloat16 | float16
-    attention: str = "xla"  # xla | dot_product | chunked
+    attention: str = "auto"  # auto | chunked | xla | dot_product
     attention_chunk: int = 512
     devices: int | None = None  # mesh size: first N local devices; None for all
     compile_cache_dir: str | None = None  # None: ~/.cache/maxdiff/jax ("" turns it off)
@@ -71,8 +71,13 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
     raise ValueError(f"config key {key!r} must be {names}, got {value!r}")
 
 
+NOT_RUN_CONFIGS = ("serve", "train-")  # configs/ also holds the service's and training's
+
+
 def available_configs() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "serve")
+    """Names of the run configs in ``configs/``."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")
+                  if not p.stem.startswith(NOT_RUN_CONFIGS))
 
 
 def load_run_config(source: str | os.PathLike | dict | None = None,

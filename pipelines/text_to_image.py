@@ -96,7 +96,7 @@ class TextToImagePipeline:
     def from_pretrained(cls, path: str | os.PathLike | None = None, dtype: str = "float32",
                         unet: str | os.PathLike | None = None, scheduler: Any = None,
                         devices: int | Sequence[Any] | None = None, *,
-                        attention_kernel: str = "xla", attention_chunk: int = 512,
+                        attention_kernel: str = "auto", attention_chunk: int = 512,
                         compile_cache_dir: str | os.PathLike | None = DEFAULT_COMPILE_CACHE,
                         variant: str | None = None) -> "TextToImagePipeline":
         """Load a diffusers SDXL folder (``model_index.json``, ``unet/``, ``vae/``,

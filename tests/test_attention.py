@@ -34,5 +34,5 @@ def test_bf16_inputs_keep_dtype():
 
 def test_unknown_kernel():
     q = jnp.ones((1, 4, 1, 8))
-    with pytest.raises(ValueError, match="attention kernel 'flash' is unknown; use one of xla, dot_product, chunked"):
+    with pytest.raises(ValueError, match="attention kernel 'flash' is unknown; use one of auto, chunked, xla, dot_product"):
         attention(q, q, q, "flash")

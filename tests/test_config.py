@@ -30,7 +30,7 @@ def test_overrides_are_typed():
     (["steps=two"], r"config key 'steps' must be int or null, got 'two'"),
     (["steps=0"], r"steps=0; it must be >= 1"),
     (["dtype=float64"], r"dtype='float64' is not supported"),
-    (["attention=flash"], r"attention='flash'; use one of xla, dot_product, chunked"),
+    (["attention=flash"], r"attention=.flash.; use one of auto, chunked, xla, dot_product"),
     (["guidance=-2"], r"guidance=-2.0; it must be >= 0"),
     (["steps"], r"must look like key=value"),
 ])

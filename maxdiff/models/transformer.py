@@ -43,7 +43,7 @@ class BasicTransformerBlock(nn.Module):
     heads: int
     dim_head: int
     only_cross_attention: bool = False
-    kernel: str = "xla"
+    kernel: str = "auto"
     chunk_size: int = DEFAULT_CHUNK
     dtype: Any = jnp.float32
 
@@ -69,7 +69,7 @@ class Transformer2DModel(nn.Module):
     groups: int = 32
     use_linear_projection: bool = False
     only_cross_attention: bool = False
-    kernel: str = "xla"
+    kernel: str = "auto"
     chunk_size: int = DEFAULT_CHUNK
     dtype: Any = jnp.float32
 

@@ -192,7 +192,7 @@ class _BlockSpec:
 
 class UNet2DConditionModel(nn.Module):
     config: UNetConfig
-    attention_kernel: str = "xla"
+    attention_kernel: str = "auto"
     attention_chunk: int = DEFAULT_CHUNK
     dtype: Any = jnp.float32
 
@@ -333,7 +333,7 @@ def param_shapes(model: UNet2DConditionModel) -> dict:
 
 
 def load_unet(path: str | os.PathLike, dtype: Any = "float32", *, config: dict | None = None,
-              attention_kernel: str = "xla", attention_chunk: int = DEFAULT_CHUNK,
+              attention_kernel: str = "auto", attention_chunk: int = DEFAULT_CHUNK,
               put=None) -> tuple[UNet2DConditionModel, dict]:
     """Load a UNet from a diffusers ``unet/`` folder, or a single ``.safetensors`` file in
     diffusers key format together with ``config`` (the base model's ``unet/config.json``).

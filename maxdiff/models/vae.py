@@ -174,7 +174,7 @@ class MidBlock(nn.Module):
     channels: int
     groups: int
     add_attention: bool = True
-    attention_kernel: str = "chunked"
+    attention_kernel: str = "auto"
     attention_chunk: int = DEFAULT_CHUNK
     dtype: Any = jnp.float32
 
@@ -240,7 +240,7 @@ class Encoder(nn.Module):
     """Image (B, H, W, in_channels) -> posterior moments (B, H/f, W/f, 2 * latent_channels)."""
 
     config: AutoencoderKLConfig
-    attention_kernel: str = "chunked"
+    attention_kernel: str = "auto"
     attention_chunk: int = DEFAULT_CHUNK
     dtype: Any = jnp.float32
 
@@ -265,7 +265,7 @@ class Decoder(nn.Module):
     """Latents (B, h, w, latent_channels) -> image (B, h*f, w*f, out_channels)."""
 
     config: AutoencoderKLConfig
-    attention_kernel: str = "chunked"
+    attention_kernel: str = "auto"
     attention_chunk: int = DEFAULT_CHUNK
     dtype: Any = jnp.float32
 
@@ -299,7 +299,7 @@ class AutoencoderKL(nn.Module):
     """
 
     config: AutoencoderKLConfig
-    attention_kernel: str = "chunked"
+    attention_kernel: str = "auto"
     attention_chunk: int = DEFAULT_CHUNK
     dtype: Any = jnp.float32
 
@@ -386,7 +386,7 @@ def param_shapes(model: AutoencoderKL) -> dict:
 
 
 def load_vae(folder: str | Path, dtype: Any = "float32", *, variant: str | None = None,
-             attention_kernel: str = "chunked",
+             attention_kernel: str = "auto",
              attention_chunk: int = DEFAULT_CHUNK, put=None) -> tuple[AutoencoderKL, dict]:
     """Load a diffusers ``AutoencoderKL`` folder (``config.json`` + safetensors weights).
 
