@@ -1,0 +1,520 @@
+"""The Ray Serve application: a FastAPI ingress in front of the generator deployment.
+
+    serve run serving.app:build_app model=/models/sdxl config=sdxl-base max_batch_size=8
+    serve run configs/serve.yaml
+
+The ingress validates every request (422 with the offending field, 413 for bodies over
+``max_body_bytes``), turns it into a :class:`serving.schemas.Job`, sends it to a generator
+replica through a deployment handle and encodes the images it gets back. A full generator queue
+(``max_queued_requests``) is a 503 with ``Retry-After``; a request past its deadline
+(``request_timeout_s``, or a shorter ``X-Request-Timeout`` header) is a 504.
+
+Endpoints (OpenAPI at ``/docs``): ``POST /v1/images/generations`` (OpenAI Images API),
+``POST /v1/generate`` (native), ``GET /healthz``, ``GET /v1/models``, ``GET /v1/stats``.
+"""
+
+
+import asyncio
+import base64
+import collections
+import io
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from serving.generator import Generator, InvalidJob
+from serving.schemas import (MAX_SEED, GenerateRequest, GenerateResponse, ImagesGenerationRequest,
+                             ImagesResponse, Job, JobResult, ServeSettings, parse_size)
+
+logger = logging.getLogger("ray.serve")
+
+GENERATOR = "Generator"
+INGRESS = "Ingress"
+TIMEOUT_HEADER = "X-Request-Timeout"
+
+
+class ApiError(Exception):
+    """An HTTP error with a message for the client (rendered as ``{"error": {...}}``)."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+def _error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    # `error` is the OpenAI error shape (the openai client reads it); `detail` is FastAPI's.
+    return {"error": {"message": message, "type": kind, "param": param, "code": status},
+            "detail": message}
+
+
+def invalid(field: str, message: str, value: Any = None, where: str = "body"):
+    """A 422 naming ``field``, in FastAPI's validation-error format."""
+    return RequestValidationError([{"type": "value_error", "loc": (where, field), "msg": message,
+                                    "input": value}])
+
+
+api = FastAPI(
+    title="maxdiff",
+    summary="SDXL-family text-to-image over HTTP (JAX on Ray Serve).",
+    description="`POST /v1/images/generations` speaks the OpenAI Images API (point the "
+                "`openai` client's `base_url` here); `POST /v1/generate` exposes every setting "
+                "and reports seeds and timings. Requests that share size, steps and CFG on/off "
+                "are batched onto the accelerators together.",
+    version="0.1.0",
+)
+_LIMITS = {"max_body_bytes": 65536}  # set by the Ingress constructor (one per replica process)
+
+
+class _Gate:
+    """ASGI middleware: refuse bodies over ``max_body_bytes`` (declared Content-Length or bytes
+    actually received, chunked uploads included) with a 413, and count requests per route and
+    status in Prometheus metrics."""
+
+    ROUTES = ("/v1/images/generations", "/v1/generate", "/healthz", "/v1/models", "/v1/stats")
+
+    def __init__(self, app):
+        self.app = app
+        self._metrics = None
+
+    def _observe(self, path: str, status: int, seconds: float) -> None:
+        try:
+            if self._metrics is None:
+                from ray.serve import metrics
+
+                self._metrics = (
+                    metrics.Counter("maxdiff_http_requests", "HTTP requests by route and status.",
+                                    tag_keys=("route", "status")),
+                    metrics.Histogram("maxdiff_http_latency_s", "HTTP request latency by route.",
+                                      [0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300],
+                                      tag_keys=("route",)))
+            route = next((r for r in self.ROUTES if path.endswith(r)), "other")
+            self._metrics[0].inc(tags={"route": route, "status": str(status)})
+            self._metrics[1].observe(seconds, tags={"route": route})
+        except Exception:  # metrics must never fail a request (e.g. outside a Ray worker)
+            pass
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            limit = _LIMITS["max_body_bytes"]
+            headers = dict(scope.get("headers") or [])
+            declared = headers.get(b"content-length")
+            too_big = _error_body(413, f"request body is larger than {limit} bytes",
+                                  "request_too_large")
+            if declared is not None:
+                if not declared.strip().isdigit():
+                    return await JSONResponse(_error_body(400, "bad Content-Length header",
+                                                          "invalid_request_error"), 400)(
+                        scope, receive, send_status)
+                if int(declared) > limit:
+                    return await JSONResponse(too_big, 413)(scope, receive, send_status)
+            chunks, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                body = message.get("body", b"")
+                size += len(body)
+                if size > limit:
+                    return await JSONResponse(too_big, 413)(scope, receive, send_status)
+                chunks.append(body)
+                if not message.get("more_body"):
+                    break
+            replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+            async def replay_receive():
+                return replay.pop() if replay else await receive()
+
+            await self.app(scope, replay_receive, send_status)
+        finally:
+            self._observe(scope.get("path", ""), status["code"], time.perf_counter() - t0)
+
+
+api.add_middleware(_Gate)
+
+
+@api.exception_handler(RequestValidationError)
+async def _on_invalid(request: Request, exc: RequestValidationError):
+    errors = []
+    for e in exc.errors():
+        if e.get("type") == "json_invalid":  # FastAPI puts the character offset in loc
+            reason = (e.get("ctx") or {}).get("error", "")
+            where = f"{reason}, " if reason else ""
+            e = {"type": "json_invalid", "loc": ("body",),
+                 "msg": f"the body is not valid JSON ({where}at character {e['loc'][-1]})"}
+        e = {k: v for k, v in e.items() if k in ("type", "loc", "msg", "input")}
+        if isinstance(e.get("msg"), str) and e["msg"].startswith("Value error, "):
+            e["msg"] = e["msg"][len("Value error, "):]
+        v = e.get("input")
+        if "input" in e and (not isinstance(v, (str, int, float, bool, type(None)))
+                             or isinstance(v, float) and not math.isfinite(v)
+                             or len(str(v)) > 200):
+            e.pop("input")  # echo short, JSON-safe inputs only (NaN is not JSON)
+        e["loc"] = list(e["loc"])
+        errors.append(e)
+    first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+    field = ".".join(str(p) for p in first["loc"][1:]) or None
+    message = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
+                        for e in errors)
+    body = _error_body(422, message, "invalid_request_error", field)
+    body["detail"] = errors
+    return JSONResponse(body, status_code=422)
+
+
+@api.exception_handler(ApiError)
+async def _on_api_error(request: Request, exc: ApiError):
+    return JSONResponse(_error_body(exc.status, exc.message, exc.kind), status_code=exc.status,
+                        headers=exc.headers)
+
+
+def encode_image(pixels, fmt: str = "png", quality: int | None = None) -> bytes:
+    """uint8 (H, W, 3) -> PNG / JPEG / WebP bytes (PNG is lossless; jpeg/webp quality 95 unless
+    given)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    im = Image.fromarray(pixels)
+    if fmt == "png":
+        im.save(buf, "PNG")
+    else:
+        im.save(buf, {"jpeg": "JPEG", "webp": "WEBP"}[fmt],
+                quality=95 if quality is None else quality)
+    return buf.getvalue()
+
+
+def _wanted_image_type(accept: str | None) -> str | None:
+    """The image format an ``Accept`` header asks for instead of JSON, if any."""
+    if not accept:
+        return None
+    types = [t.split(";")[0].strip().lower() for t in accept.split(",")]
+    images = [t for t in types if t.startswith("image/")]
+    if "application/json" in types or not images:
+        return None
+    for t in types:
+        if t in ("image/png", "image/jpeg", "image/webp"):
+            return t.split("/")[1]
+        if t == "image/*":
+            return "*"
+    return None
+
+
+async def _await(response):
+    return await response
+
+
+@serve.deployment(name=INGRESS)
+@serve.ingress(api)
+class Ingress:
+    """Validates, forwards to the generator deployment, encodes. Light: never imports JAX."""
+
+    def __init__(self, generator: DeploymentHandle, settings: ServeSettings, model_id: str):
+        self.generator = generator
+        self.s = settings
+        self.model_id = model_id
+        self.started = int(time.time())
+        _LIMITS["max_body_bytes"] = settings.max_body_bytes
+        self.app_name = serve.get_replica_context().app_name
+        self._info: dict | None = None
+        self._ready_seen = False
+        self._state = (0.0, False, {})
+        self._replicas: dict[str, dict] = {}
+
+    # ------------------------------------------------------------------ plumbing
+    async def _generator_state(self) -> tuple[bool, dict]:
+        """(ready, detail): ready once a generator replica is RUNNING, i.e. its constructor
+        (model load and warm-up compiles) has returned. Cached for a second."""
+        at, ready, detail = self._state
+        if time.monotonic() - at < 1.0:
+            return ready, detail
+        try:
+            status = await asyncio.to_thread(serve.status)
+            app = status.applications.get(self.app_name)
+            dep = app.deployments.get(GENERATOR) if app else None
+            states = {getattr(k, "value", str(k)): v
+                      for k, v in (dep.replica_states if dep else {}).items()}
+            running = states.get("RUNNING", 0)
+            detail = {"generator_replicas": states, "generator_status":
+                      getattr(dep.status, "value", str(dep.status)) if dep else "missing"}
+            ready = running > 0
+        except Exception as e:  # controller unreachable: not ready
+            ready, detail = False, {"error": f"{type(e).__name__}: {e}"}
+        self._state = (time.monotonic(), ready, detail)
+        self._ready_seen |= ready
+        return ready, detail
+
+    def _deadline(self, request: Request) -> float:
+        timeout = self.s.request_timeout_s
+        raw = request.headers.get(TIMEOUT_HEADER)
+        if raw is not None:
+            try:
+                asked = float(raw)
+            except ValueError:
+                asked = math.nan
+            if not (math.isfinite(asked) and asked > 0):
+                raise invalid(TIMEOUT_HEADER.lower(), f"must be a number of seconds > 0 "
+                              f"(at most {timeout:g}), got {raw!r}", raw, where="header")
+            timeout = min(timeout, asked)
+        return time.monotonic() + timeout
+
+    async def _call(self, method: str, arg: Any, deadline: float) -> Any:
+        """Call a generator method within the deadline; map failures to HTTP errors."""
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import BackPressureError
+
+        if not self._ready_seen:
+            ready, _ = await self._generator_state()
+            if not ready:
+                raise ApiError(503, "the model is still warming up (loading and compiling); "
+                               "retry shortly", kind="service_unavailable",
+                               headers={"Retry-After": str(self.s.retry_after_s)})
+        handle = getattr(self.generator, method)
+        response = handle.remote() if arg is None else handle.remote(arg)
+        try:
+            return await asyncio.wait_for(_await(response), max(deadline - time.monotonic(), 0))
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise ApiError(504, "the request did not finish before its deadline "
+                           f"(request_timeout_s={self.s.request_timeout_s:g} or {TIMEOUT_HEADER})",
+                           kind="timeout") from None
+        except asyncio.CancelledError:  # the client went away
+            response.cancel()
+            raise
+        except BackPressureError:
+            raise ApiError(503, "the server is at capacity (its queue is full); retry after "
+                           f"{self.s.retry_after_s} s", kind="server_overloaded",
+                           headers={"Retry-After": str(self.s.retry_after_s)}) from None
+        except InvalidJob as e:
+            raise ApiError(422, str(e)) from None
+        except RayActorError as e:
+            logger.warning("generator replica unavailable: %s", e)
+            raise ApiError(503, "a generator replica became unavailable; retry",
+                           kind="service_unavailable",
+                           headers={"Retry-After": str(self.s.retry_after_s)}) from None
+
+    async def _model_info(self, deadline: float) -> dict:
+        if self._info is None:
+            self._info = await self._call("info", None, deadline)
+        return self._info
+
+    async def _generate(self, job: Job, deadline: float) -> JobResult:
+        result: JobResult = await self._call("generate", job, deadline)
+        self._ready_seen = True
+        rep = self._replicas.setdefault(result.replica["id"], {
+            "node_id": result.replica["node_id"], "images": 0,
+            "batches": collections.OrderedDict()})
+        rep["images"] += len(result.images)
+        rep["batches"][result.batch["id"]] = {k: v for k, v in result.batch.items()}
+        while len(rep["batches"]) > 256:
+            rep["batches"].popitem(last=False)
+        return result
+
+    def _check_common(self, info: dict, prompt: str, n: int, n_field: str,
+                      width: int | None, height: int | None, size_fields: tuple[str, str]):
+        s = self.s
+        errors = []
+        if len(prompt) > s.max_prompt_chars:
+            errors.append(("prompt", f"prompt has {len(prompt)} characters; at most "
+                           f"{s.max_prompt_chars} are accepted", None))
+        if n > s.max_n:
+            errors.append((n_field, f"{n} images asked for; this server allows at most {s.max_n} "
+                           "per request", n))
+        multiple = math.lcm(s.size_multiple or 1, info["size_multiple"])  # config: stricter only
+        lo, hi = s.min_size or multiple, s.max_size
+        for name, v in zip(size_fields, (width, height)):
+            if v is None:
+                errors.append((name, "this model has no default size: give one", None))
+            elif not lo <= v <= hi:
+                errors.append((name, f"{v} pixels is out of range; image sides must be between "
+                               f"{lo} and {hi}", v))
+            elif v % multiple:
+                errors.append((name, f"{v} is not a multiple of {multiple}; image sides must be "
+                               f"multiples of {multiple} for this model", v))
+        if size_fields[0] == size_fields[1]:  # one "size" field: report it once
+            errors = list({e[0] + e[1]: e for e in errors}.values())
+        if errors:
+            raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
+                                           "input": v} for f, m, v in errors])
+
+    def _headers(self, result: JobResult) -> dict:
+        return {"X-Maxdiff-Replica": result.replica["id"],
+                "X-Maxdiff-Node": result.replica["node_id"]}
+
+    # ------------------------------------------------------------------ routes
+    @api.post("/v1/images/generations", response_model=ImagesResponse, tags=["OpenAI-compatible"],
+              summary="Create images (OpenAI Images API)")
+    async def images_generations(self, body: ImagesGenerationRequest, request: Request):
+        """Same request and response as OpenAI's ``images.generate`` with
+        ``response_format="b64_json"``. Steps and guidance are the served model's defaults;
+        seeds are random (use ``/v1/generate`` for control)."""
+        deadline = self._deadline(request)
+        info = await self._model_info(deadline)
+        n = 1 if body.n is None else body.n
+        if body.size in (None, "auto"):
+            width, height = info["default_width"], info["default_height"]
+        else:
+            try:
+                width, height = parse_size(body.size)
+            except ValueError as e:
+                raise invalid("size", f"{e}, or 'auto'", body.size) from None
+        self._check_common(info, body.prompt, n, "n", width, height, ("size", "size"))
+        job = Job(body.prompt, None, None, n, width, height, info["default_steps"],
+                  info["default_guidance"])
+        result = await self._generate(job, deadline)
+        fmt = body.output_format or "png"
+        blobs = await asyncio.to_thread(
+            lambda: [encode_image(im, fmt, body.output_compression) for im in result.images])
+        return JSONResponse({"created": int(time.time()), "output_format": fmt,
+                             "size": f"{width}x{height}",
+                             "data": [{"b64_json": base64.b64encode(b).decode(),
+                                       "revised_prompt": None} for b in blobs]},
+                            headers=self._headers(result))
+
+    @api.post("/v1/generate", response_model=GenerateResponse, tags=["native"],
+              summary="Generate images with explicit settings",
+              responses={200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}},
+                               "description": "JSON, or with `Accept: image/png` (jpeg, webp) "
+                               "and one image, the image itself (seed in `X-Seed`)."},
+                         406: {"description": "An image Accept type with more than one image."}})
+    async def generate(self, body: GenerateRequest, request: Request):
+        """Every setting explicit; the response carries each image's seed (pass it back to
+        reproduce the image) and timings (queue, device, encode)."""
+        t0 = time.perf_counter()
+        deadline = self._deadline(request)
+        fmt = body.output_format
+        wanted = _wanted_image_type(request.headers.get("accept"))
+        if wanted is not None:
+            if body.num_images != 1:
+                raise ApiError(406, "an image Accept type returns exactly one image; ask for "
+                               "num_images=1 or Accept: application/json", kind="not_acceptable")
+            if wanted != "*":
+                if "output_format" in body.model_fields_set and wanted != fmt:
+                    raise ApiError(406, f"Accept asks for image/{wanted} but output_format is "
+                                   f"{fmt!r}", kind="not_acceptable")
+                fmt = wanted
+        info = await self._model_info(deadline)
+        steps = info["default_steps"] if body.steps is None else body.steps
+        guidance = info["default_guidance"] if body.guidance_scale is None else body.guidance_scale
+        width = info["default_width"] if body.width is None else body.width
+        height = info["default_height"] if body.height is None else body.height
+        errors = []
+        if steps > self.s.max_steps:
+            errors.append(("steps", f"{steps} steps asked for; at most {self.s.max_steps}", steps))
+        if guidance > self.s.max_guidance:
+            errors.append(("guidance_scale", f"{guidance} is above the limit of "
+                           f"{self.s.max_guidance:g}", guidance))
+        if body.scheduler is not None and body.scheduler.lower() not in [
+                s.lower() for s in info["scheduler_names"]]:
+            errors.append(("scheduler", f"this server runs {info['scheduler']!r}; the scheduler "
+                           "is chosen when the server starts (config / scheduler args)",
+                           body.scheduler))
+        if body.seed is not None and body.seed + body.num_images - 1 > MAX_SEED:
+            errors.append(("seed", f"seed + num_images - 1 must be <= {MAX_SEED}", body.seed))
+        if body.negative_prompt is not None and len(body.negative_prompt) > self.s.max_prompt_chars:
+            errors.append(("negative_prompt", f"at most {self.s.max_prompt_chars} characters",
+                           None))
+        try:
+            self._check_common(info, body.prompt, body.num_images, "num_images", width, height,
+                               ("width", "height"))
+        except RequestValidationError as e:
+            errors += [(err["loc"][1], err["msg"], err.get("input")) for err in e.errors()]
+        if errors:
+            raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
+                                           "input": v} for f, m, v in errors])
+        job = Job(body.prompt, body.negative_prompt, body.seed, body.num_images, width, height,
+                  steps, guidance)
+        result = await self._generate(job, deadline)
+        t1 = time.perf_counter()
+        blobs = await asyncio.to_thread(lambda: [encode_image(im, fmt) for im in result.images])
+        timings = dict(result.timings, encode_s=time.perf_counter() - t1,
+                       total_s=time.perf_counter() - t0, batch_requests=result.batch["requests"],
+                       batch_images=result.batch["images"])
+        headers = self._headers(result)
+        if wanted is not None:
+            headers["X-Seed"] = str(result.seeds[0])
+            return Response(blobs[0], media_type=f"image/{fmt}", headers=headers)
+        return JSONResponse({
+            "created": int(time.time()), "model": self.model_id,
+            "images": [{"b64_json": base64.b64encode(b).decode(), "seed": s}
+                       for b, s in zip(blobs, result.seeds)],
+            "seeds": result.seeds, "width": width, "height": height, "steps": steps,
+            "guidance_scale": guidance, "scheduler": info["scheduler"], "output_format": fmt,
+            "timings": timings}, headers=headers)
+
+    @api.get("/healthz", tags=["operations"], summary="Ready to serve?",
+             responses={503: {"description": "No generator replica has finished warming up."}})
+    async def healthz(self):
+        """200 once a generator replica has loaded the model and compiled its warm-up shapes;
+        503 (with ``Retry-After``) before that."""
+        ready, detail = await self._generator_state()
+        if ready:
+            return {"status": "ok", **detail}
+        return JSONResponse({"status": "warming_up", **detail}, status_code=503,
+                            headers={"Retry-After": str(self.s.retry_after_s)})
+
+    @api.get("/v1/models", tags=["OpenAI-compatible"], summary="The served model")
+    async def models(self):
+        entry = {"id": self.model_id, "object": "model", "created": self.started,
+                 "owned_by": "maxdiff"}
+        if self._info is not None:
+            entry["maxdiff"] = {k: self._info[k] for k in (
+                "scheduler", "default_steps", "default_guidance", "default_width",
+                "default_height", "size_multiple", "dtype", "devices")}
+        return {"object": "list", "data": [entry]}
+
+    @api.get("/v1/stats", tags=["operations"], summary="Recent batches per generator replica")
+    async def stats(self):
+        """The batches (requests and images each) of the generator replicas that served this
+        ingress replica's requests, newest last, with each replica's node."""
+        return {"replicas": {rid: {"node_id": r["node_id"], "images": r["images"],
+                                   "batches": list(r["batches"].values())}
+                             for rid, r in self._replicas.items()}}
+
+
+# ---------------------------------------------------------------------------------- builder
+def build_app(args: dict | None = None):
+    """Ray Serve application builder: ``serve run serving.app:build_app key=value ...`` or the
+    ``args:`` of an application in ``configs/serve.yaml``. Keys: :class:`ServeSettings` fields
+    plus run-config keys (model, unet, scheduler, dtype, ...; ``config`` names the run config)."""
+    from pipelines.config import load_run_config
+    from pipelines.default_model import default_model_path
+
+    settings = ServeSettings.from_args(args)
+    run_config = load_run_config(settings.config, settings.run_overrides)
+    model = run_config.model
+    if model is None:
+        default_model_path()  # a clear error now rather than from every replica
+    model_id = settings.model_name or (Path(model).name if model else "maxdiff-default")
+    actor: dict[str, Any] = {"num_cpus": settings.num_cpus}
+    if settings.resource == "GPU":
+        actor["num_gpus"] = settings.resource_amount
+    elif settings.resource:
+        actor["resources"] = {settings.resource: settings.resource_amount}
+    gen_options = dict(name=GENERATOR, num_replicas=settings.num_replicas,
+                       max_ongoing_requests=settings.generator_max_ongoing,
+                       max_queued_requests=settings.max_queued_requests,
+                       ray_actor_options=actor)
+    if settings.max_replicas_per_node is not None:
+        gen_options["max_replicas_per_node"] = settings.max_replicas_per_node
+    generator = serve.deployment(Generator).options(**gen_options)
+    ingress = Ingress.options(num_replicas=settings.ingress_replicas,
+                              max_ongoing_requests=settings.ingress_max_ongoing_requests,
+                              ray_actor_options={"num_cpus": settings.ingress_num_cpus})
+    return ingress.bind(generator.bind(run_config, settings), settings, model_id)

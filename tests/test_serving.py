@@ -1,0 +1,425 @@
+"""The HTTP service on a real Ray Serve (a local 3-node Ray cluster) over real HTTP.
+
+One cluster for the module: a head node and two "hosts" with one unit each of a custom
+``maxdiff_host`` resource. The main application (one generator replica, tiny checkpoint) serves
+most tests; the multi-host test adds a second application whose two replicas need a
+``maxdiff_host`` each, so they land on the two hosts. Replicas share a JAX compilation cache
+(``MAXDIFF_COMPILE_CACHE``), so only the first replica compiles cold.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+import requests
+from PIL import Image
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+SIZE, STEPS = 32, 2
+MAIN_ARGS = dict(
+    steps=STEPS, guidance=0.0, max_batch_size=4, batch_wait_timeout_s=0.5,
+    warmup_shapes=[f"{SIZE}x{SIZE}:{STEPS}:0"], max_queued_requests=2, max_n=4, max_steps=8,
+    min_size=16, max_size=64, request_timeout_s=120, num_cpus=1, ingress_num_cpus=0,
+    model_name="tiny-sdxl",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _png(b64_or_bytes) -> np.ndarray:
+    raw = base64.b64decode(b64_or_bytes) if isinstance(b64_or_bytes, str) else b64_or_bytes
+    im = Image.open(io.BytesIO(raw))
+    assert im.format == "PNG"
+    return np.asarray(im.convert("RGB"))
+
+
+def _concurrently(n, fn):
+    out = [None] * n
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(i))) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    cache = tmp_path_factory.mktemp("jax-cache")
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "include_dashboard": False,
+        "_system_config": {"metrics_report_interval_ms": 1000}})
+    hosts = [c.add_node(num_cpus=1, resources={"maxdiff_host": 1}) for _ in range(2)]
+    ray.init(address=c.address, log_to_driver=False,
+             runtime_env={"env_vars": {"MAXDIFF_COMPILE_CACHE": str(cache)}})
+    port = _free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", cache=cache,
+                                    nodes=[c.head_node, *hosts],
+                                    host_node_ids={h.node_id for h in hosts})
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def main_app(cluster, sdxl_dir):
+    """The main application, deployed without waiting; /healthz and /v1/generate are probed
+    while the generator replica loads and compiles, then until it is ready."""
+    from serving.app import build_app
+
+    url = cluster.url
+    serve._run(build_app({"model": str(sdxl_dir), **MAIN_ARGS}), _blocking=False, name="main",
+               route_prefix="/")
+    probes, early_generate = [], None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            r = requests.get(f"{url}/healthz", timeout=10)
+            probes.append((r.status_code, r.headers.get("content-type", ""), r.text,
+                           r.headers.get("retry-after")))
+            if r.status_code == 200:
+                break
+            if r.status_code == 503 and early_generate is None and "warming_up" in r.text:
+                early_generate = requests.post(f"{url}/v1/generate", json={"prompt": "early"},
+                                               timeout=30)
+        except requests.ConnectionError:
+            probes.append(("connection refused", "", "", None))
+        time.sleep(0.25)
+    else:
+        pytest.fail(f"the main app never became healthy; last probes: {probes[-3:]}")
+    yield types.SimpleNamespace(url=url, probes=probes, early_generate=early_generate)
+    serve.delete("main")
+
+
+@pytest.fixture(scope="module")
+def pipe(main_app, cluster, sdxl_dir):
+    """The Python API in this process, sharing the replicas' compilation cache."""
+    import jax
+
+    from pipelines import TextToImagePipeline
+
+    before = (jax.config.jax_compilation_cache_dir,
+              jax.config.jax_persistent_cache_min_compile_time_secs)
+    yield TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=cluster.cache)
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+
+
+def _generate(url, timeout=120, headers=None, **body):
+    return requests.post(f"{url}/v1/generate", json={"prompt": "a red circle", **body},
+                         headers=headers, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------- settings
+def test_settings_from_cli_strings():
+    from serving.schemas import ServeSettings, WarmupShape
+
+    s = ServeSettings.from_args({
+        "max_batch_size": "8", "batch_wait_timeout_s": "0.1", "resource": "TPU",
+        "resource_amount": "4", "max_replicas_per_node": "1", "steps": "4", "model": "/m/1234",
+        "warmup_shapes": "1024x1024:4:0,512x768:30:cfg", "warmup_batch_sizes": "1,2"})
+    assert (s.max_batch_size, s.batch_wait_timeout_s, s.resource, s.resource_amount) == (
+        8, 0.1, "TPU", 4.0)
+    assert s.run_overrides == {"steps": 4, "model": "/m/1234"}
+    assert s.warmup_shapes == (WarmupShape(1024, 1024, 4, 0.0), WarmupShape(512, 768, 30, 5.0))
+    assert s.warmup_batch_sizes == (1, 2) and s.generator_max_ongoing == 16
+    yaml_style = ServeSettings.from_args({"warmup_shapes": [{"size": "64x32", "cfg": "off"},
+                                                            "default"], "max_queued_requests": -1})
+    assert yaml_style.warmup_shapes == (WarmupShape(64, 32, None, 0.0), WarmupShape())
+
+
+@pytest.mark.parametrize("args,message", [
+    ({"max_batchsize": 4}, "unknown serve arg 'max_batchsize'"),
+    ({"max_batch_size": "many"}, "must be int"),
+    ({"max_batch_size": 0}, ">= 1"),
+    ({"warmup_shapes": "1024:4"}, "WIDTHxHEIGHT"),
+    ({"max_batch_size": 8, "max_ongoing_requests": 4}, "batches could never fill"),
+])
+def test_settings_refuse_bad_args(args, message):
+    from serving.schemas import ServeSettings
+
+    with pytest.raises(ValueError, match=message):
+        ServeSettings.from_args(args)
+
+
+def test_build_app_without_a_model_says_what_to_do(monkeypatch, tmp_path):
+    from serving.app import build_app
+
+    monkeypatch.setenv("MAXDIFF_DEFAULT_MODEL", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="MAXDIFF_DEFAULT_MODEL"):
+        build_app({})
+    with pytest.raises(ValueError, match="unknown config key|no such file"):
+        build_app({"config": "no-such-config", "model": str(tmp_path)})
+
+
+# ---------------------------------------------------------------------------------- health
+def test_healthz_is_503_while_warming_up_then_200(main_app):
+    ours = [p for p in main_app.probes if p[0] in (200, 503) and "json" in p[1]]
+    assert ours[0][0] == 503, main_app.probes[:5]
+    assert json.loads(ours[0][2])["status"] == "warming_up"
+    assert ours[0][3] is not None  # Retry-After
+    assert ours[-1][0] == 200 and json.loads(ours[-1][2])["status"] == "ok"
+    # a generation request during warm-up is refused at once, not queued for minutes
+    early = main_app.early_generate
+    assert early is not None and early.status_code == 503, early and early.text
+    assert "warming up" in early.json()["error"]["message"] and early.headers["Retry-After"]
+    assert requests.get(f"{main_app.url}/healthz").status_code == 200
+
+
+# ---------------------------------------------------------------------------------- endpoints
+def test_native_generate_json(main_app):
+    r = _generate(main_app.url, seed=7, num_images=2, steps=STEPS, guidance_scale=0.0,
+                  width=SIZE, height=SIZE, scheduler="EulerDiscreteScheduler")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["seeds"] == [7, 8] and [im["seed"] for im in body["images"]] == [7, 8]
+    assert (body["width"], body["height"], body["steps"]) == (SIZE, SIZE, STEPS)
+    assert body["model"] == "tiny-sdxl" and body["scheduler"] == "EulerDiscreteScheduler"
+    pixels = [_png(im["b64_json"]) for im in body["images"]]
+    assert all(p.shape == (SIZE, SIZE, 3) for p in pixels)
+    assert not np.array_equal(pixels[0], pixels[1])
+    assert {"queue_s", "generate_s", "encode_s", "total_s"} <= set(body["timings"])
+    assert r.headers["X-Maxdiff-Replica"] and r.headers["X-Maxdiff-Node"]
+
+
+def test_native_accept_png_returns_the_image(main_app):
+    json_r = _generate(main_app.url, seed=11)
+    r = _generate(main_app.url, seed=11, headers={"Accept": "image/png"})
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+    assert r.headers["X-Seed"] == "11"
+    np.testing.assert_array_equal(_png(r.content), _png(json_r.json()["images"][0]["b64_json"]))
+    for fmt, accept in (("jpeg", None), ("webp", "image/webp")):
+        body = {"seed": 11} if accept else {"seed": 11, "output_format": fmt}
+        r = _generate(main_app.url, headers={"Accept": accept} if accept else None, **body)
+        assert r.status_code == 200, r.text
+        raw = r.content if accept else base64.b64decode(r.json()["images"][0]["b64_json"])
+        assert Image.open(io.BytesIO(raw)).format == fmt.upper()
+
+
+def test_openai_client(main_app):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{main_app.url}/v1", api_key="unused", max_retries=0)
+    out = client.images.generate(model="tiny-sdxl", prompt="a blue square", n=2,
+                                 size=f"{SIZE}x{SIZE}", response_format="b64_json",
+                                 quality="standard", style="vivid", user="test")
+    assert len(out.data) == 2 and out.created > 0
+    assert all(_png(d.b64_json).shape == (SIZE, SIZE, 3) for d in out.data)
+    assert out.data[0].revised_prompt is None
+    assert [m.id for m in client.models.list()] == ["tiny-sdxl"]
+    with pytest.raises(openai.UnprocessableEntityError, match="b64_json"):
+        client.images.generate(prompt="a cat", response_format="url")
+    # size "auto" (and no size) is the model's default
+    r = requests.post(f"{main_app.url}/v1/images/generations", json={"prompt": "x", "size": "auto"})
+    assert r.status_code == 200 and r.json()["size"] == f"{SIZE}x{SIZE}"
+
+
+def test_same_seed_same_image(main_app):
+    a, b, c = (_generate(main_app.url, seed=s, prompt="a green triangle") for s in (42, 42, 43))
+    img = [_png(r.json()["images"][0]["b64_json"]) for r in (a, b, c)]
+    np.testing.assert_array_equal(img[0], img[1])
+    assert not np.array_equal(img[0], img[2])
+
+
+def test_http_image_equals_python_api(main_app, pipe):
+    """Same program, same seed: the served PNG has exactly the Python API's pixels."""
+    r = _generate(main_app.url, prompt="a photo of a cat", negative_prompt="blurry", seed=1234,
+                  steps=STEPS, guidance_scale=0.0, width=SIZE, height=SIZE)
+    ours = pipe("a photo of a cat", negative_prompt="blurry", seed=1234,
+                num_inference_steps=STEPS, guidance_scale=0.0, height=SIZE, width=SIZE).images[0]
+    np.testing.assert_array_equal(_png(r.json()["images"][0]["b64_json"]), np.asarray(ours))
+
+
+def test_concurrent_requests_share_a_batch(main_app, pipe):
+    seeds = [100, 101, 102, 103]
+    rs = _concurrently(4, lambda i: _generate(main_app.url, prompt="a small dog", seed=seeds[i]))
+    assert [r.status_code for r in rs] == [200] * 4, [r.text for r in rs]
+    assert max(r.json()["timings"]["batch_requests"] for r in rs) > 1
+    batches = [b for rep in requests.get(f"{main_app.url}/v1/stats").json()["replicas"].values()
+               for b in rep["batches"]]
+    assert max(b["requests"] for b in batches) > 1, batches
+    # an image does not depend on what it was batched with: equal to the Python API's single
+    # image up to one level: XLA's batch-4 and batch-1 programs differ by ~1e-6 in float, which
+    # can flip the rounding of a rare pixel
+    for r, seed in zip(rs, seeds):
+        single = pipe("a small dog", seed=seed, num_inference_steps=STEPS, guidance_scale=0.0,
+                      height=SIZE, width=SIZE).images[0]
+        got = _png(r.json()["images"][0]["b64_json"]).astype(int)
+        assert np.abs(got - np.asarray(single, int)).max() <= 1
+
+
+def test_a_new_shape_does_not_hold_up_compiled_ones(main_app):
+    """A 16x16 request (its own batch queue; its program compiles for seconds) sent together
+    with 32x32 ones: the 32x32 requests are served while it compiles."""
+    done = {}
+
+    def send(i):
+        r = _generate(main_app.url, seed=i, **({"width": 16, "height": 16} if i == 0 else {}))
+        done[i] = time.monotonic()
+        return r
+
+    rs = _concurrently(4, send)
+    assert [r.status_code for r in rs] == [200] * 4, [r.text for r in rs]
+    assert _png(rs[0].json()["images"][0]["b64_json"]).shape == (16, 16, 3)
+    assert max(done[i] for i in (1, 2, 3)) < done[0]
+    shapes = {b["shape"] for rep in requests.get(f"{main_app.url}/v1/stats").json()[
+        "replicas"].values() for b in rep["batches"]}
+    assert {f"16x16:{STEPS}:nocfg", f"{SIZE}x{SIZE}:{STEPS}:nocfg"} <= shapes
+
+
+def test_prometheus_metrics(cluster, main_app):
+    """Ours (ray_maxdiff_*) next to Ray Serve's own, on the nodes' metrics export ports."""
+    assert _generate(main_app.url, seed=3).status_code == 200
+    wanted = ["ray_maxdiff_images_generated", "ray_maxdiff_batch_requests_bucket",
+              "ray_maxdiff_queue_wait_s_bucket", "ray_maxdiff_step_time_s_bucket",
+              "ray_maxdiff_device_batch_images_bucket", "ray_maxdiff_http_requests",
+              "ray_serve_num_http_requests"]
+    deadline = time.monotonic() + 60
+    while True:
+        text = ""
+        for node in cluster.nodes:
+            try:
+                text += requests.get(f"http://{node.node_ip_address}:{node.metrics_export_port}"
+                                     "/metrics", timeout=5).text
+            except requests.RequestException:
+                pass
+        missing = [m for m in wanted if m not in text]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not missing, sorted({line.split("{")[0] for line in text.splitlines()
+                                if line.startswith("ray_serve") or "maxdiff" in line})
+
+
+# ---------------------------------------------------------------------------------- errors
+BAD_REQUESTS = [
+    ("/v1/images/generations", {"prompt": "x", "size": "33x32"}, "size", "multiple of 2"),
+    ("/v1/images/generations", {"prompt": "x", "size": "4096x4096"}, "size", "out of range"),
+    ("/v1/images/generations", {"prompt": "x", "size": "big"}, "size", "WIDTHxHEIGHT"),
+    ("/v1/images/generations", {"prompt": "x", "n": 9}, "n", "at most 4"),
+    ("/v1/images/generations", {"prompt": "x", "n": "two"}, "n", "integer"),
+    ("/v1/images/generations", {"prompt": "x", "response_format": "url"}, "response_format",
+     "only 'b64_json'"),
+    ("/v1/images/generations", {"n": 1}, "prompt", "Field required"),
+    ("/v1/generate", {"prompt": 5}, "prompt", "string"),
+    ("/v1/generate", {"prompt": "x", "steps": 50}, "steps", "at most 8"),
+    ("/v1/generate", {"prompt": "x", "steps": 0}, "steps", "greater than or equal to 1"),
+    ("/v1/generate", {"prompt": "x", "width": 31}, "width", "multiple of 2"),
+    ("/v1/generate", {"prompt": "x", "height": 8}, "height", "between 16 and 64"),
+    ("/v1/generate", {"prompt": "x", "num_images": 5}, "num_images", "at most 4"),
+    ("/v1/generate", {"prompt": "x", "seed": -1}, "seed", "greater than or equal to 0"),
+    ("/v1/generate", {"prompt": "x", "guidance_scale": "high"}, "guidance_scale", "number"),
+    ("/v1/generate", {"prompt": "x", "scheduler": "DDIMScheduler"}, "scheduler",
+     "EulerDiscreteScheduler"),
+    ("/v1/generate", {"prompt": "x", "output_format": "gif"}, "output_format", "png"),
+    ("/v1/generate", {"prompt": "x", "colour": "red"}, "colour", "Extra inputs"),
+    ("/v1/generate", [1, 2], "body", "valid dictionary"),
+]
+
+
+@pytest.mark.parametrize("path,body,field,message", BAD_REQUESTS,
+                         ids=[f"{p.rsplit('/', 1)[-1]}-{f}-{i}" for i, (p, _, f, _) in
+                              enumerate(BAD_REQUESTS)])
+def test_invalid_requests_are_422_naming_the_field(main_app, path, body, field, message):
+    r = requests.post(f"{main_app.url}{path}", json=body, timeout=30)
+    assert r.status_code == 422, r.text
+    err = r.json()
+    assert any(field in [str(p) for p in d["loc"]] or (field == "body" and d["loc"] == ["body"])
+               for d in err["detail"]), err
+    assert message in err["error"]["message"], err
+
+
+def test_malformed_json_is_422(main_app):
+    r = requests.post(f"{main_app.url}/v1/generate", data=b'{"prompt": "x",',
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and "not valid JSON" in r.json()["error"]["message"]
+    r = requests.post(f"{main_app.url}/v1/generate", data=b'{"prompt": "x", "guidance_scale": NaN}',
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "guidance_scale"]
+
+
+def test_oversized_bodies_are_413(main_app):
+    big = json.dumps({"prompt": "x" * 70_000}).encode()
+    r = requests.post(f"{main_app.url}/v1/generate", data=big,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    # no Content-Length (chunked upload): the bytes actually received are counted
+    chunks = (big[i:i + 8192] for i in range(0, len(big), 8192))
+    r = requests.post(f"{main_app.url}/v1/images/generations", data=chunks,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+
+
+def test_accept_image_with_several_images_is_406(main_app):
+    r = _generate(main_app.url, num_images=2, headers={"Accept": "image/png"})
+    assert r.status_code == 406 and "num_images=1" in r.json()["error"]["message"]
+
+
+def test_deadline_is_504(main_app):
+    r = _generate(main_app.url, num_images=4, headers={"X-Request-Timeout": "0.001"})
+    assert r.status_code == 504, r.text
+    r = _generate(main_app.url, headers={"X-Request-Timeout": "soon"})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["header", "x-request-timeout"]
+    assert _generate(main_app.url, seed=1).status_code == 200  # the replica is fine afterwards
+
+
+def test_burst_beyond_the_queue_is_503_with_retry_after(main_app):
+    """max_queued_requests=2 and 8 in flight per replica: a burst of 24 overflows."""
+    rs = _concurrently(24, lambda i: _generate(main_app.url, seed=i, num_images=2))
+    codes = [r.status_code for r in rs]
+    assert set(codes) <= {200, 503}, [r.text for r in rs if r.status_code not in (200, 503)]
+    assert codes.count(503) > 0 and codes.count(200) > 0, codes
+    rejected = next(r for r in rs if r.status_code == 503)
+    assert int(rejected.headers["Retry-After"]) > 0 and "queue is full" in rejected.text
+    assert requests.get(f"{main_app.url}/healthz").status_code == 200
+
+
+def test_openapi_docs(main_app):
+    assert "swagger" in requests.get(f"{main_app.url}/docs").text.lower()
+    paths = requests.get(f"{main_app.url}/openapi.json").json()["paths"]
+    assert {"/v1/images/generations", "/v1/generate", "/healthz", "/v1/models"} <= set(paths)
+
+
+# ---------------------------------------------------------------------------------- hosts
+def test_one_replica_per_host_both_serving(cluster, sdxl_dir, main_app):
+    """Two replicas that each need the hosts' `maxdiff_host` resource land on the two hosts."""
+    from serving.app import build_app
+
+    args = dict(MAIN_ARGS, resource="maxdiff_host", resource_amount=1, num_replicas=2,
+                max_replicas_per_node=1, num_cpus=0, max_batch_size=1,
+                batch_wait_timeout_s=0.0, max_queued_requests=-1)
+    serve.run(build_app({"model": str(sdxl_dir), **args}), name="hosts", route_prefix="/hosts")
+    try:
+        url = f"{cluster.url}/hosts"
+        assert requests.get(f"{url}/healthz").status_code == 200
+        for _ in range(10):
+            rs = _concurrently(8, lambda i: _generate(url, seed=i))
+            assert [r.status_code for r in rs] == [200] * 8
+            replicas = requests.get(f"{url}/v1/stats").json()["replicas"]
+            if len(replicas) == 2:
+                break
+        nodes = [r["node_id"] for r in replicas.values()]
+        assert len(replicas) == 2 and len(set(nodes)) == 2, replicas
+        assert set(nodes) == cluster.host_node_ids
+        assert all(r["images"] > 0 for r in replicas.values())
+    finally:
+        serve.delete("hosts")
