@@ -53,8 +53,29 @@ def sigma_schedule(sched: TrainSchedule, spacing: str, num_inference_steps: int,
     return timesteps, sigmas
 
 
+class SigmaInputScaling:
+    """The methods the sigma-parameterised samplers (Euler, Euler ancestral) share: initial
+    noise scale, the UNet's timestep, and the input scaling back to unit variance."""
+
+    def init_noise_sigma(self, state: SigmaState) -> jax.Array:
+        """Standard deviation of the initial latent noise (multiply unit Gaussian noise by it)."""
+        sigma = jnp.max(state.sigmas)
+        if self.timestep_spacing in ("linspace", "trailing"):
+            return sigma
+        return jnp.sqrt(sigma ** 2 + 1)
+
+    def timestep_for_model(self, state: SigmaState, step_index) -> jax.Array:
+        """The (float32) timestep the UNet receives at step ``step_index``."""
+        return at(state.timesteps, step_index)
+
+    def scale_model_input(self, state: SigmaState, sample: jax.Array, step_index) -> jax.Array:
+        """UNet input at step ``step_index``: ``sample / sqrt(sigma**2 + 1)`` (back to unit variance)."""
+        sigma = at(state.sigmas, step_index)
+        return sample / jnp.sqrt(sigma ** 2 + 1)
+
+
 @dataclasses.dataclass(frozen=True)
-class EulerDiscreteScheduler(TrainSchedule):
+class EulerDiscreteScheduler(SigmaInputScaling, TrainSchedule):
     """Euler (Karras et al. 2022, Algorithm 2, no churn). Fields are diffusers' constructor
     arguments of ``EulerDiscreteScheduler`` with its defaults.
 
@@ -105,22 +126,6 @@ class EulerDiscreteScheduler(TrainSchedule):
             final = 0.0
         sigmas = np.concatenate([sigmas, [final]]).astype(np.float32)
         return SigmaState(timesteps=jnp.asarray(timesteps, jnp.float32), sigmas=jnp.asarray(sigmas))
-
-    def init_noise_sigma(self, state: SigmaState) -> jax.Array:
-        """Standard deviation of the initial latent noise (multiply unit Gaussian noise by it)."""
-        sigma = jnp.max(state.sigmas)
-        if self.timestep_spacing in ("linspace", "trailing"):
-            return sigma
-        return jnp.sqrt(sigma ** 2 + 1)
-
-    def timestep_for_model(self, state: SigmaState, step_index) -> jax.Array:
-        """The (float32) timestep the UNet receives at step ``step_index``."""
-        return at(state.timesteps, step_index)
-
-    def scale_model_input(self, state: SigmaState, sample: jax.Array, step_index) -> jax.Array:
-        """UNet input at step ``step_index``: ``sample / sqrt(sigma**2 + 1)`` (back to unit variance)."""
-        sigma = at(state.sigmas, step_index)
-        return sample / jnp.sqrt(sigma ** 2 + 1)
 
     def step(self, state: SigmaState, model_output: jax.Array, sample: jax.Array, step_index,
              key: jax.Array | None = None, noise: jax.Array | None = None) -> tuple[SigmaState, jax.Array]:

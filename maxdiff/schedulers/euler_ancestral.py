@@ -24,7 +24,7 @@ from maxdiff.schedulers.common import (
     check_num_inference_steps,
     check_steps_offset,
 )
-from maxdiff.schedulers.euler import denoised_from_sigma, sigma_schedule
+from maxdiff.schedulers.euler import SigmaInputScaling, denoised_from_sigma, sigma_schedule
 
 
 def step_noise(sample: jax.Array, key: jax.Array | None, noise: jax.Array | None, owner: str) -> jax.Array:
@@ -39,7 +39,7 @@ def step_noise(sample: jax.Array, key: jax.Array | None, noise: jax.Array | None
 
 
 @dataclasses.dataclass(frozen=True)
-class EulerAncestralDiscreteScheduler(TrainSchedule):
+class EulerAncestralDiscreteScheduler(SigmaInputScaling, TrainSchedule):
     """Euler ancestral (k-diffusion ``sample_euler_ancestral``, eta = 1). Fields are diffusers'
     constructor arguments of ``EulerAncestralDiscreteScheduler`` with its defaults; diffusers
     does not implement ``prediction_type="sample"`` here, so neither do we."""
@@ -62,22 +62,6 @@ class EulerAncestralDiscreteScheduler(TrainSchedule):
         timesteps, sigmas = sigma_schedule(self, self.timestep_spacing, n, self.steps_offset)
         sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
         return SigmaState(timesteps=jnp.asarray(timesteps, jnp.float32), sigmas=jnp.asarray(sigmas))
-
-    def init_noise_sigma(self, state: SigmaState) -> jax.Array:
-        """Standard deviation of the initial latent noise."""
-        sigma = jnp.max(state.sigmas)
-        if self.timestep_spacing in ("linspace", "trailing"):
-            return sigma
-        return jnp.sqrt(sigma ** 2 + 1)
-
-    def timestep_for_model(self, state: SigmaState, step_index) -> jax.Array:
-        """The (float32) timestep the UNet receives at step ``step_index``."""
-        return at(state.timesteps, step_index)
-
-    def scale_model_input(self, state: SigmaState, sample: jax.Array, step_index) -> jax.Array:
-        """UNet input at step ``step_index``: ``sample / sqrt(sigma**2 + 1)``."""
-        sigma = at(state.sigmas, step_index)
-        return sample / jnp.sqrt(sigma ** 2 + 1)
 
     def step(self, state: SigmaState, model_output: jax.Array, sample: jax.Array, step_index,
              key: jax.Array | None = None, noise: jax.Array | None = None) -> tuple[SigmaState, jax.Array]:
