@@ -86,7 +86,7 @@ def load_run_config(source: str | os.PathLike | dict | None = None,
     or None (all defaults), then ``key=value`` overrides (values parsed as YAML scalars)."""
     if source is None:
         data: dict = {}
-        where = "defaults"
+        where = "run config"
     elif isinstance(source, dict):
         data, where = dict(source), "config"
     else:

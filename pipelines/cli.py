@@ -1,0 +1,532 @@
+"""The ``maxdiff`` command line: ``generate`` images from prompts, ``info`` on a model,
+``convert`` a checkpoint to a dtype.
+
+``maxdiff generate`` validates every prompt line before it loads anything, groups images by
+shape (size, steps, guidance on/off) so each compiled program is reused, fills device batches
+across prompts with :meth:`TextToImagePipeline.generate`, and writes each image atomically with
+a ``metadata.jsonl`` line; rerunning the same command resumes (see ``pipelines/batch.py``).
+
+Exit codes: 0 done, 1 runtime failure, 2 bad usage or input, 128+N killed by signal N (143 for
+SIGTERM, 130 for Ctrl-C); an interrupted run keeps every finished image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import signal
+import struct
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from pipelines.batch import (FORMATS, MAX_SEED, METADATA, TMP_MARK, InputError, OutputDir,
+                             RunSettings, batches, check_size, parse_size, plan_jobs, read_prompts)
+
+PROG = "maxdiff"
+
+GENERATE_EXAMPLES = """\
+examples:
+  maxdiff generate "a red fox in the snow" "a lighthouse at dusk" --model /models/sdxl-base \\
+      --steps 30 --seed 7 --out out/foxes
+  maxdiff generate --prompts prompts.txt --num-images 4 --batch-size 8 --size 1024x768
+  maxdiff generate --prompts jobs.jsonl --config sdxl-lightning-4step \\
+      --set model=/models/sdxl-base --set unet=/models/sdxl_lightning_4step_unet.safetensors
+
+prompt files: one prompt per line, or (.jsonl) one JSON object per line with "prompt" and any
+of "negative_prompt", "seed", "steps", "guidance", "size" ("WxH"), "n" (images of that line):
+  {"prompt": "a red fox", "seed": 7, "n": 2}
+  {"prompt": "a lighthouse", "negative_prompt": "blurry", "size": "1024x768", "steps": 20}
+Blank lines and lines starting with # are skipped. Every line is checked before anything is
+generated; a bad line stops the run with exit status 2 and its file:line and field.
+
+output: OUT/00000-00-a-red-fox-<id>.png (line, image of the line, prompt, settings hash) and
+OUT/metadata.jsonl (prompt, seed, settings, file, time); PNGs also carry the settings as text
+chunks. Rerunning the same command skips every image already written. Without --seed a run
+seed is drawn (and reused from OUT/metadata.jsonl when resuming); per-image seeds are a hash
+of (run seed, line, image), so adding lines never changes existing images. A line's "seed"
+gives its images seed, seed+1, ... like the Python API.
+"""
+
+
+# ---------------------------------------------------------------------------------- arguments
+def _int_at_least(lo: int, hi: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or v < lo or (hi is not None and v > hi):
+            rng = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be an integer {rng}, got {text!r}")
+        return v
+    return parse
+
+
+def _guidance(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return v
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog=PROG, formatter_class=fmt,
+        description="Text-to-image with SDXL-family models in JAX.",
+        epilog="run `maxdiff COMMAND --help` for a command's options and examples")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    model = argparse.ArgumentParser(add_help=False)
+    g = model.add_argument_group("model and run config")
+    g.add_argument("--config", metavar="NAME|FILE",
+                   help="run config: a YAML file or a name in configs/ (sdxl-base, "
+                        "sdxl-lightning-4step, ...); flags below override it")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key (repeatable), e.g. --set attention=chunked")
+    g.add_argument("--model", metavar="DIR",
+                   help="diffusers SDXL folder (default: the embedded model, or "
+                        "$MAXDIFF_DEFAULT_MODEL)")
+    g.add_argument("--unet", metavar="FILE", help="single-file UNet replacing the folder's "
+                   "(SDXL-Lightning)")
+    g.add_argument("--scheduler", metavar="NAME",
+                   help="preset (lightning-1step/2step/4step/8step) or a scheduler config "
+                        "file/folder")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
+    g.add_argument("--devices", type=_int_at_least(1), metavar="N",
+                   help="use the first N local devices (default: all)")
+
+    gen = sub.add_parser("generate", parents=[model], formatter_class=fmt,
+                         help="generate images from prompts (resumable)",
+                         description="Generate images from prompts given as arguments or in a "
+                                     "file; rerun the same command to resume.",
+                         epilog=GENERATE_EXAMPLES)
+    gen.add_argument("prompt", nargs="*", help="prompts (each makes --num-images images)")
+    gen.add_argument("--prompts", metavar="FILE",
+                     help="text file (one prompt a line) or .jsonl with per-line settings; "
+                          "- for stdin")
+    gen.add_argument("--steps", type=_int_at_least(1), metavar="N", help="denoising steps")
+    gen.add_argument("--guidance", type=_guidance, metavar="G",
+                     help="classifier-free guidance scale (<= 1: off, one UNet pass per step)")
+    gen.add_argument("--negative", metavar="TEXT", help="negative prompt for every line")
+    gen.add_argument("--size", type=_size, metavar="WxH", help="image size, e.g. 1024x768")
+    gen.add_argument("--seed", type=_int_at_least(0, MAX_SEED), metavar="S",
+                     help="run seed: makes the whole run reproducible")
+    gen.add_argument("--num-images", type=_int_at_least(1, 10_000), default=1, metavar="N",
+                     help="images per prompt (default 1)")
+    gen.add_argument("--batch-size", type=_int_at_least(1), default=4, metavar="B",
+                     help="images per device batch (default 4; padded up to a power of two "
+                          "times the device count)")
+    gen.add_argument("--out", default="out", metavar="DIR", help="output folder (default out/)")
+    gen.add_argument("--format", choices=sorted(FORMATS), default="png")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar, plain log lines only")
+
+    info = sub.add_parser("info", parents=[model], formatter_class=fmt,
+                          help="show a model's components, parameter counts, dtypes, devices",
+                          epilog="example:\n  maxdiff info --model /models/sdxl-base")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
+
+    conv = sub.add_parser(
+        "convert", formatter_class=fmt, help="rewrite a checkpoint's weights in another dtype",
+        description="Copy a diffusers SDXL folder to DST with every component's weights rewritten "
+                    "as one safetensors file already cast to --dtype (diffusers key names and "
+                    "layouts kept, so diffusers still loads it). Written tensor by tensor into a "
+                    "temporary folder that is renamed to DST at the end.",
+        epilog="example:\n  maxdiff convert /models/sdxl-base /models/sdxl-base-bf16 --dtype bf16")
+    conv.add_argument("src", metavar="SRC", help="diffusers SDXL folder")
+    conv.add_argument("dst", metavar="DST", help="new folder (must not exist unless --force)")
+    conv.add_argument("--dtype", default="bfloat16",
+                      choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+                      help="weight dtype (default bfloat16)")
+    conv.add_argument("--force", action="store_true", help="replace DST if it exists")
+    return parser
+
+
+# ---------------------------------------------------------------------------------- helpers
+class Interrupted(BaseException):
+    """A termination signal arrived (a BaseException, so no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum, frame):
+    signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _usage_errors():
+    """Errors while reading arguments, configs and models are the user's to fix: exit 2."""
+    try:
+        yield
+    except InputError:
+        raise
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError([str(e)]) from e
+
+
+def _log(msg: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(f"{PROG}: {msg}", file=sys.stderr)
+
+
+def _run_config(args, **extra: Any):
+    """The run config: --config, then --set overrides, then explicit flags."""
+    from pipelines.config import load_run_config
+
+    cfg = load_run_config(args.config, args.set)
+    flags = dict(model=args.model, unet=args.unet, scheduler=args.scheduler, dtype=args.dtype,
+                 devices=args.devices, **extra)
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if flags:
+        cfg = load_run_config({**dataclasses.asdict(cfg), **flags})
+    model = _model_dir(cfg.model)
+    unet = str(Path(cfg.unet).resolve()) if cfg.unet else None
+    if unet and not Path(unet).is_file():
+        raise InputError([f"unet {cfg.unet}: no such file (--unet / config key 'unet')"])
+    return dataclasses.replace(cfg, model=str(model), unet=unet)
+
+
+def _model_dir(model: str | None) -> Path:
+    if model is None:
+        from pipelines.default_model import default_model_path
+
+        return default_model_path().resolve()  # FileNotFoundError names the path: exit 2
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise InputError([f"model {model}: no such folder (--model / config key 'model')"])
+    if not (path / "model_index.json").is_file():
+        raise InputError([f"model {model}: not a diffusers SDXL pipeline folder "
+                          "(no model_index.json)"])
+    return path.resolve()
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _vae_factor(model: Path) -> int | None:
+    blocks = _json_file(model / "vae" / "config.json").get("block_out_channels")
+    return 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else None
+
+
+# ---------------------------------------------------------------------------------- generate
+def cmd_generate(args) -> int:
+    from tqdm import tqdm
+
+    from maxdiff.checkpoint import resolve_dtype
+    from pipelines.text_to_image import ImageRequest, TextToImagePipeline
+
+    with _usage_errors():
+        errors, cfg = [], None  # gather config, model and prompt problems into one report
+        size = dict(width=args.size[0], height=args.size[1]) if args.size else {}
+        try:
+            with _usage_errors():
+                cfg = _run_config(args, steps=args.steps, guidance=args.guidance, **size)
+        except InputError as e:
+            errors += e.errors
+        factor = _vae_factor(Path(cfg.model)) if cfg else None
+        if cfg and cfg.width is not None and cfg.height is not None:
+            try:
+                check_size((cfg.width, cfg.height), factor)
+            except ValueError as e:
+                errors.append(f"{'--size' if args.size else 'config size'}: {e}")
+        try:
+            lines = read_prompts(args.prompt, args.prompts, factor=factor)
+        except InputError as e:
+            errors += e.errors
+        if errors:
+            raise InputError(errors)
+        out = OutputDir(args.out)
+        out.prepare()
+        records = out.records()
+        if args.seed is not None:
+            run_seed = args.seed
+        elif records and isinstance(records[-1].get("run_seed"), int):
+            run_seed = records[-1]["run_seed"]
+            _log(f"resuming with run seed {run_seed} from {out.metadata} (--seed picks another)")
+        else:
+            run_seed = secrets.randbelow(MAX_SEED + 1)
+            _log(f"run seed {run_seed} (pass --seed {run_seed} to reproduce this run)")
+        t0 = time.perf_counter()
+        pipe = TextToImagePipeline.from_config(cfg)
+        scheduler = type(pipe.scheduler).__name__ + (f" ({cfg.scheduler})" if cfg.scheduler else "")
+        settings = RunSettings(
+            model=cfg.model, unet=cfg.unet, scheduler=scheduler,
+            dtype=str(resolve_dtype(cfg.dtype)), steps=pipe.default_steps,
+            guidance=float(pipe.default_guidance), width=pipe.default_width,
+            height=pipe.default_height, run_seed=run_seed, negative_prompt=args.negative,
+            num_images=args.num_images, format=args.format)
+        jobs = plan_jobs(lines, settings)
+    done = out.done(records)
+    todo = [j for j in jobs if j.id not in done]
+    _log(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s on {pipe.mesh.size} device(s); "
+         f"{len(lines)} prompt(s), {len(jobs)} image(s), {len(jobs) - len(todo)} already in "
+         f"{out.path}, {len(todo)} to generate")
+
+    bar = tqdm(total=len(todo), unit="img", file=sys.stderr, disable=args.quiet,
+               dynamic_ncols=True, smoothing=0.1)
+    t_start, shape, written = time.perf_counter(), None, 0
+    try:
+        for batch_shape, group, bucket in batches(todo, args.batch_size, pipe.mesh.size):
+            h, w, steps, cfg_on = batch_shape
+            if batch_shape != shape:
+                shape = batch_shape
+                desc = f"{w}x{h}, {steps} step(s), guidance {'on' if cfg_on else 'off'}"
+                bar.set_postfix_str(desc)
+                if args.quiet:
+                    n = sum(j.shape == shape for j in todo)
+                    _log(f"{desc}: {n} image(s), device batch {bucket} (first batch compiles)")
+            items = [ImageRequest(prompt=j.prompt, negative_prompt=j.negative_prompt, seed=j.seed,
+                                  guidance_scale=j.guidance) for j in group]
+            items += [items[-1]] * (bucket - len(items))  # same program for every batch
+            result = pipe.generate(items, height=h, width=w, num_inference_steps=steps)
+            batch_s = result.timings["prepare_s"] + result.timings["generate_s"]
+            seconds = round(batch_s / len(group), 4)
+            for job, image in zip(group, result.images):
+                out.write(job, image, seconds=seconds)
+                written += 1
+                bar.update(1)
+    except BaseException:
+        out.remove_temp_files()
+        bar.close()
+        _log(f"stopped after {written} new image(s); {len(jobs) - len(todo) + written} of "
+             f"{len(jobs)} are in {out.path}. Rerun the same command to resume.")
+        raise
+    bar.close()
+    took = time.perf_counter() - t_start
+    rate = f", {len(todo) / took:.2f} img/s" if todo and took > 0 else ""
+    _log(f"done: {len(todo)} new image(s) in {took:.1f}s{rate}; {len(jobs)} in {out.path} "
+         f"(see {out.path / METADATA})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------- info
+COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+CONFIG_KEYS = {
+    "unet": ("sample_size", "in_channels", "block_out_channels", "transformer_layers_per_block",
+             "cross_attention_dim", "addition_time_embed_dim"),
+    "vae": ("block_out_channels", "latent_channels", "scaling_factor"),
+    "text_encoder": ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"),
+    "text_encoder_2": ("hidden_size", "num_hidden_layers", "projection_dim", "vocab_size"),
+}
+
+
+def cmd_info(args) -> int:
+    import jax
+    import numpy as np
+
+    from maxdiff.checkpoint import open_weights
+    from pipelines.text_to_image import TextToImagePipeline
+
+    with _usage_errors():
+        cfg = _run_config(args)
+        t0 = time.perf_counter()
+        pipe = TextToImagePipeline.from_config(cfg)
+    load_s = time.perf_counter() - t0
+    root = Path(cfg.model)
+    comps = {}
+    for name in COMPONENTS:
+        leaves = jax.tree_util.tree_leaves(pipe.params[name])
+        src = open_weights(cfg.unet if name == "unet" and cfg.unet else root / name)
+        stored = sorted({str(src.get(k).dtype) for k in src.keys()})
+        conf = _json_file(root / name / "config.json")
+        comps[name] = dict(
+            parameters=int(sum(int(np.prod(x.shape)) for x in leaves)),
+            dtype=sorted({str(x.dtype) for x in leaves}), stored_dtype=stored,
+            weights=src.describe(), **{"class": conf.get("_class_name") or
+                                       (conf.get("architectures") or ["?"])[0]},
+            config={k: conf[k] for k in CONFIG_KEYS[name] if k in conf})
+    devices = list(pipe.mesh.devices.flat)
+    report = dict(
+        model=cfg.model, unet=cfg.unet, scheduler=type(pipe.scheduler).__name__,
+        scheduler_preset=cfg.scheduler, default_steps=pipe.default_steps,
+        default_guidance=pipe.default_guidance,
+        default_size=f"{pipe.default_width}x{pipe.default_height}" if pipe.default_width else None,
+        vae_scale_factor=pipe.vae_scale_factor, components=comps,
+        total_parameters=sum(c["parameters"] for c in comps.values()),
+        devices=[f"{d.platform}:{d.id} ({d.device_kind})" for d in devices],
+        local_devices=len(jax.local_devices()), load_seconds=round(load_s, 2))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"model      {report['model']}" + (f"\nunet file  {cfg.unet}" if cfg.unet else ""))
+    print(f"scheduler  {report['scheduler']}" + (f" ({cfg.scheduler})" if cfg.scheduler else "")
+          + f"; defaults: {pipe.default_steps} steps, guidance {pipe.default_guidance:g}, "
+          f"size {report['default_size'] or 'none (pass --size)'}")
+    print(f"devices    {len(devices)} of {report['local_devices']} local: "
+          f"{', '.join(report['devices'])}")
+    print(f"loaded in  {load_s:.1f}s\n")
+    print(f"{'component':<16}{'class':<30}{'parameters':>14}  {'loaded as':<10}{'stored as':<12}")
+    for name, c in comps.items():
+        print(f"{name:<16}{c['class']:<30}{c['parameters']:>14,}  {','.join(c['dtype']):<10}"
+              f"{','.join(c['stored_dtype']):<12}")
+    print(f"{'total':<46}{report['total_parameters']:>14,}\n")
+    for name, c in comps.items():
+        conf = ", ".join(f"{k}={v}" for k, v in c["config"].items())
+        print(f"{name:<16}{conf}\n{'':<16}weights: {c['weights']}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------- convert
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json",
+                    ".ckpt", ".pt", ".pth", ".msgpack", ".h5", ".onnx")
+
+
+def write_cast_safetensors(source, path: Path, dtype, metadata: dict[str, str]) -> int:
+    """Write every tensor of ``source`` (a :class:`maxdiff.checkpoint.WeightSource`) to one
+    safetensors file at ``path``, floating tensors cast to ``dtype``, one tensor in memory at a
+    time (``save_safetensors`` would hold them all). Returns the number of bytes written."""
+    import ml_dtypes
+    import numpy as np
+
+    names = {np.dtype(t): n for t, n in (
+        ("<f8", "F64"), ("<f4", "F32"), ("<f2", "F16"), (ml_dtypes.bfloat16, "BF16"),
+        ("<i8", "I64"), ("<i4", "I32"), ("<i2", "I16"), ("i1", "I8"), ("u1", "U8"), ("?", "BOOL"))}
+
+    def target(dt):
+        return dtype if np.issubdtype(dt, np.floating) or dt == ml_dtypes.bfloat16 else dt
+
+    keys = sorted(source.keys())
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for k in keys:
+        a = source.get(k)  # a view into the memory-mapped file: nothing read yet
+        dt = np.dtype(target(a.dtype))
+        n = int(np.prod(a.shape, dtype=np.int64)) * dt.itemsize
+        header[k] = {"dtype": names[dt], "shape": list(a.shape),
+                     "data_offsets": [offset, offset + n]}
+        offset += n
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)) + hb)
+        for k in keys:
+            a = source.get(k)
+            a = np.ascontiguousarray(a.astype(target(a.dtype), copy=False)).reshape(-1)
+            f.write(a.view(np.uint8))
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(hb) + offset
+
+
+def cmd_convert(args) -> int:
+    from maxdiff.checkpoint import SafetensorsFile, open_weights, resolve_dtype
+
+    src, dst = Path(args.src), Path(args.dst)
+    with _usage_errors():
+        dtype = resolve_dtype(args.dtype)
+        if not (src / "model_index.json").is_file():
+            raise InputError([f"SRC {src}: not a diffusers pipeline folder (no model_index.json)"])
+        if dst.exists() and not args.force:
+            raise InputError([f"DST {dst} exists; pass --force to replace it"])
+        if dst.resolve() == src.resolve():
+            raise InputError(["SRC and DST are the same folder"])
+        components = {k for k, v in _json_file(src / "model_index.json").items()
+                      if isinstance(v, list) and (src / k).is_dir()}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}{TMP_MARK}-{os.getpid()}"
+    t0, total = time.perf_counter(), 0
+    try:
+        for folder, _, files in os.walk(src):
+            rel = Path(folder).relative_to(src)
+            (tmp / rel).mkdir(parents=True, exist_ok=True)
+            weights = sorted(f for f in files if f.endswith(_WEIGHT_SUFFIXES))
+            for f in sorted(set(files) - set(weights)):
+                shutil.copy2(Path(folder) / f, tmp / rel / f)
+            if not weights:
+                continue
+            if len(rel.parts) != 1 or rel.parts[0] not in components:
+                _log(f"skipping {', '.join(str(rel / w) for w in weights)}: "
+                     "not a component's weights")
+                continue
+            with _usage_errors():
+                source = open_weights(folder)  # safetensors only; single, fp16 variant or shards
+            stem = Path(next(iter(source.files))).name.split(".")[0]
+            out = tmp / rel / f"{stem}.safetensors"
+            meta = {"format": "pt", "maxdiff_dtype": str(dtype)}
+            nbytes = write_cast_safetensors(source, out, dtype, meta)
+            SafetensorsFile(out)  # re-read the header: a bad file fails here, not at load time
+            total += nbytes
+            _log(f"{rel}: {len(source.keys())} tensors from {source.describe()} -> "
+                 f"{out.name} ({nbytes / 2**20:.1f} MiB {dtype})")
+        if dst.exists():
+            old = dst.parent / f".{dst.name}{TMP_MARK}-old-{os.getpid()}"
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _log(f"wrote {dst} ({total / 2**20:.1f} MiB of weights, {dtype}) in "
+         f"{time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+# ---------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else 2
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    command = {"generate": cmd_generate, "info": cmd_info, "convert": cmd_convert}[args.command]
+    previous = None
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        previous = signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        return command(args)
+    except InputError as e:
+        for msg in e.errors:
+            print(f"{PROG} {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except Interrupted as e:
+        print(f"{PROG} {args.command}: interrupted by {signal.Signals(e.signum).name}",
+              file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get("MAXDIFF_DEBUG"):
+            traceback.print_exc()
+        print(f"{PROG} {args.command}: error: {type(e).__name__}: {e} "
+              "(set MAXDIFF_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

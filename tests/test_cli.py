@@ -1,0 +1,315 @@
+"""The ``maxdiff`` command line, end to end: the real console script in a subprocess on the tiny
+checkpoint. Every generating run shares one shape where it can (32x32, 1 step, guidance on,
+device batch 2) and one compile cache, so most runs reuse a compiled program."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipelines import batch, cli
+from maxdiff.checkpoint import open_weights
+
+REPO = Path(__file__).resolve().parent.parent
+_SCRIPT = Path(sys.executable).parent / "maxdiff"
+CLI = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "pipelines.cli"]
+COMMON = ["--steps", "1", "--batch-size", "2"]  # with the model's 32x32 and guidance 5.0
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """One compile cache for every run; XLA's CPU backend at -O0 halves each first compile (the
+    tests compare runs with each other, never with another optimisation level)."""
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    e = dict(os.environ, MAXDIFF_COMPILE_CACHE=str(tmp_path_factory.mktemp("compile-cache")),
+             PYTHONPATH=str(REPO), XLA_FLAGS=flags.strip())
+    e.pop("MAXDIFF_DEFAULT_MODEL", None)
+    return e
+
+
+def _one_cpu():
+    """Pin a run to one CPU: XLA:CPU with several intra-op threads can differ in the last bit
+    between runs (jax-ml/jax#39741), which now and then moves a pixel by one level and would make
+    the byte-for-byte comparisons flaky. On one thread every run is bit-identical."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
+def run(env, *args, timeout=180) -> subprocess.CompletedProcess:
+    return subprocess.run(CLI + [str(a) for a in args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout, preexec_fn=_one_cpu)
+
+
+def metadata(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metadata.jsonl").read_text().splitlines()]
+
+
+def images(out: Path, ext="png") -> list[str]:
+    return sorted(p.name for p in out.glob(f"*.{ext}"))
+
+
+@pytest.fixture(scope="module")
+def text_run(sdxl_dir, env, tmp_path_factory):
+    """One positional prompt plus a text file with a comment and a blank line, 2 images each."""
+    d = tmp_path_factory.mktemp("text-run")
+    prompts = d / "prompts.txt"
+    prompts.write_text("# a comment line\na red circle\n\n  the cat on a blue square  \n")
+    args = ["generate", "a photo of a dog", "--prompts", prompts, "--model", sdxl_dir, *COMMON,
+            "--num-images", "2", "--seed", "7"]
+    res = run(env, *args, "--out", d / "out")
+    assert res.returncode == 0, res.stderr
+    return d / "out", args, res
+
+
+@pytest.fixture(scope="module")
+def converted(sdxl_dir, env, tmp_path_factory):
+    """``maxdiff convert`` of the tiny checkpoint to float32 and to bfloat16."""
+    d = tmp_path_factory.mktemp("converted")
+    for dtype in ("float32", "bf16"):
+        res = run(env, "convert", sdxl_dir, d / dtype, "--dtype", dtype)
+        assert res.returncode == 0, res.stderr
+    assert not [p for p in d.iterdir() if batch.TMP_MARK in p.name]
+    return d / "float32", d / "bf16"
+
+
+# ---------------------------------------------------------------------------------- generate
+def test_text_prompts_files_metadata_and_png_chunks(text_run, sdxl_dir):
+    out, _, res = text_run
+    names = images(out)
+    assert len(names) == 6
+    assert [n[:8] for n in names] == ["00000-00", "00000-01", "00001-00", "00001-01",
+                                      "00002-00", "00002-01"]
+    assert names[2].startswith("00001-00-a-red-circle-")
+    recs = metadata(out)
+    assert sorted(r["file"] for r in recs) == names
+    by_file = {r["file"]: r for r in recs}
+    assert [by_file[n]["prompt"] for n in names[::2]] == [
+        "a photo of a dog", "a red circle", "the cat on a blue square"]
+    assert len({r["seed"] for r in recs}) == 6 and all(r["run_seed"] == 7 for r in recs)
+    for r in recs:
+        assert (r["steps"], r["guidance"], r["size"], r["dtype"]) == (1, 5.0, "32x32", "float32")
+        assert r["scheduler"] == "EulerDiscreteScheduler" and r["model"] == str(sdxl_dir.resolve())
+        assert r["negative_prompt"] is None and r["time"] and r["id"][:8] in r["file"]
+        with Image.open(out / r["file"]) as im:
+            assert im.size == (32, 32)
+            text = dict(im.text)
+        assert text["prompt"] == r["prompt"] and text["seed"] == str(r["seed"])
+        assert (text["steps"], text["guidance"], text["size"]) == ("1", "5.0", "32x32")
+        assert text["model"] == r["model"] and "negative_prompt" not in text
+    assert "done: 6 new image(s)" in res.stderr and "img/s" in res.stderr
+
+
+def test_same_command_reproduces_the_same_bytes(text_run, env, tmp_path):
+    out, args, _ = text_run
+    res = run(env, *args, "--out", tmp_path / "again", "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert "%|" not in res.stderr  # --quiet: no progress bar, plain log lines
+    assert images(tmp_path / "again") == images(out)
+    for name in images(out):
+        assert (tmp_path / "again" / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_jsonl_per_line_overrides_and_webp(converted, env, tmp_path):
+    """On the bfloat16-converted checkpoint, which so shows that it loads and runs."""
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("\n".join([
+        json.dumps({"prompt": "a red circle", "seed": 5, "n": 2}),
+        "# the next line has its own negative prompt and guidance",
+        json.dumps({"prompt": "a blue square", "negative_prompt": "green", "guidance": 3.0}),
+        "",
+        json.dumps({"prompt": "the cat", "size": "16x24", "steps": 2, "seed": 11}),
+        json.dumps({"prompt": "a dog"}),
+    ]) + "\n")
+    out = tmp_path / "out"
+    res = run(env, "generate", "--prompts", jobs, "--model", converted[1], *COMMON, "--seed", "1",
+              "--negative", "blurry", "--format", "webp", "--out", out)
+    assert res.returncode == 0, res.stderr
+    recs = {(r["line"], r["image"]): r for r in metadata(out)}
+    assert sorted(recs) == [(0, 0), (0, 1), (1, 0), (2, 0), (3, 0)]
+    assert [recs[0, k]["seed"] for k in (0, 1)] == [5, 6]  # a line's seed: seed, seed+1, ...
+    assert recs[1, 0]["negative_prompt"] == "green" and recs[1, 0]["guidance"] == 3.0
+    assert recs[3, 0]["negative_prompt"] == "blurry" and recs[3, 0]["guidance"] == 5.0
+    assert recs[3, 0]["seed"] == batch.derive_seed(1, 3, 0)
+    assert recs[2, 0]["source"] == f"{jobs}:5" and recs[2, 0]["model"] == str(converted[1])
+    assert (recs[2, 0]["steps"], recs[2, 0]["size"]) == (2, "16x24")
+    assert sorted(r["file"] for r in recs.values()) == images(out, "webp")
+    with Image.open(out / recs[2, 0]["file"]) as im:
+        assert im.format == "WEBP" and im.size == (16, 24)
+    info = batch.read_image_info(out / recs[1, 0]["file"])
+    assert info["negative_prompt"] == "green" and info["seed"] == str(recs[1, 0]["seed"])
+
+
+def test_resume_after_sigterm(sdxl_dir, env, tmp_path):
+    """SIGTERM once the first image exists: exit 143, no temp files, only finished images kept
+    (at most the batch in flight lost); a truncated last metadata line (as a SIGKILL leaves) is
+    dropped; the rerun writes only the missing images and leaves finished ones untouched."""
+    n = 24
+    prompts = tmp_path / "many.txt"
+    prompts.write_text("".join(f"a small red circle {i}\n" for i in range(n)))
+    out = tmp_path / "out"
+    args = ["generate", "--prompts", prompts, "--model", sdxl_dir, *COMMON, "--seed", "3",
+            "--out", out, "--quiet"]
+    proc = subprocess.Popen(CLI + [str(a) for a in args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_one_cpu)
+    deadline = time.monotonic() + 150
+    while not (out.is_dir() and any(out.glob("*.png"))):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no image appeared"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "interrupted by SIGTERM" in err and "Rerun the same command" in err
+    assert not [p for p in out.iterdir() if batch.TMP_MARK in p.name]
+    first = metadata(out)
+    assert 1 <= len(first) < n
+    files = images(out)
+    assert {r["file"] for r in first} <= set(files) and len(files) - len(first) <= 2
+    mtimes = {r["file"]: (out / r["file"]).stat().st_mtime_ns for r in first}
+    with open(out / "metadata.jsonl", "a") as f:
+        f.write('{"line": 23, "image": 0, "prom')  # a line cut short by SIGKILL
+
+    res = run(env, *args)
+    assert res.returncode == 0, res.stderr
+    assert "dropping an incomplete last line" in res.stderr
+    assert f"{len(first)} already in" in res.stderr
+    recs = metadata(out)  # every line parses: the cut line is gone
+    assert len(recs) == n and recs[:len(first)] == first
+    assert sorted(r["file"] for r in recs) == images(out) and len(images(out)) == n
+    assert {r["line"] for r in recs} == set(range(n))
+    for name, mtime in mtimes.items():
+        assert (out / name).stat().st_mtime_ns == mtime, f"{name} was rewritten"
+
+
+def test_bad_lines_are_all_reported_and_nothing_is_written(sdxl_dir, env, tmp_path):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text("\n".join([
+        json.dumps({"prompt": "fine"}),
+        json.dumps({"negative_prompt": "no prompt here"}),
+        json.dumps({"prompt": "x", "steps": -2}),
+        "# comment",
+        json.dumps({"prompt": "x", "size": "33x32"}),
+        json.dumps({"prompt": "x", "stpes": 3}),
+        '{"prompt": "unclosed',
+    ]) + "\n")
+    out = tmp_path / "out"
+    res = run(env, "generate", "--prompts", bad, "--model", sdxl_dir, "--out", out)
+    assert res.returncode == 2
+    err = res.stderr
+    assert f"{bad}:2: field 'prompt' is missing" in err
+    assert f"{bad}:3: field 'steps': must be an integer >= 1, got -2" in err
+    assert f"{bad}:5: field 'size': 33x32 is not a multiple of 2" in err
+    assert f"{bad}:6: unknown field 'stpes'" in err
+    assert f"{bad}:7: not valid JSON" in err
+    assert f"{bad}:1" not in err
+    assert not out.exists()
+
+
+def test_usage_errors_exit_2_with_a_clear_message(sdxl_dir, env, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    res = run(env, "generate", "a cat", "--model", sdxl_dir, "--out", a_file / "out")
+    assert res.returncode == 2
+    assert f"output folder {a_file / 'out'}" in res.stderr and "choose another --out" in res.stderr
+
+    missing = tmp_path / "no-such-model"
+    res = run(env, "generate", "a cat", "--model", missing, "--out", tmp_path / "o")
+    assert res.returncode == 2 and f"model {missing}: no such folder" in res.stderr
+
+    res = run(dict(env, MAXDIFF_DEFAULT_MODEL=str(missing)), "info")
+    assert res.returncode == 2 and f"no default model at {missing}" in res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------------- convert, info
+def test_convert_roundtrip_and_info(converted, text_run, sdxl_dir, env, tmp_path):
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+    fp32, bf16 = converted
+    for comp, stem in (("unet", "diffusion_pytorch_model"), ("vae", "diffusion_pytorch_model"),
+                       ("text_encoder", "model"), ("text_encoder_2", "model")):
+        orig = open_weights(sdxl_dir / comp)
+        conv = open_weights(bf16 / comp / f"{stem}.safetensors")
+        assert sorted(conv.keys()) == sorted(orig.keys())
+        for k in orig.keys():
+            assert str(conv.get(k).dtype) == "bfloat16" and conv.get(k).shape == orig.get(k).shape
+        config = (fp32 / comp / "config.json").read_bytes()
+        assert config == (sdxl_dir / comp / "config.json").read_bytes()
+    assert (bf16 / "tokenizer_2" / "tokenizer.json").is_file()
+    assert (bf16 / "scheduler" / "scheduler_config.json").is_file()
+    torch_pipe = StableDiffusionXLPipeline.from_pretrained(bf16, dtype=torch.bfloat16)
+    assert torch_pipe.unet.dtype == torch.bfloat16  # still a folder diffusers loads
+
+    # float32: the same pixels as the original checkpoint (line 0 of text_run: same seeds)
+    out, _, _ = text_run
+    res = run(env, "generate", "a photo of a dog", "--model", fp32, *COMMON, "--num-images", "2",
+              "--seed", "7", "--out", tmp_path / "out", "--quiet")
+    assert res.returncode == 0, res.stderr
+    ours = images(tmp_path / "out")
+    theirs = [n for n in images(out) if n.startswith("00000-")]
+    assert len(ours) == len(theirs) == 2
+    for a, b in zip(ours, theirs):
+        assert np.array_equal(np.asarray(Image.open(tmp_path / "out" / a)),
+                              np.asarray(Image.open(out / b)))
+
+    res = run(env, "info", "--model", bf16)
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    for comp in ("unet", "vae", "text_encoder", "text_encoder_2", "total"):
+        assert comp in text
+    src = open_weights(sdxl_dir / "unet")
+    n_unet = sum(int(np.prod(src.get(k).shape)) for k in src.keys())
+    unet_row = next(line for line in text.splitlines() if line.startswith("unet "))
+    assert f"{n_unet:,}" in unet_row and "float32" in unet_row and "bfloat16" in unet_row
+    assert "UNet2DConditionModel" in unet_row and "cpu" in text
+
+
+# ---------------------------------------------------------------------------------- in-process
+def test_help_has_examples(capsys):
+    assert cli.main(["generate", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "examples:" in text and "--prompts" in text and "metadata.jsonl" in text
+    assert cli.main([]) == 2
+
+
+def test_seeds_do_not_shift_when_lines_are_added():
+    s = batch.RunSettings(model="m", scheduler="s", dtype="float32", steps=1, guidance=5.0,
+                          width=32, height=32, run_seed=9, num_images=2)
+    few = batch.plan_jobs(batch.read_prompts(["a", "b"]), s)
+    more = batch.plan_jobs(batch.read_prompts(["a", "b", "c"]), s)
+    assert [(j.seed, j.file) for j in few] == [(j.seed, j.file) for j in more[:4]]
+    assert len({j.seed for j in more}) == 6
+
+
+def test_batches_group_by_shape_and_pad_to_one_bucket():
+    s = batch.RunSettings(model="m", scheduler="s", dtype="float32", steps=1, guidance=5.0,
+                          width=32, height=32, run_seed=0)
+    lines = batch.read_prompts(file="p.jsonl", file_text="\n".join(json.dumps(d) for d in [
+        {"prompt": "a", "n": 3}, {"prompt": "b", "guidance": 0}, {"prompt": "c"}]))
+    got = [(shape, [j.line.index for j in jobs], bucket)
+           for shape, jobs, bucket in batch.batches(batch.plan_jobs(lines, s), 2)]
+    assert got == [((32, 32, 1, True), [0, 0], 2), ((32, 32, 1, True), [0, 2], 2),
+                   ((32, 32, 1, False), [1], 1)]
+
+
+def test_convert_refuses_an_existing_destination_unless_forced(sdxl_dir, tmp_path, capsys):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "old-file").write_text("")
+    assert cli.main(["convert", str(sdxl_dir), str(dst), "--dtype", "fp16"]) == 2
+    assert "exists; pass --force" in capsys.readouterr().err
+    assert cli.main(["convert", str(sdxl_dir), str(dst), "--dtype", "fp16", "--force"]) == 0
+    assert not (dst / "old-file").exists() and (dst / "model_index.json").is_file()
+    assert str(open_weights(dst / "vae").get("decoder.conv_in.weight").dtype) == "float16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # no temp folders left
+    assert cli.main(["convert", str(tmp_path / "nope"), str(tmp_path / "x")]) == 2
