@@ -28,7 +28,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import jax
 import ml_dtypes
@@ -44,6 +44,7 @@ __all__ = [
     "read_config",
     "resolve_dtype",
     "save_safetensors",
+    "LazyTensor",
 ]
 
 
@@ -152,6 +153,9 @@ class SafetensorsFile:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._entries[key][1]
 
+    def dtype(self, key: str) -> np.dtype:
+        return self._entries[key][0]
+
     def get(self, key: str) -> np.ndarray:
         """The tensor, read from disk into a fresh array (no mapping left behind, so loading
         tensor by tensor keeps peak memory near the size of what is kept)."""
@@ -191,6 +195,13 @@ class WeightSource:
 
     def get(self, key: str) -> np.ndarray:
         return self.files[self.index[key]].get(key)
+
+    def lazy(self, key: str, dtype: Any = None) -> "LazyTensor":
+        """The tensor as a :class:`LazyTensor` (read on demand), floats cast to ``dtype``."""
+        f = self.files[self.index[key]]
+        src = f.dtype(key)
+        dt = np.dtype(dtype) if dtype is not None and _is_float(src) else src
+        return LazyTensor(f.shape(key), dt, lambda: f.get(key).astype(dt, copy=False))
 
     def describe(self) -> str:
         names = sorted(Path(p).name for p in self.files)
@@ -374,29 +385,59 @@ def _torch_shape(path: tuple[str, ...], flax_shape: tuple[int, ...]) -> tuple[in
     return flax_shape
 
 
-def save_safetensors(tensors: Mapping[str, np.ndarray], path: str | os.PathLike,
-                     metadata: Mapping[str, str] | None = None) -> None:
-    """Write tensors as a safetensors file, atomically (temp file, then rename)."""
+def _is_float(dt: np.dtype) -> bool:
+    return np.issubdtype(dt, np.floating) or dt == ml_dtypes.bfloat16
+
+
+class LazyTensor(NamedTuple):
+    """A tensor known by shape and dtype, produced by ``load()`` only when it is written."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    load: Callable[[], np.ndarray]
+
+
+def save_safetensors(tensors: Mapping[str, "np.ndarray | LazyTensor"], path: str | os.PathLike,
+                     metadata: Mapping[str, str] | None = None) -> int:
+    """Write tensors as a safetensors file, atomically (temp file, fsync, rename).
+
+    Values may be arrays or :class:`LazyTensor` s; lazy ones are loaded one at a time while
+    writing, so converting a checkpoint never holds more than one tensor. Returns the size.
+    """
     path = Path(path)
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
-    arrays = {}
-    for k in sorted(tensors):
-        a = np.ascontiguousarray(tensors[k])
-        dt = _ST_NAMES.get(a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype)
-        if dt is None:
-            raise ValueError(f"cannot store tensor {k!r} of dtype {a.dtype} in safetensors")
-        header[k] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-        arrays[k] = a
+    keys = sorted(tensors)
+    for k in keys:
+        t = tensors[k]
+        dt = np.dtype(t.dtype)
+        dt = dt.newbyteorder("<") if dt.byteorder == ">" else dt
+        name = _ST_NAMES.get(dt)
+        if name is None:
+            raise ValueError(f"cannot store tensor {k!r} of dtype {dt} in safetensors")
+        n = int(np.prod(t.shape, dtype=np.int64)) * dt.itemsize
+        header[k] = {"dtype": name, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)))
-        f.write(hb)
-        for k in sorted(arrays):
-            f.write(arrays[k].tobytes())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(hb)))
+            f.write(hb)
+            for k in keys:
+                t = tensors[k]
+                a = t.load() if isinstance(t, LazyTensor) else t
+                a = np.ascontiguousarray(a, dtype=t.dtype)
+                if tuple(a.shape) != tuple(t.shape):
+                    raise ValueError(f"tensor {k!r} loaded with shape {a.shape}, declared {t.shape}")
+                f.write(a.reshape(-1).view(np.uint8))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return 8 + len(hb) + offset

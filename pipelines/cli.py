@@ -20,7 +20,6 @@ import os
 import secrets
 import shutil
 import signal
-import struct
 import sys
 import time
 import traceback
@@ -398,45 +397,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.ind
                     ".ckpt", ".pt", ".pth", ".msgpack", ".h5", ".onnx")
 
 
-def write_cast_safetensors(source, path: Path, dtype, metadata: dict[str, str]) -> int:
-    """Write every tensor of ``source`` (a :class:`maxdiff.checkpoint.WeightSource`) to one
-    safetensors file at ``path``, floating tensors cast to ``dtype``, one tensor in memory at a
-    time (``save_safetensors`` would hold them all). Returns the number of bytes written."""
-    import ml_dtypes
-    import numpy as np
-
-    names = {np.dtype(t): n for t, n in (
-        ("<f8", "F64"), ("<f4", "F32"), ("<f2", "F16"), (ml_dtypes.bfloat16, "BF16"),
-        ("<i8", "I64"), ("<i4", "I32"), ("<i2", "I16"), ("i1", "I8"), ("u1", "U8"), ("?", "BOOL"))}
-
-    def target(dt):
-        return dtype if np.issubdtype(dt, np.floating) or dt == ml_dtypes.bfloat16 else dt
-
-    keys = sorted(source.keys())
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    offset = 0
-    for k in keys:
-        a = source.get(k)  # a view into the memory-mapped file: nothing read yet
-        dt = np.dtype(target(a.dtype))
-        n = int(np.prod(a.shape, dtype=np.int64)) * dt.itemsize
-        header[k] = {"dtype": names[dt], "shape": list(a.shape),
-                     "data_offsets": [offset, offset + n]}
-        offset += n
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)) + hb)
-        for k in keys:
-            a = source.get(k)
-            a = np.ascontiguousarray(a.astype(target(a.dtype), copy=False)).reshape(-1)
-            f.write(a.view(np.uint8))
-        f.flush()
-        os.fsync(f.fileno())
-    return 8 + len(hb) + offset
-
-
 def cmd_convert(args) -> int:
-    from maxdiff.checkpoint import SafetensorsFile, open_weights, resolve_dtype
+    from maxdiff.checkpoint import SafetensorsFile, open_weights, resolve_dtype, save_safetensors
 
     src, dst = Path(args.src), Path(args.dst)
     with _usage_errors():
@@ -467,10 +429,12 @@ def cmd_convert(args) -> int:
                 continue
             with _usage_errors():
                 source = open_weights(folder)  # safetensors only; single, fp16 variant or shards
-            stem = Path(next(iter(source.files))).name.split(".")[0]
+            names = [Path(p).name for p in source.files]
+            stem = ("diffusion_pytorch_model"
+                    if any(n.startswith("diffusion_pytorch_model") for n in names) else "model")
             out = tmp / rel / f"{stem}.safetensors"
             meta = {"format": "pt", "maxdiff_dtype": str(dtype)}
-            nbytes = write_cast_safetensors(source, out, dtype, meta)
+            nbytes = save_safetensors({k: source.lazy(k, dtype) for k in source.keys()}, out, meta)
             SafetensorsFile(out)  # re-read the header: a bad file fails here, not at load time
             total += nbytes
             _log(f"{rel}: {len(source.keys())} tensors from {source.describe()} -> "

@@ -18,5 +18,6 @@ def default_model_path() -> Path:
         raise FileNotFoundError(
             f"no model given and no default model at {path}: pass a diffusers SDXL folder "
             f"(for example --model DIR / from_pretrained(DIR)), or set {ENV} to one. "
-            "The embedded demo model is not built yet in this version of maxdiff.")
+            f"The embedded demo model belongs at {EMBEDDED}; rebuild it there with "
+            "`make train-demo`.")
     return path
