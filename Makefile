@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.maxdiff-installed
 
-.PHONY: venv test test-slow demo clean
+.PHONY: venv test test-slow demo train-demo clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test-slow: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m pipelines.demo
+
+# Re-trains the embedded demo model (about an hour on 2 CPU cores) into maxdiff/assets/demo-model.
+train-demo: $(STAMP)
+	$(PY) -m maxdiff.training.train --config configs/train-demo.yaml --out maxdiff/assets/demo-model
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,147 @@
+"""A procedural dataset of captioned 64x64 shape images, generated on the fly with NumPy.
+
+Every sample is one filled shape (circle, square or triangle) of one named colour on a plain
+background of another named colour, at one of three sizes and five positions, with a caption
+drawn from varied templates ("a red circle on a blue background", "small green triangle, top
+left, white background"). ``sample(rng)`` is deterministic given the generator's state;
+``batch(seed, n)`` is deterministic given ``seed``.
+
+Images are uint8 (H, W, 3) RGB; ``to_model(images)`` maps them to float32 [-1, 1] NHWC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SIZE = 64
+
+# Well separated colours (RGB). Names are what captions say.
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 20, 20),
+    "green": (20, 170, 40),
+    "blue": (30, 60, 230),
+    "yellow": (250, 230, 30),
+    "purple": (140, 40, 190),
+    "orange": (250, 130, 10),
+    "cyan": (30, 220, 230),
+    "white": (250, 250, 250),
+    "black": (15, 15, 15),
+}
+COLOR_NAMES = tuple(COLORS)
+SHAPES = ("circle", "square", "triangle")
+# half extent of the shape in pixels
+SIZES = {"small": 9, "medium": 14, "large": 20}
+POSITIONS = ("center", "top left", "top right", "bottom left", "bottom right")
+
+TEMPLATES_FULL = (  # templates that say everything
+    "a {size} {color} {shape} in the {pos} of a {bg} background",
+    "{size} {color} {shape}, {pos}, {bg} background",
+    "a {size} {color} {shape} at the {pos}, on {bg}",
+)
+TEMPLATES_SHORT = (  # templates that leave size and position to chance
+    "a {color} {shape} on a {bg} background",
+    "{color} {shape} on {bg}",
+    "a {bg} background with a {color} {shape}",
+    "a picture of a {color} {shape} on a {bg} background",
+    "{color} {shape}, {bg} background",
+)
+TEMPLATES_SIZE = (
+    "a {size} {color} {shape} on a {bg} background",
+    "{size} {color} {shape} on {bg}",
+)
+TEMPLATES_POS = (
+    "a {color} {shape} in the {pos} of a {bg} background",
+    "{color} {shape}, {pos}, {bg} background",
+)
+
+
+@dataclass(frozen=True)
+class Scene:
+    """What one image shows; ``cx, cy`` is the shape's centre in pixels, ``r`` its half extent."""
+
+    shape: str
+    color: str
+    bg: str
+    size: str
+    pos: str
+    cx: float
+    cy: float
+    r: float
+
+
+def position_center(pos: str, r: float) -> tuple[float, float]:
+    """Pixel centre (x, y) of a shape of half extent ``r`` at a named position."""
+    lo, hi, mid = r + 4, SIZE - 1 - r - 4, (SIZE - 1) / 2
+    if pos == "center":
+        return mid, mid
+    v, h = pos.split()
+    return (lo if h == "left" else hi), (lo if v == "top" else hi)
+
+
+def random_scene(rng: np.random.Generator) -> Scene:
+    shape = SHAPES[rng.integers(len(SHAPES))]
+    color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
+    bg = color
+    while bg == color:
+        bg = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
+    size = tuple(SIZES)[rng.integers(len(SIZES))]
+    pos = POSITIONS[rng.integers(len(POSITIONS))]
+    r = SIZES[size] + rng.uniform(-1.5, 1.5)
+    cx, cy = position_center(pos, r)
+    cx += rng.uniform(-2, 2)
+    cy += rng.uniform(-2, 2)
+    return Scene(shape, color, bg, size, pos, float(cx), float(cy), float(r))
+
+
+def shape_mask(shape: str, cx: float, cy: float, r: float, size: int = SIZE) -> np.ndarray:
+    """Boolean (size, size) mask of a shape; anti-aliased edges are not modelled (hard edges)."""
+    y, x = np.mgrid[0:size, 0:size].astype(np.float32) + 0.5
+    cx, cy = cx + 0.5, cy + 0.5
+    if shape == "circle":
+        return (x - cx) ** 2 + (y - cy) ** 2 <= r * r
+    if shape == "square":
+        return (np.abs(x - cx) <= r) & (np.abs(y - cy) <= r)
+    if shape == "triangle":  # upright isosceles, base = height = 2r
+        top, bottom = cy - r, cy + r
+        half = (y - top) / (2 * r) * r
+        return (y >= top) & (y <= bottom) & (np.abs(x - cx) <= half)
+    raise ValueError(f"unknown shape {shape!r}; use one of {SHAPES}")
+
+
+def render(scene: Scene) -> np.ndarray:
+    """The scene as a uint8 (64, 64, 3) RGB image."""
+    img = np.empty((SIZE, SIZE, 3), np.uint8)
+    img[:] = COLORS[scene.bg]
+    img[shape_mask(scene.shape, scene.cx, scene.cy, scene.r)] = COLORS[scene.color]
+    return img
+
+
+def caption(scene: Scene, rng: np.random.Generator) -> str:
+    """One caption for the scene, from a randomly chosen template family."""
+    u = rng.random()
+    family = (TEMPLATES_SHORT if u < 0.4 else TEMPLATES_FULL if u < 0.7
+              else TEMPLATES_SIZE if u < 0.85 else TEMPLATES_POS)
+    t = family[rng.integers(len(family))]
+    pos = "middle" if scene.pos == "center" and "{pos}," in t and rng.random() < 0.5 else scene.pos
+    text = t.format(size=scene.size, color=scene.color, shape=scene.shape, bg=scene.bg, pos=pos)
+    return text.replace("a orange", "an orange").replace("A orange", "An orange")
+
+
+def sample(rng: np.random.Generator) -> tuple[np.ndarray, str, Scene]:
+    """One (image uint8 (64, 64, 3), caption, scene)."""
+    scene = random_scene(rng)
+    return render(scene), caption(scene, rng), scene
+
+
+def batch(seed: int, n: int) -> tuple[np.ndarray, list[str], list[Scene]]:
+    """``n`` samples, deterministic in ``seed``: images (n, 64, 64, 3) uint8, captions, scenes."""
+    rng = np.random.default_rng(seed)
+    out = [sample(rng) for _ in range(n)]
+    return np.stack([o[0] for o in out]), [o[1] for o in out], [o[2] for o in out]
+
+
+def to_model(images: np.ndarray) -> np.ndarray:
+    """uint8 (..., 3) -> float32 in [-1, 1]."""
+    return images.astype(np.float32) / 127.5 - 1.0

@@ -1,0 +1,335 @@
+"""Train the embedded demo model: a small SDXL-architecture pipeline on procedural shapes.
+
+    python -m maxdiff.training.train --config configs/train-demo.yaml --out DIR
+
+Two phases, both jitted ``jax.value_and_grad`` + optax AdamW steps in float32:
+
+1. VAE (diffusers ``AutoencoderKL`` architecture, :mod:`maxdiff.models.vae`): L1 + L2
+   reconstruction of 64x64 shape images plus a small KL term. Its latent scaling factor is
+   1 / std of the latents of a held-out batch.
+2. UNet (SDXL ``UNet2DConditionModel``: ``addition_embed_type="text_time"``, cross attention on
+   both text encoders' penultimate hidden states, pooled projection of encoder 2) trained
+   jointly with the two CLIP text encoders on the epsilon-prediction loss (min-SNR weighted),
+   with offset noise and caption dropout (the dropped captions get ZERO text embeddings, which
+   is what SDXL pipelines feed the unconditional branch when ``force_zeros_for_empty_prompt``).
+   The latents of a pool of generated images are encoded once, before this phase.
+
+An EMA of the phase-2 weights is exported as a diffusers SDXL folder (``--out``) every
+``save_every`` steps and at the end, so a run stopped early still leaves a usable model.
+``max_minutes`` bounds the phase-2 wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from tqdm import tqdm
+
+from maxdiff import checkpoint
+from maxdiff.models.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+from maxdiff.models.unet import UNet2DConditionModel, UNetConfig, count_params
+from maxdiff.models.vae import AutoencoderKL, AutoencoderKLConfig
+from maxdiff.schedulers import SDXL_BASE_SCHEDULER_CONFIG
+from maxdiff.training import export, shapes
+
+DEFAULT_VOCAB = Path(__file__).resolve().parent.parent / "assets" / "demo-model" / "tokenizer"
+
+
+@dataclass
+class PhaseConfig:
+    steps: int = 1000
+    batch: int = 16
+    lr: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    """``configs/train-demo.yaml``; unknown keys are refused."""
+
+    seed: int = 0
+    vae: dict = field(default_factory=dict)  # diffusers AutoencoderKL config
+    unet: dict = field(default_factory=dict)  # diffusers UNet2DConditionModel config
+    text_encoder: dict = field(default_factory=dict)  # transformers CLIPTextConfig fields
+    text_encoder_2: dict = field(default_factory=dict)
+    scheduler: dict = field(default_factory=dict)  # overrides of SDXL's Euler config
+    vae_train: PhaseConfig = field(default_factory=PhaseConfig)
+    unet_train: PhaseConfig = field(default_factory=PhaseConfig)
+    kl_weight: float = 1e-6
+    pool_size: int = 16384
+    caption_dropout: float = 0.1
+    offset_noise: float = 0.1
+    min_snr_gamma: float = 5.0
+    ema_decay: float = 0.999
+    save_every: int = 1000
+    max_minutes: float = 0.0  # phase-2 wall-time bound; 0: none
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: dict | None = None) -> "TrainConfig":
+        d = yaml.safe_load(Path(path).read_text()) or {}
+        d.update(overrides or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(d) - names)
+        if bad:
+            raise ValueError(f"{path}: unknown key(s) {bad}; allowed: {sorted(names)}")
+        for k in ("vae_train", "unet_train"):
+            if k in d:
+                sub = {f.name for f in dataclasses.fields(PhaseConfig)}
+                if set(d[k]) - sub:
+                    raise ValueError(f"{path}: {k}: unknown key(s) {sorted(set(d[k]) - sub)}; "
+                                     f"allowed: {sorted(sub)}")
+                d[k] = PhaseConfig(**d[k])
+        return cls(**d)
+
+
+def _optimizer(p: PhaseConfig, clip: float = 1.0):
+    sched = optax.warmup_constant_schedule(0.0, p.lr, max(p.warmup, 1)) if p.warmup else p.lr
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.adamw(sched, weight_decay=p.weight_decay))
+
+
+def _alphas_cumprod(sched_cfg: dict) -> np.ndarray:
+    n = sched_cfg["num_train_timesteps"]
+    betas = np.linspace(sched_cfg["beta_start"] ** 0.5, sched_cfg["beta_end"] ** 0.5, n,
+                        dtype=np.float64) ** 2  # scaled_linear
+    return np.cumprod(1.0 - betas).astype(np.float32)
+
+
+# ---------------------------------------------------------------------- phase 1: the VAE
+def train_vae(cfg: TrainConfig, log=print) -> tuple[dict, dict]:
+    """Returns (vae config dict with its scaling_factor, params)."""
+    vcfg = dict(cfg.vae)
+    model = AutoencoderKL(AutoencoderKLConfig.from_dict(vcfg), attention_kernel="xla")
+    key = jax.random.key(cfg.seed)
+    params = jax.jit(model.init)(key, jnp.zeros((1, shapes.SIZE, shapes.SIZE, 3)))["params"]
+    log(f"VAE: {count_params(params):,} parameters")
+    p = cfg.vae_train
+    tx = _optimizer(p)
+    opt = tx.init(params)
+
+    def loss_fn(params, x, k):
+        post = model.apply({"params": params}, x, method="encode")
+        rec = model.apply({"params": params}, post.sample(k), method="decode")
+        l1 = jnp.mean(jnp.abs(rec - x))
+        l2 = jnp.mean((rec - x) ** 2)
+        kl = 0.5 * jnp.mean(post.mean ** 2 + jnp.exp(post.logvar) - 1.0 - post.logvar)
+        return l1 + l2 + cfg.kl_weight * kl, (l1, kl)
+
+    @jax.jit
+    def step(params, opt, x, k):
+        (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params, x, k)
+        upd, opt = tx.update(g, opt, params)
+        return optax.apply_updates(params, upd), opt, loss, aux
+
+    rng = np.random.default_rng(cfg.seed + 1)
+    bar = tqdm(range(p.steps), desc="vae", dynamic_ncols=True, mininterval=2.0)
+    for i in bar:
+        imgs = np.stack([shapes.sample(rng)[0] for _ in range(p.batch)])
+        params, opt, loss, (l1, kl) = step(params, opt, shapes.to_model(imgs),
+                                            jax.random.fold_in(key, i))
+        if i % 10 == 0:
+            bar.set_postfix(loss=f"{float(loss):.4f}", l1=f"{float(l1):.4f}", kl=f"{float(kl):.1f}")
+    # scaling factor from the latents of fresh images
+    imgs, _, _ = shapes.batch(cfg.seed + 2, 256)
+    enc = jax.jit(lambda p, x: model.apply({"params": p}, x, method="encode").mean)
+    z = np.asarray(enc(params, shapes.to_model(imgs)))
+    vcfg["scaling_factor"] = float(1.0 / z.std())
+    rec = jax.jit(lambda p, x: model.apply({"params": p}, x))(params, shapes.to_model(imgs[:64]))
+    err = float(np.abs((np.asarray(rec) + 1) * 127.5 - imgs[:64]).mean())
+    log(f"VAE: latent std {z.std():.3f} -> scaling_factor {vcfg['scaling_factor']:.4f}; "
+        f"mean abs reconstruction error {err:.2f}/255")
+    return vcfg, params
+
+
+# ---------------------------------------------------------------------- phase 2: UNet + text
+def _tokenizers(vocab_dir: Path):
+    from transformers import CLIPTokenizer
+
+    t1 = CLIPTokenizer(str(vocab_dir / "vocab.json"), str(vocab_dir / "merges.txt"))
+    t2 = CLIPTokenizer(str(vocab_dir / "vocab.json"), str(vocab_dir / "merges.txt"), pad_token="!")
+    t1.model_max_length = t2.model_max_length = 77
+    return t1, t2
+
+
+def _tokenize(tok, captions: list[str]) -> np.ndarray:
+    from maxdiff.tokenizers import tokenize
+
+    return tokenize(tok, captions)
+
+
+def make_pool(cfg: TrainConfig, vae_cfg: dict, vae_params: dict, toks, log=print) -> dict:
+    """Encode ``pool_size`` generated images once: latents (diffusion space) and token ids."""
+    model = AutoencoderKL(AutoencoderKLConfig.from_dict(vae_cfg), attention_kernel="xla")
+    enc = jax.jit(lambda p, x: model.apply({"params": p}, x, method="image_to_latents"))
+    rng = np.random.default_rng(cfg.seed + 3)
+    lat, caps = [], []
+    t0 = time.time()
+    for _ in tqdm(range(0, cfg.pool_size, 256), desc="encode pool", dynamic_ncols=True):
+        batch = [shapes.sample(rng) for _ in range(256)]
+        lat.append(np.asarray(enc(vae_params, shapes.to_model(np.stack([b[0] for b in batch])))))
+        caps += [b[1] for b in batch]
+    lat = np.concatenate(lat)[:cfg.pool_size]
+    caps = caps[:cfg.pool_size]
+    uniq = sorted(set(caps))
+    i1, i2 = _tokenize(toks[0], uniq), _tokenize(toks[1], uniq)
+    index = {c: k for k, c in enumerate(uniq)}
+    sel = np.array([index[c] for c in caps])
+    log(f"pool: {len(caps)} images, {len(uniq)} distinct captions, latents std "
+        f"{lat.std():.3f}, {time.time() - t0:.0f}s")
+    return {"latents": lat, "ids1": i1[sel], "ids2": i2[sel]}
+
+
+def init_text_and_unet(cfg: TrainConfig, key) -> tuple[dict, tuple]:
+    te1 = CLIPTextModel(CLIPTextConfig.from_dict(export.clip_text_config(cfg.text_encoder,
+                                                                          projection=False)))
+    te2 = CLIPTextModelWithProjection(CLIPTextConfig.from_dict(
+        export.clip_text_config(cfg.text_encoder_2, projection=True)))
+    unet = UNet2DConditionModel(UNetConfig.from_dict(cfg.unet))
+    k1, k2, k3 = jax.random.split(key, 3)
+    ids = jnp.zeros((1, 77), jnp.int32)
+    p1 = jax.jit(te1.init)(k1, ids)["params"]
+    p2 = jax.jit(te2.init)(k2, ids)["params"]
+    shapes_in = {k: jnp.zeros(v.shape, v.dtype) for k, v in unet.dummy_inputs(seq=77).items()}
+    pu = jax.jit(unet.init)(k3, **shapes_in)["params"]
+    return {"unet": pu, "text_encoder": p1, "text_encoder_2": p2}, (te1, te2, unet)
+
+
+def train_unet(cfg: TrainConfig, vae_cfg: dict, vae_params: dict, vocab_dir: Path, out: Path,
+               sched_cfg: dict, log=print) -> dict:
+    toks = _tokenizers(vocab_dir)
+    pool = make_pool(cfg, vae_cfg, vae_params, toks, log)
+    key = jax.random.key(cfg.seed + 4)
+    params, (te1, te2, unet) = init_text_and_unet(cfg, key)
+    log("UNet: {:,} parameters; text encoders: {:,} + {:,}".format(
+        *(count_params(params[k]) for k in ("unet", "text_encoder", "text_encoder_2"))))
+    p = cfg.unet_train
+    tx = _optimizer(p)
+    opt = tx.init(params)
+    ema = jax.tree_util.tree_map(jnp.copy, params)
+    ac = jnp.asarray(_alphas_cumprod(sched_cfg))
+    n_t = ac.shape[0]
+    size = shapes.SIZE
+    time_ids = jnp.asarray([[size, size, 0, 0, size, size]], jnp.float32)
+
+    def loss_fn(params, lat, ids1, ids2, k):
+        b = lat.shape[0]
+        kd, kt, kn, ko = jax.random.split(k, 4)
+        o1 = te1.apply({"params": params["text_encoder"]}, ids1)
+        o2 = te2.apply({"params": params["text_encoder_2"]}, ids2)
+        emb = jnp.concatenate([o1.hidden_states[-2], o2.hidden_states[-2]], axis=-1)
+        pooled = o2.text_embeds
+        keep = (jax.random.uniform(kd, (b,)) >= cfg.caption_dropout).astype(jnp.float32)
+        emb = emb * keep[:, None, None]
+        pooled = pooled * keep[:, None]
+        t = jax.random.randint(kt, (b,), 0, n_t)
+        a = ac[t][:, None, None, None]
+        noise = jax.random.normal(kn, lat.shape)
+        noise = noise + cfg.offset_noise * jax.random.normal(ko, (b, 1, 1, lat.shape[-1]))
+        x = jnp.sqrt(a) * lat + jnp.sqrt(1 - a) * noise
+        pred = unet.apply({"params": params["unet"]}, x, t, emb, pooled,
+                          jnp.broadcast_to(time_ids, (b, 6)))
+        snr = ac[t] / (1 - ac[t])
+        w = jnp.minimum(snr, cfg.min_snr_gamma) / snr if cfg.min_snr_gamma else 1.0
+        per = jnp.mean((pred - noise) ** 2, axis=(1, 2, 3))
+        return jnp.mean(w * per), jnp.mean(per)
+
+    @jax.jit
+    def step(params, opt, ema, i, lat, ids1, ids2, k):
+        (loss, raw), g = jax.value_and_grad(loss_fn, has_aux=True)(params, lat, ids1, ids2, k)
+        upd, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, upd)
+        d = jnp.minimum(cfg.ema_decay, (1.0 + i) / (10.0 + i))
+        ema = jax.tree_util.tree_map(lambda e, q: d * e + (1 - d) * q, ema, params)
+        return params, opt, ema, loss, raw
+
+    def save(tag: str):
+        export.export_pipeline(
+            out, unet_config=cfg.unet, unet_params=ema["unet"], vae_config=vae_cfg,
+            vae_params=vae_params, te1_config=cfg.text_encoder, te1_params=ema["text_encoder"],
+            te2_config=cfg.text_encoder_2, te2_params=ema["text_encoder_2"],
+            scheduler_config=sched_cfg, vocab_dir=vocab_dir,
+            metadata={"maxdiff_train_step": tag})
+
+    rng = np.random.default_rng(cfg.seed + 5)
+    n = pool["latents"].shape[0]
+    t0 = time.time()
+    limit = cfg.max_minutes * 60 if cfg.max_minutes else float("inf")
+    bar = tqdm(range(p.steps), desc="unet", dynamic_ncols=True, mininterval=2.0)
+    avg = None
+    done = 0
+    for i in bar:
+        idx = rng.integers(0, n, p.batch)
+        params, opt, ema, loss, raw = step(params, opt, ema, jnp.float32(i), pool["latents"][idx],
+                                           pool["ids1"][idx], pool["ids2"][idx],
+                                           jax.random.fold_in(key, i))
+        done = i + 1
+        if i % 10 == 0:
+            lv = float(raw)
+            avg = lv if avg is None else 0.9 * avg + 0.1 * lv
+            bar.set_postfix(loss=f"{avg:.4f}")
+        if done % cfg.save_every == 0:
+            save(str(done))
+        if time.time() - t0 > limit:
+            log(f"stopping at step {done}: max_minutes={cfg.max_minutes} reached")
+            break
+    bar.close()
+    save(str(done))
+    return {"steps": done, "seconds": time.time() - t0, "loss": avg}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="Train the maxdiff demo model (see module doc).")
+    ap.add_argument("--config", default="configs/train-demo.yaml")
+    ap.add_argument("--out", required=True, help="diffusers folder to write (replaced)")
+    ap.add_argument("--vocab", default=str(DEFAULT_VOCAB),
+                    help="folder with CLIP's vocab.json + merges.txt (scripts/clip_vocab.py)")
+    ap.add_argument("--vae-from", default=None,
+                    help="reuse the VAE of an earlier run's folder instead of training one")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=YAML",
+                    help="override top-level config keys, e.g. max_minutes=5")
+    a = ap.parse_args(argv)
+    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}
+    cfg = TrainConfig.load(a.config, overrides)
+    out = Path(a.out)
+    t0 = time.time()
+    # keep a private copy of the vocabulary: --out may be the folder it came from
+    tmp = Path(tempfile.mkdtemp(prefix="maxdiff-vocab-"))
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copyfile(Path(a.vocab) / name, tmp / name)
+    sched_cfg = dict(SDXL_BASE_SCHEDULER_CONFIG, **cfg.scheduler)
+    if a.vae_from:
+        from maxdiff.models.vae import load_vae
+
+        vae_cfg = {k: v for k, v in checkpoint.read_config(Path(a.vae_from) / "vae").items()
+                   if not k.startswith("_")}
+        _, vae_params = load_vae(Path(a.vae_from) / "vae")
+        vae_params = jax.tree_util.tree_map(np.asarray, vae_params)
+        print(f"VAE: reused from {a.vae_from}")
+    else:
+        vae_cfg, vae_params = train_vae(cfg)
+    t1 = time.time()
+    stats = train_unet(cfg, vae_cfg, vae_params, tmp, out, sched_cfg)
+    shutil.rmtree(tmp)
+    total = time.time() - t0
+    print(json.dumps({"out": str(out), "vae_s": round(t1 - t0), "unet_s": round(stats["seconds"]),
+                      "unet_steps": stats["steps"], "total_s": round(total),
+                      "size_bytes": export.folder_size(out)}))
+
+
+if __name__ == "__main__":
+    main()

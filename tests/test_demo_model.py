@@ -1,0 +1,110 @@
+"""The embedded demo model (maxdiff/assets/demo-model): prompt fidelity, diffusers parity, the
+procedural dataset it was trained on, and ``python -m pipelines.demo``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from maxdiff.training import evaluate, shapes
+from pipelines.default_model import EMBEDDED
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    from pipelines import TextToImagePipeline
+
+    return TextToImagePipeline.from_pretrained(None, compile_cache_dir=None)
+
+
+def test_dataset_is_deterministic():
+    a_img, a_cap, a_sc = shapes.batch(3, 16)
+    b_img, b_cap, b_sc = shapes.batch(3, 16)
+    assert np.array_equal(a_img, b_img) and a_cap == b_cap and a_sc == b_sc
+    c_img, c_cap, _ = shapes.batch(4, 16)
+    assert not np.array_equal(a_img, c_img) and a_cap != c_cap
+    assert a_img.shape == (16, 64, 64, 3) and a_img.dtype == np.uint8
+    for im, cap, sc in zip(a_img, a_cap, a_sc):
+        assert sc.color in cap and sc.shape in cap and sc.bg in cap and sc.color != sc.bg
+        assert tuple(im[0, 0]) == shapes.COLORS[sc.bg] or tuple(im[-1, -1]) == shapes.COLORS[sc.bg]
+        assert (im == shapes.COLORS[sc.color]).all(-1).sum() > 100  # the shape is there
+
+
+def test_dataset_covers_shapes_colours_and_layouts():
+    _, caps, scenes = shapes.batch(0, 2000)
+    assert {s.shape for s in scenes} == set(shapes.SHAPES)
+    assert {s.color for s in scenes} == {s.bg for s in scenes} == set(shapes.COLORS)
+    assert {s.size for s in scenes} == set(shapes.SIZES)
+    assert {s.pos for s in scenes} == set(shapes.POSITIONS)
+    assert len(set(caps)) > 1000
+
+
+def test_analyser_is_exact_on_ground_truth():
+    pairs = evaluate.eval_set()
+    res = evaluate.score([shapes.render(sc) for _, _, sc in pairs], [sc for _, _, sc in pairs])
+    assert res["all"] == 1.0, res["failures"]
+    _, _, scenes = shapes.batch(11, 300)
+    assert evaluate.score([shapes.render(sc) for sc in scenes], scenes)["all"] == 1.0
+
+
+def test_shipped_folder():
+    assert (EMBEDDED / "model_index.json").is_file()
+    size = sum(p.stat().st_size for p in EMBEDDED.rglob("*") if p.is_file())
+    assert size <= 25 * 2**20, f"demo model is {size / 2**20:.1f} MiB"
+    index = json.loads((EMBEDDED / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusionXLPipeline"
+    assert json.loads((EMBEDDED / "tokenizer_2" / "tokenizer_config.json").read_text())["pad_token"] == "!"
+    assert json.loads((EMBEDDED / "scheduler" / "scheduler_config.json").read_text())[
+        "_class_name"] == "DPMSolverMultistepScheduler"  # chosen by measurement (README.md)
+
+
+def test_tokenizer_is_clips(pipe):
+    from maxdiff.tokenizers import tokenize
+
+    ids = tokenize(pipe.tokenizer, ["a red circle on a blue background"])[0]
+    assert list(ids[:9]) == [49406, 320, 736, 7117, 525, 320, 1746, 5994, 49407]
+    assert len(pipe.tokenizer) == 49408
+    assert tokenize(pipe.tokenizer_2, ["a red circle"])[0, -1] == 0  # "!" pads
+
+
+def test_prompt_fidelity(pipe):
+    """48 held-out (prompt, seed) pairs at the configured steps/guidance, one batch."""
+    res = evaluate.evaluate(pipe, DEMO["steps"], DEMO["guidance"])
+    assert evaluate.passes(res), {k: res[k] for k in ("shape_color", "background", "shape", "failures")}
+
+
+@pytest.mark.parity
+def test_diffusers_loads_it_and_agrees(pipe):
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+    theirs = StableDiffusionXLPipeline.from_pretrained(EMBEDDED, torch_dtype=torch.float32)
+    prompts = ["a red circle on a blue background", "small green triangle, top left, white background"]
+    lat = np.random.default_rng(0).standard_normal((2, 4, 16, 16)).astype(np.float32)
+    kw = dict(prompt=prompts, num_inference_steps=4, guidance_scale=DEMO["guidance"])
+    ours = pipe(**kw, latents=lat, output_type="np").images
+    with torch.no_grad():
+        ref = theirs(**kw, latents=torch.from_numpy(lat), output_type="np").images
+    assert ours.shape == ref.shape == (2, 64, 64, 3)
+    assert np.abs(ours - ref).max() <= 2e-3
+
+
+def test_demo_writes_images_and_contact_sheet(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "pipelines.demo", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    pngs = sorted(tmp_path.glob("*.png"))
+    assert (tmp_path / "contact_sheet.png") in pngs and len(pngs) >= 6
+    assert "contact sheet:" in res.stdout and str(tmp_path) in res.stdout
+    from PIL import Image
+
+    assert Image.open(pngs[0]).size == (64, 64)
