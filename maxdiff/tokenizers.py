@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["load_tokenizer", "load_tokenizers", "tokenize"]
+__all__ = ["bytes_to_unicode", "load_tokenizer", "load_tokenizers", "tokenize"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 
@@ -76,3 +76,17 @@ def tokenize(tokenizer: Any, prompts: Sequence[str]) -> np.ndarray:
     ids = tokenizer(prompts, padding="max_length", max_length=n, truncation=True,
                     return_tensors="np").input_ids
     return np.asarray(ids, dtype=np.int32)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP's reversible byte -> printable unicode character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))

@@ -15,21 +15,9 @@ import gzip
 import json
 from pathlib import Path
 
+from maxdiff.tokenizers import bytes_to_unicode
+
 N_MERGES = 49152 - 256 - 2
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2/CLIP's reversible byte -> printable unicode character table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
 
 
 def convert(gz_path: str | Path, out_dir: str | Path) -> tuple[Path, Path]:

@@ -12,26 +12,15 @@ from pathlib import Path
 
 import torch
 
+from maxdiff.tokenizers import bytes_to_unicode
+
 # Words that get merged into whole tokens, so prompts tokenize into a mix of words and bytes.
 _WORDS = ["a", "the", "red", "blue", "green", "circle", "square", "on", "photo", "of", "cat",
           "dog", "background", "small", "large", "white", "black", "triangle", "astronaut"]
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
 def _vocab_and_merges() -> tuple[dict[str, int], list[str]]:
-    chars = list(_bytes_to_unicode().values())
+    chars = list(bytes_to_unicode().values())
     vocab_list = chars + [c + "</w>" for c in chars]
     merges: list[str] = []
     for w in _WORDS:
