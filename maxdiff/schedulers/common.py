@@ -26,6 +26,7 @@ import math
 from typing import Any, ClassVar, Mapping, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -258,6 +259,23 @@ def check_timesteps_in_range(owner: str, timesteps: np.ndarray, num_train_timest
             f"{owner}: timesteps {timesteps.min()}..{timesteps.max()} fall outside "
             f"[0, {num_train_timesteps - 1}]; "
             "lower `steps_offset` or `num_inference_steps`")
+
+
+class UnscaledInput:
+    """The methods the variance-preserving samplers (DDIM, DPM-Solver, LCM) share: unit initial
+    noise, the integer timestep of step ``i`` for the UNet, and no input scaling."""
+
+    def init_noise_sigma(self, state) -> jax.Array:
+        """Standard deviation of the initial latent noise: 1 (variance preserving)."""
+        return jnp.float32(1.0)
+
+    def timestep_for_model(self, state, step_index) -> jax.Array:
+        """The (int32) timestep the UNet receives at step ``step_index``."""
+        return at(state.timesteps, step_index)
+
+    def scale_model_input(self, state, sample: jax.Array, step_index) -> jax.Array:
+        """These samplers feed the sample to the UNet unscaled."""
+        return sample
 
 
 @dataclasses.dataclass(frozen=True)

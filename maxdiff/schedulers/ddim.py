@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiff.schedulers.common import (
+    UnscaledInput,
     TIMESTEP_SPACINGS,
     AlphaState,
     TrainSchedule,
@@ -52,7 +53,7 @@ def vp_add_noise(state: AlphaState, original_samples: jax.Array, noise: jax.Arra
 
 
 @dataclasses.dataclass(frozen=True)
-class DDIMScheduler(TrainSchedule):
+class DDIMScheduler(UnscaledInput, TrainSchedule):
     """DDIM, eta = 0. Fields are diffusers' constructor arguments of ``DDIMScheduler`` with its
     defaults (note ``clip_sample=True`` by default, as there). Dynamic thresholding is not
     implemented (``thresholding`` must be false)."""
@@ -96,18 +97,6 @@ class DDIMScheduler(TrainSchedule):
         return AlphaState(timesteps=jnp.asarray(timesteps, jnp.int32),
                           alphas_cumprod=jnp.asarray(alphas_cumprod[timesteps], jnp.float32),
                           alphas_cumprod_prev=jnp.asarray(alphas_prev, jnp.float32))
-
-    def init_noise_sigma(self, state: AlphaState) -> jax.Array:
-        """Standard deviation of the initial latent noise: 1."""
-        return jnp.float32(1.0)
-
-    def timestep_for_model(self, state: AlphaState, step_index) -> jax.Array:
-        """The (int32) timestep the UNet receives at step ``step_index``."""
-        return at(state.timesteps, step_index)
-
-    def scale_model_input(self, state: AlphaState, sample: jax.Array, step_index) -> jax.Array:
-        """DDIM feeds the sample to the UNet unscaled."""
-        return sample
 
     def step(self, state: AlphaState, model_output: jax.Array, sample: jax.Array, step_index,
              key: jax.Array | None = None, noise: jax.Array | None = None) -> tuple[AlphaState, jax.Array]:

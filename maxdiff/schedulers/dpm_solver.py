@@ -20,6 +20,7 @@ import numpy as np
 from flax import struct
 
 from maxdiff.schedulers.common import (
+    UnscaledInput,
     FINAL_SIGMAS_TYPES,
     TIMESTEP_SPACINGS,
     TrainSchedule,
@@ -57,7 +58,7 @@ def vp_alpha_sigma(sigma: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 @dataclasses.dataclass(frozen=True)
-class DPMSolverMultistepScheduler(TrainSchedule):
+class DPMSolverMultistepScheduler(UnscaledInput, TrainSchedule):
     """DPM-Solver++(2M) (Lu et al. 2022, Algorithm 2). Fields are diffusers' constructor arguments
     of ``DPMSolverMultistepScheduler`` with its defaults; only ``algorithm_type="dpmsolver++"``,
     ``solver_order`` 1 or 2, no thresholding and no learned variance are implemented.
@@ -146,18 +147,6 @@ class DPMSolverMultistepScheduler(TrainSchedule):
         return DPMSolverState(timesteps=jnp.asarray(timesteps, jnp.int32), sigmas=jnp.asarray(sigmas),
                               prev_x0=jnp.zeros(sample_shape, jnp.float32),
                               lower_order_nums=jnp.zeros((), jnp.int32))
-
-    def init_noise_sigma(self, state: DPMSolverState) -> jax.Array:
-        """Standard deviation of the initial latent noise: 1 (variance preserving)."""
-        return jnp.float32(1.0)
-
-    def timestep_for_model(self, state: DPMSolverState, step_index) -> jax.Array:
-        """The (int32) timestep the UNet receives at step ``step_index``."""
-        return at(state.timesteps, step_index)
-
-    def scale_model_input(self, state: DPMSolverState, sample: jax.Array, step_index) -> jax.Array:
-        """DPM-Solver feeds the sample to the UNet unscaled."""
-        return sample
 
     def data_prediction(self, model_output: jax.Array, sample: jax.Array, sigma: jax.Array) -> jax.Array:
         """x0 from the UNet output at noise level ``sigma``."""

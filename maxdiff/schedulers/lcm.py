@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiff.schedulers.common import AlphaState, TrainSchedule, at, check_choice, check_num_inference_steps
+from maxdiff.schedulers.common import (AlphaState, TrainSchedule, UnscaledInput, at, check_choice,
+                                       check_num_inference_steps)
 from maxdiff.schedulers.ddim import vp_add_noise, x0_and_eps
 from maxdiff.schedulers.euler_ancestral import step_noise
 
@@ -24,7 +25,7 @@ SIGMA_DATA = 0.5  # the data standard deviation of the consistency-model boundar
 
 
 @dataclasses.dataclass(frozen=True)
-class LCMScheduler(TrainSchedule):
+class LCMScheduler(UnscaledInput, TrainSchedule):
     """LCM multistep sampler. Fields are diffusers' constructor arguments of ``LCMScheduler`` with
     its defaults (the Stable Diffusion schedule). Dynamic thresholding is not implemented;
     ``timestep_spacing``, ``steps_offset`` and ``set_alpha_to_one`` do not affect LCM's maths
@@ -76,18 +77,6 @@ class LCMScheduler(TrainSchedule):
         return AlphaState(timesteps=jnp.asarray(timesteps, jnp.int32),
                           alphas_cumprod=jnp.asarray(alphas_cumprod[timesteps]),
                           alphas_cumprod_prev=jnp.asarray(alphas_cumprod[prev]))
-
-    def init_noise_sigma(self, state: AlphaState) -> jax.Array:
-        """Standard deviation of the initial latent noise: 1."""
-        return jnp.float32(1.0)
-
-    def timestep_for_model(self, state: AlphaState, step_index) -> jax.Array:
-        """The (int32) timestep the UNet receives at step ``step_index``."""
-        return at(state.timesteps, step_index)
-
-    def scale_model_input(self, state: AlphaState, sample: jax.Array, step_index) -> jax.Array:
-        """LCM feeds the sample to the UNet unscaled."""
-        return sample
 
     def boundary_scalings(self, timestep: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(c_skip, c_out) of the consistency-model boundary condition at ``timestep``
