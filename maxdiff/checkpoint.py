@@ -286,7 +286,7 @@ def flax_to_torch_key(path: tuple[str, ...], ndim: int) -> tuple[str, Callable[[
     return f"{prefix}.{leaf}", lambda a: a
 
 
-def torch_to_flax_layout(path: tuple[str, ...], arr: np.ndarray) -> np.ndarray:
+def flax_to_torch_layout(path: tuple[str, ...], arr: np.ndarray) -> np.ndarray:
     """The inverse layout change: a Flax array back to the PyTorch layout."""
     if path[-1] == "kernel":
         if arr.ndim == 4:
@@ -377,12 +377,8 @@ def load_params(
 
 
 def _torch_shape(path: tuple[str, ...], flax_shape: tuple[int, ...]) -> tuple[int, ...]:
-    if path[-1] == "kernel" and len(flax_shape) == 4:
-        h, w, i, o = flax_shape
-        return (o, i, h, w)
-    if path[-1] == "kernel" and len(flax_shape) == 2:
-        return flax_shape[::-1]
-    return flax_shape
+    """The PyTorch shape of a Flax parameter (a zero-size view: nothing is allocated)."""
+    return flax_to_torch_layout(path, np.broadcast_to(np.empty((), np.uint8), flax_shape)).shape
 
 
 def _is_float(dt: np.dtype) -> bool:

@@ -14,7 +14,6 @@ makes a restarted process start warm.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets

@@ -150,7 +150,7 @@ def test_full_sdxl_unet_shapes_and_key_map():
     """The real SDXL config: exact parameter count, and our names cover diffusers' exactly."""
     from diffusers import UNet2DConditionModel as TorchUNet
 
-    from maxdiff.checkpoint import _flatten, flax_to_torch_key
+    from maxdiff.checkpoint import _flatten, _torch_shape, flax_to_torch_key
 
     model = UNet2DConditionModel(UNetConfig.from_dict(SDXL_BASE_CONFIG))
     shapes = param_shapes(model)
@@ -158,13 +158,8 @@ def test_full_sdxl_unet_shapes_and_key_map():
     with torch.device("meta"):
         ref = TorchUNet(**{k: v for k, v in SDXL_BASE_CONFIG.items() if not k.startswith("_")})
     ref_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
-    ours = {}
-    for path, leaf in _flatten(shapes).items():
-        key, fn = flax_to_torch_key(path, len(leaf.shape))
-        ours[key] = tuple(fn(np.empty(leaf.shape, np.uint8)).shape) if False else leaf.shape
+    ours = {flax_to_torch_key(path, len(leaf.shape))[0]: (path, tuple(leaf.shape))
+            for path, leaf in _flatten(shapes).items()}
     assert set(ours) == set(ref_shapes)
-    from maxdiff.checkpoint import _torch_shape
-
-    for path, leaf in _flatten(shapes).items():
-        key, _ = flax_to_torch_key(path, len(leaf.shape))
-        assert _torch_shape(path, tuple(leaf.shape)) == ref_shapes[key], key
+    for key, (path, shape) in ours.items():
+        assert _torch_shape(path, shape) == ref_shapes[key], key

@@ -16,7 +16,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -12,7 +12,7 @@ Layout (what ``StableDiffusionXLPipeline.from_pretrained`` and maxdiff's
     scheduler/  scheduler_config.json (EulerDiscreteScheduler)
 
 Parameter paths map to PyTorch keys with :func:`maxdiff.checkpoint.flax_to_torch_key` and the
-layout is changed back with :func:`maxdiff.checkpoint.torch_to_flax_layout`.
+layout is changed back with :func:`maxdiff.checkpoint.flax_to_torch_layout`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def torch_state_dict(params: Mapping, dtype: Any = np.float16) -> dict[str, np.n
     for path, arr in checkpoint._flatten(params).items():
         a = np.asarray(arr, np.float32)
         key, _ = checkpoint.flax_to_torch_key(path, a.ndim)
-        out[key] = np.ascontiguousarray(checkpoint.torch_to_flax_layout(path, a)).astype(dtype)
+        out[key] = np.ascontiguousarray(checkpoint.flax_to_torch_layout(path, a)).astype(dtype)
     return out
 
 

@@ -24,13 +24,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
