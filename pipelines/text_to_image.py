@@ -396,9 +396,11 @@ class TextToImagePipeline:
         return PipelineOutput(images, [int(s) for s in seeds],
                               {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket})
 
-    def _seeds(self, seed, n: int) -> list[int]:
+    def _seeds(self, seed, n: int) -> list[int | None]:
+        """Per-image seeds from ``seed`` (None stays None: :meth:`generate` draws them; ranges
+        are checked by :meth:`ImageRequest.validate`)."""
         if seed is None:
-            return [secrets.randbelow(MAX_SEED + 1) for _ in range(n)]
+            return [None] * n
         if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
             seeds = [int(seed) + k for k in range(n)]
         else:
@@ -406,9 +408,6 @@ class TextToImagePipeline:
             if len(seeds) != n:
                 raise ValueError(f"seed has {len(seeds)} values but {n} image(s) are generated; "
                                  "give one int, or one per image")
-        for s in seeds:
-            if not 0 <= s <= MAX_SEED:
-                raise ValueError(f"seed {s} is out of range; seeds are integers in 0..{MAX_SEED}")
         return seeds
 
     def _check(self, steps, height, width, output_type):
