@@ -10,7 +10,7 @@ STAMP := $(VENV)/.maxdiff-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,train]'
+	$(PY) -m pip install -q -e '.[test,train,serve]'
 	touch $(STAMP)
 
 venv: $(STAMP)

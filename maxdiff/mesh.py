@@ -47,12 +47,3 @@ def put_replicated(mesh: Mesh):
     """A ``put`` for :func:`maxdiff.checkpoint.load_params`: each tensor on every device."""
     sharding = replicated(mesh)
     return lambda a: jax.device_put(a, sharding)
-
-
-def bucket_size(n: int, mesh_size: int) -> int:
-    """The padded batch size for ``n`` images: the mesh size times the next power of two, so
-    every device gets the same share and few distinct shapes are ever compiled."""
-    if n < 1:
-        raise ValueError(f"batch of {n} images; need at least 1")
-    per_device = -(-n // mesh_size)
-    return mesh_size * (1 << (per_device - 1).bit_length())

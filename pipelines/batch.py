@@ -3,23 +3,24 @@
 ``maxdiff generate`` (``pipelines/cli.py``) is a thin loop over this module::
 
     lines = read_prompts(prompts, file, ...)   # every line checked; InputError lists all problems
-    jobs = plan_jobs(lines, settings)          # one Job per image: its seed, identity, file name
+    jobs = plan_jobs(lines, settings)          # one ImageJob per image: seed, identity, file name
     out = OutputDir("out"); out.prepare()      # create, check writable, drop stale temp files
     todo = [j for j in jobs if j.id not in out.done()]   # resume: metadata.jsonl + file exists
-    for shape, batch, bucket in batches(todo, batch_size, mesh_size):
-        images = pipe.generate([j.request() for j in padded(batch, bucket)], ...)
+    for shape, batch, bucket in plan_batches(todo, lambda j: j.shape, batch_size, mesh_size):
+        images = pipe.generate(pad_to([j.request() for j in batch], bucket), ...)
         out.write(job, image, ...)             # atomic image file, then one fsynced metadata line
 
 A job's identity is everything that decides its pixels (line index, image index, prompt,
 negative prompt, seed, steps, guidance, size, scheduler, model, dtype) plus the file format.
 Per-image seeds come from a hash of (run seed, line index, image index), so adding, removing or
 reordering *later* lines never changes an earlier image, and a run seed makes the run reproducible.
+Sizes, seeds, shape keys, batch planning and image encoding are the ones every way in shares
+(:mod:`pipelines.requests`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
@@ -27,11 +28,12 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
-MAX_SEED = 2**32 - 1
+from pipelines.requests import (FORMATS, MAX_SEED, ImageRequest, ShapeKey, derive_seed,
+                                encode_image, image_seeds, parse_size)
+
 LINE_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "n")
-FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 METADATA = "metadata.jsonl"
 TMP_MARK = ".maxdiff-tmp"
 LOCK = ".maxdiff.lock"  # held (flock) by the run writing to the folder
@@ -63,20 +65,6 @@ class PromptLine:
     guidance: float | None = None
     size: tuple[int, int] | None = None  # (width, height) in pixels
     n: int | None = None  # images of this prompt
-
-
-def parse_size(value: Any) -> tuple[int, int]:
-    """``"768x512"`` (width x height), ``"512"`` or ``512`` -> (width, height)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        w = h = value
-    elif isinstance(value, str) and re.fullmatch(r"\s*\d+\s*([xX×]\s*\d+\s*)?", value):
-        parts = re.split(r"[xX×]", value)
-        w, h = int(parts[0]), int(parts[-1])
-    else:
-        raise ValueError(f"must be WIDTHxHEIGHT such as 1024x768 (or one number), got {value!r}")
-    if w < 1 or h < 1:
-        raise ValueError(f"must be positive, got {w}x{h}")
-    return w, h
 
 
 def check_size(size: tuple[int, int], factor: int | None) -> None:
@@ -220,8 +208,8 @@ class RunSettings:
 
 
 @dataclass(frozen=True)
-class Job:
-    """One image to make."""
+class ImageJob:
+    """One image of a CLI run: what to make and where it goes."""
 
     line: PromptLine
     image: int  # index of the image within its line
@@ -237,9 +225,13 @@ class Job:
     file: str
 
     @property
-    def shape(self) -> tuple[int, int, int, bool]:
-        """What selects the compiled program: (height, width, steps, guidance on)."""
-        return self.height, self.width, self.steps, self.guidance > 1.0
+    def shape(self) -> ShapeKey:
+        """What selects the compiled program."""
+        return ShapeKey.of(self.height, self.width, self.steps, self.guidance)
+
+    def request(self) -> ImageRequest:
+        return ImageRequest(prompt=self.prompt, negative_prompt=self.negative_prompt,
+                            seed=self.seed, guidance_scale=self.guidance)
 
     def identity(self) -> dict[str, Any]:
         return identity(self.line.index, self.image, self.prompt, self.negative_prompt, self.seed,
@@ -261,12 +253,6 @@ class Job:
                     format=s.format, file=self.file, id=self.id, **extra)
 
 
-def derive_seed(run_seed: int, line: int, image: int) -> int:
-    """The seed of image ``image`` of line ``line``: a hash, so no line shifts another's."""
-    digest = hashlib.sha256(f"maxdiff-seed:{run_seed}:{line}:{image}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
-
-
 def identity(line: int, image: int, prompt: str, negative_prompt: str | None, seed: int,
              steps: int, guidance: float, width: int, height: int, s: RunSettings) -> dict:
     return dict(line=line, image=image, prompt=prompt, negative_prompt=negative_prompt, seed=seed,
@@ -283,8 +269,8 @@ def slug(text: str, limit: int = 40) -> str:
     return s[:limit].rstrip("-") or "image"
 
 
-def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[Job]:
-    """One :class:`Job` per image, in input order. File names
+def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[ImageJob]:
+    """One :class:`ImageJob` per image, in input order. File names
     ``{line:05d}-{image:02d}-{slug}-{id8}.{ext}`` sort in input order and never collide (a job
     with other settings gets another id, so it never overwrites a different image)."""
     counts = [line.n or s.num_images for line in lines]
@@ -299,31 +285,18 @@ def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[Job]:
         steps = line.steps if line.steps is not None else s.steps
         guidance = line.guidance if line.guidance is not None else s.guidance
         neg = line.negative_prompt if line.negative_prompt is not None else s.negative_prompt
-        for k in range(n):
-            seed = ((line.seed + k) & MAX_SEED if line.seed is not None
-                    else derive_seed(s.run_seed, line.index, k))
+        try:
+            seeds = image_seeds(line.seed, n)
+        except ValueError as e:
+            raise InputError([f"{line.where}: field 'seed': {e}"]) from None
+        for k, seed in enumerate(seeds):
+            if seed is None:
+                seed = derive_seed(s.run_seed, line.index, k)
             jid = job_id(identity(line.index, k, line.prompt, neg, seed, steps, guidance, w, h, s))
             name = f"{line.index:0{wl}d}-{k:0{wi}d}-{slug(line.prompt)}-{jid[:8]}.{s.format}"
-            jobs.append(Job(line, k, line.prompt, neg, seed, steps, float(guidance), w, h, s,
+            jobs.append(ImageJob(line, k, line.prompt, neg, seed, steps, float(guidance), w, h, s,
                             jid, name))
     return jobs
-
-
-def batches(jobs: list[Job], batch_size: int, mesh_size: int = 1
-            ) -> Iterator[tuple[tuple, list[Job], int]]:
-    """Group jobs by :attr:`Job.shape` (groups in order of first appearance, jobs in input order)
-    and cut each group into batches of at most ``batch_size``. Yields (shape, jobs, bucket):
-    every batch of a group is padded to the same ``bucket``, so a group compiles one program."""
-    from maxdiff.mesh import bucket_size
-
-    groups: dict[tuple, list[Job]] = {}
-    for job in jobs:
-        groups.setdefault(job.shape, []).append(job)
-    for shape, group in groups.items():
-        size = min(batch_size, len(group))
-        bucket = bucket_size(size, mesh_size)
-        for i in range(0, len(group), size):
-            yield shape, group[i:i + size], bucket
 
 
 # ---------------------------------------------------------------------------------- output
@@ -404,7 +377,7 @@ class OutputDir:
         records = self.records() if records is None else records
         return {r["id"] for r in records if (self.path / Path(r["file"]).name).is_file()}
 
-    def write(self, job: Job, image, **extra: Any) -> dict:
+    def write(self, job: ImageJob, image, **extra: Any) -> dict:
         """Write one image atomically, then append and fsync its metadata line."""
         data = encode_image(image, job.settings.format, job.image_info())
         final = self.path / job.file
@@ -444,35 +417,3 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def encode_image(image, fmt: str, info: dict[str, str]) -> bytes:
-    """PNG with one text chunk per setting; JPEG / WebP with the settings as JSON in EXIF
-    ImageDescription (tag 0x010E). Deterministic: the same pixels and settings give the same
-    bytes."""
-    from PIL import Image, PngImagePlugin
-
-    buf = io.BytesIO()
-    if fmt == "png":
-        png = PngImagePlugin.PngInfo()
-        for k, v in info.items():
-            png.add_text(k, v)
-        png.add_text("software", "maxdiff")
-        image.save(buf, "PNG", pnginfo=png)
-    else:
-        exif = Image.Exif()
-        exif[0x010E] = json.dumps(info, sort_keys=True)  # ImageDescription (ASCII JSON)
-        exif[0x0131] = "maxdiff"  # Software
-        image.save(buf, FORMATS[fmt], quality=95, exif=exif.tobytes())
-    return buf.getvalue()
-
-
-def read_image_info(path: str | os.PathLike) -> dict[str, str]:
-    """The settings an image file carries (PNG text chunks or EXIF ImageDescription JSON)."""
-    from PIL import Image
-
-    with Image.open(path) as im:
-        if im.format == "PNG":
-            return dict(im.text)
-        desc = im.getexif().get(0x010E)
-        return json.loads(desc) if desc else {}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import secrets
@@ -26,8 +25,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from pipelines.batch import (FORMATS, MAX_SEED, METADATA, TMP_MARK, InputError, OutputDir,
-                             RunSettings, batches, check_size, parse_size, plan_jobs, read_prompts)
+from pipelines.batch import (METADATA, TMP_MARK, InputError, OutputDir, RunSettings, check_size,
+                             plan_jobs, read_prompts)
+from pipelines.requests import FORMATS, MAX_SEED, pad_to, parse_size, plan_batches
 
 PROG = "maxdiff"
 
@@ -199,12 +199,12 @@ def _run_config(args, **extra: Any):
                  devices=args.devices, **extra)
     flags = {k: v for k, v in flags.items() if v is not None}
     if flags:
-        cfg = load_run_config({**dataclasses.asdict(cfg), **flags})
+        cfg = cfg.replace(**flags)
     model = _model_dir(cfg.model)
     unet = str(Path(cfg.unet).resolve()) if cfg.unet else None
     if unet and not Path(unet).is_file():
         raise InputError([f"unet {cfg.unet}: no such file (--unet / config key 'unet')"])
-    return dataclasses.replace(cfg, model=str(model), unet=unet)
+    return cfg.replace(model=str(model), unet=unet)
 
 
 def _model_dir(model: str | None) -> Path:
@@ -239,7 +239,7 @@ def cmd_generate(args) -> int:
     from tqdm import tqdm
 
     from maxdiff.checkpoint import resolve_dtype
-    from pipelines.text_to_image import ImageRequest, TextToImagePipeline
+    from pipelines.text_to_image import TextToImagePipeline
 
     with _usage_errors():
         errors, cfg = [], None  # gather config, model and prompt problems into one report
@@ -292,7 +292,8 @@ def cmd_generate(args) -> int:
                dynamic_ncols=True, smoothing=0.1)
     t_start, shape, written = time.perf_counter(), None, 0
     try:
-        for batch_shape, group, bucket in batches(todo, args.batch_size, pipe.mesh.size):
+        for batch_shape, group, bucket in plan_batches(todo, lambda j: j.shape, args.batch_size,
+                                                       pipe.mesh.size):
             h, w, steps, cfg_on = batch_shape
             if batch_shape != shape:
                 shape = batch_shape
@@ -301,9 +302,7 @@ def cmd_generate(args) -> int:
                 if args.quiet:
                     n = sum(j.shape == shape for j in todo)
                     _log(f"{desc}: {n} image(s), device batch {bucket} (first batch compiles)")
-            items = [ImageRequest(prompt=j.prompt, negative_prompt=j.negative_prompt, seed=j.seed,
-                                  guidance_scale=j.guidance) for j in group]
-            items += [items[-1]] * (bucket - len(items))  # same program for every batch
+            items = pad_to([j.request() for j in group], bucket)  # one program per group
             result = pipe.generate(items, height=h, width=w, num_inference_steps=steps)
             batch_s = result.timings["prepare_s"] + result.timings["generate_s"]
             seconds = round(batch_s / len(group), 4)

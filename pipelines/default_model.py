@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
 
 ENV = "MAXDIFF_DEFAULT_MODEL"
-EMBEDDED = Path(__file__).resolve().parent.parent / "maxdiff" / "assets" / "demo-model"
+# package data of `maxdiff` (a real folder in an editable and a regular install alike)
+EMBEDDED = Path(str(resources.files("maxdiff") / "assets" / "demo-model"))
 
 
 def default_model_path() -> Path:

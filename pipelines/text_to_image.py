@@ -33,8 +33,8 @@ from maxdiff.models.vae import load_vae
 from maxdiff.schedulers import (EulerAncestralDiscreteScheduler, LCMScheduler, get_preset,
                                 load_scheduler)
 from maxdiff.tokenizers import load_tokenizer, tokenize
-
-MAX_SEED = 2**32 - 1
+from pipelines.config import ModelDefaults, RunConfig, load_run_config
+from pipelines.requests import MAX_SEED, ImageRequest, bucket_size, image_seeds
 DEFAULT_COMPILE_CACHE = Path(os.environ.get("MAXDIFF_COMPILE_CACHE",
                                             Path.home() / ".cache" / "maxdiff" / "jax"))
 
@@ -87,6 +87,7 @@ class TextToImagePipeline:
         self.vae_scale_factor = vae.config.vae_scale_factor
         self.latent_channels = unet.config.in_channels
         self.default_height = self.default_width = None
+        self.max_size = None  # largest side the model is meant for (maxdiff.json), if stated
         self.run_config = None
         self._programs: dict[tuple, Any] = {}
 
@@ -128,13 +129,16 @@ class TextToImagePipeline:
         unet_cfg = checkpoint.read_config(root / "unet")
         unet_model, unet_params = load_unet(unet if unet is not None else root / "unet", dtype,
                                             config=unet_cfg, attention_kernel=attention_kernel,
-                                            attention_chunk=attention_chunk, put=put)
+                                            attention_chunk=attention_chunk, put=put,
+                                            variant=None if unet is not None else variant)
         vae_model, vae_params = load_vae(root / "vae", dtype, variant=variant, put=put)
         te1, te1_params = load_text_encoder(root / "text_encoder", dtype, variant=variant)
         te2, te2_params = load_text_encoder(root / "text_encoder_2", dtype, variant=variant)
         te1_params, te2_params = jax.device_put((te1_params, te2_params), meshlib.replicated(mesh))
 
-        steps, guidance = 50, 5.0
+        measured = ModelDefaults.read(root)
+        steps = measured.steps or 50
+        guidance = 5.0 if measured.guidance is None else measured.guidance
         if scheduler is None:
             sched = load_scheduler(root / "scheduler")
         elif isinstance(scheduler, str) and not Path(scheduler).exists():
@@ -165,6 +169,9 @@ class TextToImagePipeline:
         sample_size = unet_cfg.get("sample_size")
         if isinstance(sample_size, int):
             pipe.default_height = pipe.default_width = sample_size * pipe.vae_scale_factor
+        pipe.default_height = measured.height or pipe.default_height
+        pipe.default_width = measured.width or pipe.default_width
+        pipe.max_size = measured.max_size
         return pipe
 
     @classmethod
@@ -173,8 +180,6 @@ class TextToImagePipeline:
         """Load from a run config (a :class:`pipelines.config.RunConfig`, a YAML path or a name
         in ``configs/``) with optional ``key=value`` overrides. The config's steps, guidance and
         size become this pipeline's defaults."""
-        from pipelines.config import RunConfig, load_run_config
-
         cfg = config if isinstance(config, RunConfig) else load_run_config(config, overrides)
         pipe = cls.from_pretrained(**cfg.pipeline_kwargs())
         if cfg.steps is not None:
@@ -365,7 +370,7 @@ class TextToImagePipeline:
                              for it in items], np.float32)
         rescale = np.array([it.guidance_rescale for it in items], np.float32)
 
-        bucket = meshlib.bucket_size(n, self.mesh.size)
+        bucket = bucket_size(n, self.mesh.size)
 
         def pad(a, axis=0):
             if bucket == n:
@@ -397,17 +402,14 @@ class TextToImagePipeline:
                               {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket})
 
     def _seeds(self, seed, n: int) -> list[int | None]:
-        """Per-image seeds from ``seed`` (None stays None: :meth:`generate` draws them; ranges
-        are checked by :meth:`ImageRequest.validate`)."""
-        if seed is None:
-            return [None] * n
-        if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-            seeds = [int(seed) + k for k in range(n)]
-        else:
-            seeds = [int(s) for s in seed]
-            if len(seeds) != n:
-                raise ValueError(f"seed has {len(seeds)} values but {n} image(s) are generated; "
-                                 "give one int, or one per image")
+        """Per-image seeds from ``seed``: one int (image k gets seed + k), one per image, or None
+        (stays None: :meth:`generate` draws them)."""
+        if seed is None or isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+            return image_seeds(seed, n)
+        seeds = [int(s) for s in seed]
+        if len(seeds) != n:
+            raise ValueError(f"seed has {len(seeds)} values but {n} image(s) are generated; "
+                             "give one int, or one per image")
         return seeds
 
     def _check(self, steps, height, width, output_type):
@@ -422,52 +424,3 @@ class TextToImagePipeline:
                                  f"(the VAE's scale factor)")
         if output_type not in ("pil", "np"):
             raise ValueError(f"output_type={output_type!r}; use 'pil' or 'np'")
-
-
-@dataclass
-class ImageRequest:
-    """One image to generate: its text, seed and guidance (sizes and steps are per batch).
-
-    ``seed`` None draws a random one (reported in the output). ``negative_size``:
-    (original_size, crops_coords_top_left, target_size) for the negative branch; None uses the
-    positive ones, as diffusers does.
-    """
-
-    prompt: str
-    prompt_2: str | None = None
-    negative_prompt: str | None = None
-    negative_prompt_2: str | None = None
-    seed: int | None = None
-    guidance_scale: float = 5.0
-    guidance_rescale: float = 0.0
-    original_size: tuple[int, int] | None = None
-    crops_coords_top_left: tuple[int, int] = (0, 0)
-    target_size: tuple[int, int] | None = None
-    negative_size: tuple | None = None
-
-    def validate(self, index: int = 0) -> None:
-        where = f"item {index}: " if index else ""
-        for name in ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, str):
-                raise ValueError(f"{where}{name} must be a string, got {type(v).__name__}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
-                                      or not 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"{where}seed {self.seed!r} is out of range; seeds are integers in 0..{MAX_SEED}")
-        g = self.guidance_scale
-        if isinstance(g, bool) or not isinstance(g, (int, float, np.floating)) or not np.isfinite(g) or g < 0:
-            raise ValueError(f"{where}guidance_scale={g!r}; it must be a number >= 0 "
-                             "(<= 1 turns classifier-free guidance off)")
-        r = self.guidance_rescale
-        if not isinstance(r, (int, float, np.floating)) or not 0.0 <= r <= 1.0:
-            raise ValueError(f"{where}guidance_rescale={r!r}; it must be in [0, 1]")
-
-    def time_ids(self, height: int, width: int) -> list[float]:
-        return [*(self.original_size or (height, width)), *self.crops_coords_top_left,
-                *(self.target_size or (height, width))]
-
-    def negative_time_ids(self, height: int, width: int) -> list[float]:
-        if self.negative_size is None:
-            return self.time_ids(height, width)
-        o, c, t = self.negative_size
-        return [*o, *c, *t]

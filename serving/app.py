@@ -4,7 +4,7 @@
     serve run configs/serve.yaml
 
 The ingress validates every request (422 with the offending field, 413 for bodies over
-``max_body_bytes``), turns it into a :class:`serving.schemas.Job`, sends it to a generator
+``max_body_bytes``), turns it into a :class:`pipelines.requests.GenerationRequest`, sends it to a generator
 replica through a deployment handle and encodes the images it gets back. A full generator queue
 (``max_queued_requests``) is a 503 with ``Retry-After``; a request past its deadline
 (``request_timeout_s``, or a shorter ``X-Request-Timeout`` header) is a 504.
@@ -17,7 +17,6 @@ Endpoints (OpenAPI at ``/docs``): ``POST /v1/images/generations`` (OpenAI Images
 import asyncio
 import base64
 import collections
-import io
 import logging
 import math
 import time
@@ -30,12 +29,14 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serving.generator import Generator, InvalidJob
-from serving.schemas import (MAX_SEED, GenerateRequest, GenerateResponse, ImagesGenerationRequest,
-                             ImagesResponse, Job, JobResult, ServeSettings, parse_size)
+from pipelines.requests import GenerationRequest, encode_image, image_seeds, parse_size, size_problems
+from serving.generator import Expired, Generator, InvalidJob
+from serving.schemas import (GenerateRequest, GenerateResponse, ImagesGenerationRequest,
+                             ImagesResponse, JobResult, ServeSettings)
 
 logger = logging.getLogger("ray.serve")
 
+DEFAULT_MAX_SIZE = 2048  # pixels per side when neither the serve args nor the model say
 GENERATOR = "Generator"
 INGRESS = "Ingress"
 TIMEOUT_HEADER = "X-Request-Timeout"
@@ -138,7 +139,9 @@ class _Gate:
                 chunks.append(body)
                 if not message.get("more_body"):
                     break
-            replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+            body = b"".join(chunks)
+            scope = _as_json(scope, headers, body)
+            replay = [{"type": "http.request", "body": body, "more_body": False}]
 
             async def replay_receive():
                 return replay.pop() if replay else await receive()
@@ -146,6 +149,17 @@ class _Gate:
             await self.app(scope, replay_receive, send_status)
         finally:
             self._observe(scope.get("path", ""), status["code"], time.perf_counter() - t0)
+
+
+def _as_json(scope: dict, headers: dict, body: bytes) -> dict:
+    """A POST body that is a JSON object is read as JSON whatever Content-Type declares
+    (``curl -d`` sends ``application/x-www-form-urlencoded``; many clients send none)."""
+    declared = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+    if scope.get("method") != "POST" or declared == b"application/json" or declared.endswith(
+            b"+json") or declared.startswith(b"multipart/") or not body.lstrip().startswith(b"{"):
+        return scope
+    rest = [(k, v) for k, v in scope.get("headers") or [] if k.lower() != b"content-type"]
+    return {**scope, "headers": [*rest, (b"content-type", b"application/json")]}
 
 
 api.add_middleware(_Gate)
@@ -183,21 +197,6 @@ async def _on_invalid(request: Request, exc: RequestValidationError):
 async def _on_api_error(request: Request, exc: ApiError):
     return JSONResponse(_error_body(exc.status, exc.message, exc.kind), status_code=exc.status,
                         headers=exc.headers)
-
-
-def encode_image(pixels, fmt: str = "png", quality: int | None = None) -> bytes:
-    """uint8 (H, W, 3) -> PNG / JPEG / WebP bytes (PNG is lossless; jpeg/webp quality 95 unless
-    given)."""
-    from PIL import Image
-
-    buf = io.BytesIO()
-    im = Image.fromarray(pixels)
-    if fmt == "png":
-        im.save(buf, "PNG")
-    else:
-        im.save(buf, {"jpeg": "JPEG", "webp": "WEBP"}[fmt],
-                quality=95 if quality is None else quality)
-    return buf.getvalue()
 
 
 def _wanted_image_type(accept: str | None) -> str | None:
@@ -286,7 +285,8 @@ class Ingress:
                                "retry shortly", kind="service_unavailable",
                                headers={"Retry-After": str(self.s.retry_after_s)})
         handle = getattr(self.generator, method)
-        response = handle.remote() if arg is None else handle.remote(arg)
+        left = max(deadline - time.monotonic(), 0)
+        response = handle.remote() if arg is None else handle.remote(arg, left)
         try:
             return await asyncio.wait_for(_await(response), max(deadline - time.monotonic(), 0))
         except asyncio.TimeoutError:
@@ -303,6 +303,10 @@ class Ingress:
                            headers={"Retry-After": str(self.s.retry_after_s)}) from None
         except InvalidJob as e:
             raise ApiError(422, str(e)) from None
+        except Expired:
+            raise ApiError(504, "the request did not start before its deadline "
+                           f"(request_timeout_s={self.s.request_timeout_s:g} or {TIMEOUT_HEADER})",
+                           kind="timeout") from None
         except RayActorError as e:
             logger.warning("generator replica unavailable: %s", e)
             raise ApiError(503, "a generator replica became unavailable; retry",
@@ -314,7 +318,7 @@ class Ingress:
             self._info = await self._call("info", None, deadline)
         return self._info
 
-    async def _generate(self, job: Job, deadline: float) -> JobResult:
+    async def _generate(self, job: GenerationRequest, deadline: float) -> JobResult:
         result: JobResult = await self._call("generate", job, deadline)
         self._ready_seen = True
         rep = self._replicas.setdefault(result.replica["id"], {
@@ -337,18 +341,13 @@ class Ingress:
             errors.append((n_field, f"{n} images asked for; this server allows at most {s.max_n} "
                            "per request", n))
         multiple = math.lcm(s.size_multiple or 1, info["size_multiple"])  # config: stricter only
-        lo, hi = s.min_size or multiple, s.max_size
-        for name, v in zip(size_fields, (width, height)):
-            if v is None:
-                errors.append((name, "this model has no default size: give one", None))
-            elif not lo <= v <= hi:
-                errors.append((name, f"{v} pixels is out of range; image sides must be between "
-                               f"{lo} and {hi}", v))
-            elif v % multiple:
-                errors.append((name, f"{v} is not a multiple of {multiple}; image sides must be "
-                               f"multiples of {multiple} for this model", v))
-        if size_fields[0] == size_fields[1]:  # one "size" field: report it once
-            errors = list({e[0] + e[1]: e for e in errors}.values())
+        hi, hint = s.max_size, " (the serve arg max_size)"
+        if hi is None and info.get("max_size"):
+            hi, hint = info["max_size"], (" for this model (its maxdiff.json max_size; the serve "
+                                          "arg max_size raises it)")
+        elif hi is None:
+            hi = DEFAULT_MAX_SIZE
+        errors += size_problems(width, height, multiple, s.min_size, hi, size_fields, hint)
         if errors:
             raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
                                            "input": v} for f, m, v in errors])
@@ -375,12 +374,13 @@ class Ingress:
             except ValueError as e:
                 raise invalid("size", f"{e}, or 'auto'", body.size) from None
         self._check_common(info, body.prompt, n, "n", width, height, ("size", "size"))
-        job = Job(body.prompt, None, None, n, width, height, info["default_steps"],
-                  info["default_guidance"])
+        job = GenerationRequest(body.prompt, None, None, n, width, height,
+                                info["default_steps"], info["default_guidance"])
         result = await self._generate(job, deadline)
         fmt = body.output_format or "png"
         blobs = await asyncio.to_thread(
-            lambda: [encode_image(im, fmt, body.output_compression) for im in result.images])
+            lambda: [encode_image(im, fmt, quality=body.output_compression)
+                     for im in result.images])
         return JSONResponse({"created": int(time.time()), "output_format": fmt,
                              "size": f"{width}x{height}",
                              "data": [{"b64_json": base64.b64encode(b).decode(),
@@ -425,8 +425,10 @@ class Ingress:
             errors.append(("scheduler", f"this server runs {info['scheduler']!r}; the scheduler "
                            "is chosen when the server starts (config / scheduler args)",
                            body.scheduler))
-        if body.seed is not None and body.seed + body.num_images - 1 > MAX_SEED:
-            errors.append(("seed", f"seed + num_images - 1 must be <= {MAX_SEED}", body.seed))
+        try:
+            image_seeds(body.seed, body.num_images)
+        except ValueError as e:
+            errors.append(("seed", str(e), body.seed))
         if body.negative_prompt is not None and len(body.negative_prompt) > self.s.max_prompt_chars:
             errors.append(("negative_prompt", f"at most {self.s.max_prompt_chars} characters",
                            None))
@@ -438,8 +440,8 @@ class Ingress:
         if errors:
             raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
                                            "input": v} for f, m, v in errors])
-        job = Job(body.prompt, body.negative_prompt, body.seed, body.num_images, width, height,
-                  steps, guidance)
+        job = GenerationRequest(body.prompt, body.negative_prompt, body.seed, body.num_images,
+                                width, height, steps, guidance)
         result = await self._generate(job, deadline)
         t1 = time.perf_counter()
         blobs = await asyncio.to_thread(lambda: [encode_image(im, fmt) for im in result.images])
@@ -476,7 +478,7 @@ class Ingress:
         if self._info is not None:
             entry["maxdiff"] = {k: self._info[k] for k in (
                 "scheduler", "default_steps", "default_guidance", "default_width",
-                "default_height", "size_multiple", "dtype", "devices")}
+                "default_height", "size_multiple", "max_size", "dtype", "devices")}
         return {"object": "list", "data": [entry]}
 
     @api.get("/v1/stats", tags=["operations"], summary="Recent batches per generator replica")

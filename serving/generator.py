@@ -10,6 +10,11 @@ the shapes already being served.
 
 The constructor loads the model and compiles every ``warmup_shapes`` program (at every padded
 batch size a batch can have) before it returns; Ray Serve routes to a replica only after that.
+
+A request carries the seconds it has left (the ingress's deadline); a request whose deadline has
+passed by the time a device batch starts is dropped from it (``Expired``, counted in
+``maxdiff_expired_requests``), so no work is done for a client that has stopped waiting. A device
+batch that has started runs to its end (one compiled program).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import ray
 from ray import serve
 from ray.serve import metrics
 
-from serving.schemas import Job, JobResult, ServeSettings, WarmupShape
+from pipelines.requests import GenerationRequest, ShapeKey, bucket_size, pad_to, plan_batches
+from serving.schemas import JobResult, ServeSettings, WarmupShape
 
 logger = logging.getLogger("ray.serve")
 
@@ -36,6 +42,10 @@ _SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 
 class InvalidJob(ValueError):
     """A job the pipeline refuses (the ingress maps it to a 422)."""
+
+
+class Expired(TimeoutError):
+    """The request's deadline passed before its images started on the devices."""
 
 
 def size_multiple(pipe) -> int:
@@ -77,6 +87,9 @@ class Generator:
         self._m_step = metrics.Histogram(
             "maxdiff_step_time_s", "Device seconds per denoising step (whole batch, including "
             "text encoders and VAE decode spread over the steps).", _SECONDS, tag_keys=tags)
+        self._m_expired = metrics.Counter(
+            "maxdiff_expired_requests", "Requests dropped unstarted because their deadline "
+            "passed in the queue.", tag_keys=tags)
         self._tags = {"model": self.pipe.name.rsplit("/", 1)[-1] or "default"}
         self.warmup_s, self.warmed = self._warm_up()
         logger.info("generator ready on node %s: load %.1fs, warm-up %.1fs, %d program(s)",
@@ -84,16 +97,12 @@ class Generator:
 
     # ------------------------------------------------------------------ warm-up
     def warmup_batch_sizes(self) -> list[int]:
-        from maxdiff.mesh import bucket_size
-
         sizes = self.settings.warmup_batch_sizes
         if sizes is None:
             sizes = range(1, self.settings.batch_images + 1)
         return sorted({bucket_size(n, self.pipe.mesh.size) for n in sizes})
 
     def _warm_up(self) -> tuple[float, list[str]]:
-        from pipelines import ImageRequest
-
         t0 = time.perf_counter()
         warmed = []
         for shape in self.settings.warmup_shapes:
@@ -102,22 +111,22 @@ class Generator:
                 logger.warning("warm-up %s skipped: the model has no default size", shape)
                 continue
             for b in self.warmup_batch_sizes():
-                items = [ImageRequest("", seed=k, guidance_scale=job.guidance_scale)
-                         for k in range(b)]
-                self.pipe.generate(items, height=job.height, width=job.width,
+                job = GenerationRequest("", None, 0, b, job.width, job.height, job.steps,
+                                        job.guidance_scale)
+                self.pipe.generate(job.images(), height=job.height, width=job.width,
                                    num_inference_steps=job.steps)
                 self._compiled.add((*job.key, b))
             warmed.append(f"{job.width}x{job.height}:{job.steps}:{job.guidance_scale:g}")
         return time.perf_counter() - t0, warmed
 
-    def resolve(self, shape: WarmupShape) -> Job | None:
+    def resolve(self, shape: WarmupShape) -> GenerationRequest | None:
         p = self.pipe
         w, h = shape.width or p.default_width, shape.height or p.default_height
         if w is None or h is None:
             return None
         steps = shape.steps or p.default_steps
         g = p.default_guidance if shape.guidance is None else shape.guidance
-        return Job("", None, 0, 1, w, h, steps, g)
+        return GenerationRequest("", None, 0, 1, w, h, steps, g)
 
     # ------------------------------------------------------------------ handle methods
     def info(self) -> dict:
@@ -130,7 +139,8 @@ class Generator:
         return {"model": p.name, "scheduler": names[0], "scheduler_names": names,
                 "default_steps": p.default_steps, "default_guidance": p.default_guidance,
                 "default_width": p.default_width, "default_height": p.default_height,
-                "size_multiple": size_multiple(p), "dtype": cfg.dtype if cfg else None,
+                "size_multiple": size_multiple(p), "max_size": p.max_size,
+                "dtype": cfg.dtype if cfg else None,
                 "devices": p.mesh.size, "replica": self.replica, "warmup_s": self.warmup_s,
                 "warmed": self.warmed, "load_s": self.load_s}
 
@@ -140,24 +150,28 @@ class Generator:
                 "compiled_programs": self.pipe.num_compiled, "batches": list(self._recent),
                 "warmed": self.warmed, "warmup_s": self.warmup_s}
 
-    async def generate(self, job: Job) -> JobResult:
-        """Queue ``job`` with the jobs of its shape key; returns when its batch has run."""
-        from pipelines import ImageRequest
-
+    async def generate(self, job: GenerationRequest, timeout_s: float | None = None
+                       ) -> JobResult:
+        """Queue ``job`` with the jobs of its shape key; returns when its batch has run.
+        ``timeout_s``: seconds the caller still waits; past that the job is dropped before its
+        images start (:class:`Expired`)."""
         try:
             self.pipe._check(job.steps, job.height, job.width, "pil")
-            ImageRequest(job.prompt, negative_prompt=job.negative_prompt, seed=job.seed,
-                         guidance_scale=job.guidance_scale).validate()
+            job.validate()
         except ValueError as e:
             raise InvalidJob(str(e)) from None
-        job._arrived = time.perf_counter()
-        return await self._batcher(job.key)(job)
+        now = time.perf_counter()
+        result = await self._batcher(job.key)(
+            (job, now, None if timeout_s is None else now + timeout_s))
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     # ------------------------------------------------------------------ batching
     def _batcher(self, key: tuple):
         fn = self._batchers.get(key)
         if fn is None:
-            async def run_batch(jobs: list[Job]) -> list[JobResult]:
+            async def run_batch(jobs: list[tuple]) -> list:
                 return await self._run_batch(key, jobs)
 
             fn = serve.batch(max_batch_size=self.settings.max_batch_size,
@@ -165,59 +179,66 @@ class Generator:
             self._batchers[key] = fn
         return fn
 
-    async def _run_batch(self, key: tuple, jobs: list[Job]) -> list[JobResult]:
-        from maxdiff.mesh import bucket_size
-        from pipelines import ImageRequest
-
-        height, width, steps, _ = key
-        items, owner = [], []
-        for j, job in enumerate(jobs):
-            for k in range(job.n):
-                seed = None if job.seed is None else job.seed + k
-                items.append(ImageRequest(prompt=job.prompt, negative_prompt=job.negative_prompt,
-                                          seed=seed, guidance_scale=job.guidance_scale))
-                owner.append(j)
-        images: list[np.ndarray] = []
-        seeds: list[int] = []
+    async def _run_batch(self, key: ShapeKey, queued: list[tuple]) -> list:
+        """Run one batch of same-key jobs as device batches of at most ``batch_images``
+        images; jobs whose deadline has passed when a device batch starts are dropped."""
+        jobs = [q[0] for q in queued]
+        images = [(j, item) for j, job in enumerate(jobs) for item in job.images()]
+        done: dict[int, list] = {j: [] for j in range(len(jobs))}  # (image, seed) per job
+        expired: set[int] = set()
         buckets: list[int] = []
         prepare = generate = 0.0
         started = None
-        chunk = self.settings.batch_images
-        for start in range(0, len(items), chunk):
-            part = items[start:start + chunk]
-            program = (*key, bucket_size(len(part), self.pipe.mesh.size))
+        for _, part, _ in plan_batches(images, lambda _: key, self.settings.batch_images,
+                                            self.pipe.mesh.size):
+            now = time.perf_counter()
+            expired |= {j for j, (_, _, deadline) in enumerate(queued)
+                        if deadline is not None and now > deadline}
+            part = [(j, item) for j, item in part if j not in expired]
+            if not part:
+                continue
+            bucket = bucket_size(len(part), self.pipe.mesh.size)  # every one is warmed up
+            program = (*key, bucket)
             # A program not compiled yet compiles (seconds to minutes) without holding the
             # devices, so batches of compiled shapes keep running meanwhile.
             lock = self._device_lock if program in self._compiled else contextlib.nullcontext()
             async with lock:
                 if started is None:
                     started = time.perf_counter()
-                out = await asyncio.to_thread(self.pipe.generate, part, height=height,
-                                              width=width, num_inference_steps=steps,
-                                              output_type="pil")
+                out = await asyncio.to_thread(
+                    self.pipe.generate, pad_to([item for _, item in part], bucket),
+                    height=key.height, width=key.width, num_inference_steps=key.steps)
             self._compiled.add(program)
-            images += [np.asarray(im) for im in out.images]
-            seeds += out.seeds
-            buckets.append(int(out.timings["batch"]))
+            for (j, _), image, seed in zip(part, out.images, out.seeds):
+                done[j].append((np.asarray(image), seed))
+            buckets.append(bucket)
             prepare += out.timings["prepare_s"]
             generate += out.timings["generate_s"]
-        batch = {"id": next(self._batch_ids), "requests": len(jobs), "images": len(items),
-                 "device_batches": buckets, "shape": f"{width}x{height}:{steps}:"
-                 f"{'cfg' if key[3] else 'nocfg'}", "generate_s": generate}
+        n_images = sum(len(v) for v in done.values())
+        batch = {"id": next(self._batch_ids), "requests": len(jobs), "images": n_images,
+                 "device_batches": buckets, "shape": str(key), "generate_s": generate,
+                 "expired": len(expired)}
         self._recent.append(batch)
-        self._images_total += len(items)
-        self._m_images.inc(len(items), tags=self._tags)
+        self._images_total += n_images
+        self._m_images.inc(n_images, tags=self._tags)
         self._m_batch.observe(len(jobs), tags=self._tags)
+        if expired:
+            self._m_expired.inc(len(expired), tags=self._tags)
         for b in buckets:
             self._m_device_batch.observe(b, tags=self._tags)
-        self._m_step.observe(generate / max(steps, 1) / max(len(buckets), 1), tags=self._tags)
+        if buckets:
+            self._m_step.observe(generate / max(key.steps, 1) / len(buckets), tags=self._tags)
         results = []
-        for j, job in enumerate(jobs):
-            mine = [k for k, o in enumerate(owner) if o == j]
-            queue_s = started - job._arrived
+        for j, (job, arrived, _) in enumerate(queued):
+            if j in expired:
+                results.append(Expired(f"the request's deadline passed after "
+                                       f"{time.perf_counter() - arrived:.1f} s in the queue; "
+                                       "its images were not started"))
+                continue
+            queue_s = started - arrived
             self._m_queue.observe(queue_s, tags=self._tags)
             results.append(JobResult(
-                images=[images[k] for k in mine], seeds=[seeds[k] for k in mine],
+                images=[im for im, _ in done[j]], seeds=[sd for _, sd in done[j]],
                 timings={"queue_s": queue_s, "prepare_s": prepare, "generate_s": generate},
                 batch=batch, replica=self.replica))
         return results

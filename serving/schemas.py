@@ -1,74 +1,75 @@
 """What crosses the service's boundaries.
 
 - ``ServeSettings``: the deployment's settings, parsed strictly from ``build_app``'s args (a
-  dict from ``serve run ... key=value`` or a ``configs/serve.yaml`` ``args:`` block).
+  dict from ``serve run ... key=value`` or a ``configs/serve.yaml`` ``args:`` block) with the
+  same config machinery as run configs (:mod:`maxdiff.config`).
 - The HTTP request/response models (Pydantic; FastAPI shows them at ``/docs``).
-- ``Job`` / ``JobResult``: what the ingress sends a generator replica and gets back.
+- ``JobResult``: what a generator replica sends back for a
+  :class:`pipelines.requests.GenerationRequest`.
 
-Nothing here imports JAX: the ingress replicas only need this module and FastAPI.
+Nothing here imports JAX: the ingress replicas only need this module, ``pipelines.requests``,
+``pipelines.config`` and FastAPI.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import re
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_SEED = 2**32 - 1  # the pipeline's seed range (pipelines.text_to_image.MAX_SEED)
+from maxdiff.config import StrictConfig, parse_overrides, validate, yaml_scalar
+from pipelines.config import RunConfig
+from pipelines.requests import MAX_SEED, parse_size
 
-# build_app args that go to the run config (pipelines.config.RunConfig); the rest are ServeSettings.
-RUN_CONFIG_KEYS = ("model", "unet", "scheduler", "dtype", "steps", "guidance", "height", "width",
-                   "attention", "attention_chunk", "devices", "compile_cache_dir")
-_RUN_CONFIG_NUMBERS = ("steps", "guidance", "height", "width", "attention_chunk", "devices")
+# build_app args that go to the run config; the rest are ServeSettings.
+RUN_CONFIG_KEYS = tuple(RunConfig.model_fields)
+# args taken as given when they come as strings (names and paths); others are parsed as YAML
+_TEXT_ARGS = ("config", "model_name", "resource", "model", "unet", "scheduler",
+              "compile_cache_dir", "dtype", "attention")
 
 
 # ---------------------------------------------------------------------------------- settings
-@dataclass(frozen=True)
-class WarmupShape:
+class WarmupShape(StrictConfig):
     """One program to compile before a replica reports ready. None: the model's default."""
 
-    width: int | None = None
-    height: int | None = None
-    steps: int | None = None
-    guidance: float | None = None  # > 1: classifier-free guidance on
+    width: int | None = Field(None, ge=1)
+    height: int | None = Field(None, ge=1)
+    steps: int | None = Field(None, ge=1)
+    guidance: float | None = Field(None, ge=0)  # > 1: classifier-free guidance on
 
     @classmethod
     def parse(cls, spec: Any) -> "WarmupShape":
         """``"WxH:steps:guidance"`` (later parts optional; guidance may be ``cfg``/``nocfg``),
-        ``"default"``, or a dict with ``size``/``width``/``height``, ``steps``, ``guidance``."""
+        ``"default"``, or a mapping with ``size`` (or ``width``, ``height``), ``steps``,
+        ``guidance`` (or ``cfg``)."""
+        if isinstance(spec, WarmupShape):
+            return spec
         if isinstance(spec, dict):
-            unknown = set(spec) - {"size", "width", "height", "steps", "guidance", "cfg"}
-            if unknown:
-                raise ValueError(f"warmup shape {spec}: unknown keys {sorted(unknown)}; use size "
-                                 "(or width, height), steps, guidance")
-            w, h = spec.get("width"), spec.get("height")
-            if spec.get("size") is not None:
-                w, h = parse_size(str(spec["size"]))
-            guidance = spec.get("guidance")
-            if "cfg" in spec:
-                guidance = _cfg_word(str(spec["cfg"]).lower())
-            return cls(*_ints(spec, w, h, spec.get("steps")), _float_or_none(guidance, spec))
+            d = dict(spec)
+            if d.get("size") is not None:
+                d["width"], d["height"] = _size(d.pop("size"), spec)
+            d.pop("size", None)
+            if "cfg" in d:
+                d["guidance"] = _cfg_word(str(d.pop("cfg")).lower())
+            return validate(cls, d, f"warmup shape {spec}")
         if not isinstance(spec, str):
-            raise ValueError(f"warmup shape {spec!r}: give 'WxH:steps:guidance' or a dict")
+            raise ValueError(f"warmup shape {spec!r}: give 'WxH:steps:guidance' or a mapping")
         if spec.strip().lower() == "default":
             return cls()
         parts = spec.strip().split(":")
         if len(parts) > 3 or not parts[0]:
             raise ValueError(f"warmup shape {spec!r}: use 'WxH', 'WxH:steps' or "
                              "'WxH:steps:guidance' (e.g. '1024x1024:4:0')")
-        w, h = parse_size(parts[0])
-        steps = _int(parts[1], spec) if len(parts) > 1 and parts[1] else None
-        guidance = None
+        w, h = _size(parts[0], spec)
+        d: dict[str, Any] = {"width": w, "height": h}
+        if len(parts) > 1 and parts[1]:
+            d["steps"] = yaml_scalar(parts[1])
         if len(parts) > 2:
             word = parts[2].strip().lower()
-            guidance = _cfg_word(word) if word in _CFG_WORDS else _float_or_none(word, spec)
-        return cls(w, h, steps, guidance)
+            d["guidance"] = _cfg_word(word) if word in _CFG_WORDS else yaml_scalar(word)
+        return validate(cls, d, f"warmup shape {spec!r}")
 
     def __str__(self) -> str:
         size = "default size" if self.width is None else f"{self.width}x{self.height}"
@@ -85,136 +86,119 @@ def _cfg_word(word: str) -> float:
     return _CFG_WORDS[word]
 
 
-def _int(v, where) -> int:
+def _size(value, spec) -> tuple[int, int]:
     try:
-        out = int(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"warmup shape {where!r}: {v!r} is not an integer") from None
-    if out < 1:
-        raise ValueError(f"warmup shape {where!r}: {v!r} must be >= 1")
-    return out
+        return parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"warmup shape {spec!r}: size {e}") from None
 
 
-def _ints(spec, *vals):
-    return [None if v is None else _int(v, spec) for v in vals]
+def _as_list(value) -> Any:
+    """A list arg given as a string: ``"[a, b]"`` (YAML) or ``"a,b"``; one value: a list of it."""
+    if isinstance(value, (int, float, dict)) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return yaml_scalar(text)
+        return [p.strip() for p in text.split(",") if p.strip()]
+    return value
 
 
-def _float_or_none(v, where) -> float | None:
-    if v is None:
-        return None
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"warmup shape {where!r}: guidance {v!r} is not a number "
-                         "(or cfg/nocfg)") from None
-
-
-_SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$")
-
-
-def parse_size(size: str) -> tuple[int, int]:
-    """``"1024x768"`` -> (1024, 768) as (width, height)."""
-    m = _SIZE.match(size)
-    if not m:
-        raise ValueError(f"size {size!r} must look like WIDTHxHEIGHT, e.g. 1024x1024")
-    return int(m.group(1)), int(m.group(2))
-
-
-@dataclass(frozen=True)
-class ServeSettings:
+class ServeSettings(StrictConfig):
     """How the service batches, places replicas and bounds requests (see README "HTTP service").
 
-    Keys not listed here that ``pipelines.config.RunConfig`` knows (model, unet, scheduler, dtype,
-    steps, guidance, height, width, attention, devices, compile_cache_dir, ...) go to the run
-    config, on top of ``config`` (a name in ``configs/`` or a YAML path).
+    ``build_app`` args that are :class:`pipelines.config.RunConfig` keys (model, unet, scheduler,
+    dtype, steps, guidance, height, width, attention, devices, ...) go to the run config, on top
+    of ``config`` (a shipped config's name or a YAML path); :meth:`from_args` splits them off
+    into ``run_overrides``.
     """
 
     config: str | None = None  # run config name or path; None: defaults (the embedded model)
-    run_overrides: dict = field(default_factory=dict)
+    run_overrides: dict = {}
     model_name: str | None = None  # the id /v1/models reports; None: the model folder's name
     # batching: requests that share (height, width, steps, cfg on/off) share a device batch
-    max_batch_size: int = 8  # requests per batch
-    max_batch_images: int | None = None  # images per device batch; None: max_batch_size
-    batch_wait_timeout_s: float = 0.05
+    max_batch_size: int = Field(8, ge=1)  # requests per batch
+    max_batch_images: int | None = Field(None, ge=1)  # images per device batch; None: batch size
+    batch_wait_timeout_s: float = Field(0.05, ge=0)
     # replicas and placement
-    num_replicas: int = 1
+    num_replicas: int = Field(1, ge=1)
     resource: str | None = None  # "GPU", "TPU" or a custom per-host resource; None: CPU only
-    resource_amount: float = 1.0  # of `resource` per replica (e.g. every chip of a host)
-    num_cpus: float = 1.0  # per generator replica
-    max_replicas_per_node: int | None = None  # 1: one replica per host
-    max_ongoing_requests: int | None = None  # per generator replica; None: 2 * max_batch_size
+    resource_amount: float = Field(1.0, gt=0)  # of `resource` per replica (e.g. every chip)
+    num_cpus: float = Field(1.0, ge=0)  # per generator replica
+    max_replicas_per_node: int | None = Field(None, ge=1)  # 1: one replica per host
+    max_ongoing_requests: int | None = Field(None, ge=1)  # per replica; None: 2 * batch size
     max_queued_requests: int = 64  # waiting for a generator replica, per caller; -1: no limit
-    ingress_replicas: int = 1
-    ingress_num_cpus: float = 0.25
-    ingress_max_ongoing_requests: int = 1024
+    ingress_replicas: int = Field(1, ge=1)
+    ingress_num_cpus: float = Field(0.25, ge=0)
+    ingress_max_ongoing_requests: int = Field(1024, ge=1)
     # requests
-    request_timeout_s: float = 300.0
-    retry_after_s: int = 2  # Retry-After on a 503
-    warmup_shapes: tuple = (WarmupShape(),)  # compiled before a replica is ready
-    warmup_batch_sizes: tuple | None = None  # None: every padded batch up to max_batch_images
-    max_n: int = 4  # images per request
-    max_steps: int = 100
-    max_guidance: float = 30.0
-    min_size: int | None = None  # pixels per side; None: size_multiple
-    max_size: int = 2048
-    size_multiple: int | None = None  # sides are multiples of this and of the VAE factor
-    max_body_bytes: int = 65536
-    max_prompt_chars: int = 4000
+    request_timeout_s: float = Field(300.0, gt=0)
+    retry_after_s: int = Field(2, ge=1)  # Retry-After on a 503
+    warmup_shapes: tuple[WarmupShape, ...] = (WarmupShape(),)  # compiled before ready
+    warmup_batch_sizes: tuple[int, ...] | None = None  # None: every padded batch size
+    max_n: int = Field(4, ge=1)  # images per request
+    max_steps: int = Field(100, ge=1)
+    max_guidance: float = Field(30.0, ge=0)
+    min_size: int | None = Field(None, ge=1)  # pixels per side; None: size_multiple
+    max_size: int | None = Field(None, ge=1)  # None: the model's max_size (maxdiff.json), or 2048
+    size_multiple: int | None = Field(None, ge=1)  # sides: multiples of this and the VAE factor
+    max_body_bytes: int = Field(65536, ge=1)
+    max_prompt_chars: int = Field(4000, ge=1)
 
+    @field_validator("warmup_shapes", mode="before")
     @classmethod
-    def from_args(cls, args: dict | None) -> "ServeSettings":
-        """Parse ``build_app`` args; values may be strings (``serve run ... key=value``)."""
-        args = dict(args or {})
-        hints = typing.get_type_hints(cls)
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "run_overrides"]
-        run, kw = {}, {}
-        for key, value in args.items():
-            if key in RUN_CONFIG_KEYS:
-                if isinstance(value, str) and key in _RUN_CONFIG_NUMBERS:
-                    value = _yaml_scalar(value)
-                run[key] = value
-            elif key == "warmup_shapes":
-                kw[key] = tuple(WarmupShape.parse(s) for s in _as_list(key, value))
-            elif key == "warmup_batch_sizes":
-                kw[key] = None if value is None else tuple(
-                    _coerce(key, v, int) for v in _as_list(key, value))
-            elif key in names:
-                kw[key] = _coerce(key, value, hints[key])
-            else:
-                raise ValueError(f"unknown serve arg {key!r}; allowed: "
-                                 f"{', '.join(sorted([*names, *RUN_CONFIG_KEYS]))}")
-        out = cls(run_overrides=run, **kw)
-        out.check()
-        return out
+    def _shapes(cls, v):
+        return tuple(WarmupShape.parse(x) for x in (_as_list(v) or ()))
 
-    def check(self) -> None:
-        positive = ("max_batch_size", "max_batch_images", "num_replicas", "max_replicas_per_node",
-                    "max_ongoing_requests", "ingress_replicas", "ingress_max_ongoing_requests",
-                    "max_n", "max_steps", "min_size", "max_size", "size_multiple",
-                    "max_body_bytes", "max_prompt_chars", "retry_after_s")
-        for name in positive:
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"serve arg {name}={v}; it must be >= 1")
-        for name in ("batch_wait_timeout_s", "num_cpus", "ingress_num_cpus", "max_guidance"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"serve arg {name}={getattr(self, name)}; it must be >= 0")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"serve arg request_timeout_s={self.request_timeout_s}; "
-                             "it must be > 0")
-        if self.resource is not None and not self.resource_amount > 0:
-            raise ValueError(f"serve arg resource_amount={self.resource_amount}; it must be > 0")
+    @field_validator("warmup_batch_sizes", mode="before")
+    @classmethod
+    def _sizes(cls, v):
+        v = _as_list(v)
+        return None if v is None else tuple(yaml_scalar(x) if isinstance(x, str) else x
+                                             for x in v)
+
+    @field_validator("warmup_batch_sizes")
+    @classmethod
+    def _sizes_positive(cls, v):
+        for b in v or ():
+            if b < 1:
+                raise ValueError(f"{b} must be >= 1")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
         if self.max_queued_requests < 1 and self.max_queued_requests != -1:
-            raise ValueError("serve arg max_queued_requests must be >= 1, or -1 for no limit")
+            raise ValueError("max_queued_requests must be >= 1, or -1 for no limit")
         if (self.max_ongoing_requests is not None
                 and self.max_ongoing_requests < self.max_batch_size):
             raise ValueError(f"max_ongoing_requests={self.max_ongoing_requests} is below "
                              f"max_batch_size={self.max_batch_size}: batches could never fill")
-        if self.min_size is not None and self.min_size > self.max_size:
+        if (self.min_size is not None and self.max_size is not None
+                and self.min_size > self.max_size):
             raise ValueError(f"min_size={self.min_size} is above max_size={self.max_size}")
-        for b in self.warmup_batch_sizes or ():
-            if b < 1:
-                raise ValueError(f"warmup_batch_sizes: {b} must be >= 1")
+        return self
+
+    @classmethod
+    def from_args(cls, args: dict | None) -> "ServeSettings":
+        """Parse ``build_app`` args; values may be strings (``serve run ... key=value``)."""
+        args = parse_overrides(args)
+        run = {k: args.pop(k) for k in list(args) if k in RUN_CONFIG_KEYS}
+        for values in (args, run):  # "8" -> 8, "null" -> None, "[a, b]" -> a list; paths stay
+            for k, v in values.items():
+                if isinstance(v, str) and k not in _TEXT_ARGS:
+                    values[k] = yaml_scalar(v)
+        if "run_overrides" in args:
+            raise ValueError("serve arg 'run_overrides' is internal; give run-config keys "
+                             f"({', '.join(RUN_CONFIG_KEYS)}) directly")
+        extra = set(args) - set(cls.model_fields)
+        if extra:
+            allowed = sorted([*(k for k in cls.model_fields if k != "run_overrides"),
+                              *RUN_CONFIG_KEYS])
+            raise ValueError(f"unknown serve arg {sorted(extra)[0]!r}; allowed: "
+                             f"{', '.join(allowed)}")
+        validate(RunConfig, run, "serve args (run-config keys)")  # bad values fail here, early
+        return validate(cls, {**args, "run_overrides": run}, "serve args")
 
     @property
     def batch_images(self) -> int:
@@ -223,47 +207,6 @@ class ServeSettings:
     @property
     def generator_max_ongoing(self) -> int:
         return self.max_ongoing_requests or 2 * self.max_batch_size
-
-
-def _yaml_scalar(value: str):
-    import yaml
-
-    return yaml.safe_load(value) if value.strip() else None
-
-
-def _as_list(key: str, value) -> list:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        s = value.strip()
-        if s.startswith("["):
-            value = _yaml_scalar(s)
-        else:
-            return [p.strip() for p in s.split(",") if p.strip()]
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    raise ValueError(f"serve arg {key} must be a list (or a comma-separated string), got {value!r}")
-
-
-def _coerce(key: str, value, hint):
-    types = typing.get_args(hint) or (hint,)
-    if isinstance(value, str) and str not in types:
-        value = _yaml_scalar(value)
-    if value is None:
-        if type(None) in types:
-            return None
-        raise ValueError(f"serve arg {key!r} may not be null")
-    for t in types:
-        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                break
-            return float(value)
-        if t is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if t is str and isinstance(value, str):
-            return value
-    names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-    raise ValueError(f"serve arg {key!r} must be {names}, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------- HTTP models
@@ -359,26 +302,6 @@ class GenerateResponse(BaseModel):
 
 
 # ---------------------------------------------------------------------------------- jobs
-@dataclass
-class Job:
-    """One HTTP request's images, settings resolved (no None): n images, image k with seed
-    ``seed + k`` (``seed`` None: random seeds, reported back)."""
-
-    prompt: str
-    negative_prompt: str | None
-    seed: int | None
-    n: int
-    width: int
-    height: int
-    steps: int
-    guidance_scale: float
-
-    @property
-    def key(self) -> tuple[int, int, int, bool]:
-        """Jobs with equal keys can share a device batch (one compiled program)."""
-        return (self.height, self.width, self.steps, self.guidance_scale > 1.0)
-
-
 @dataclass
 class JobResult:
     images: list[np.ndarray]  # uint8 (H, W, 3)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipelines import batch, cli
+from pipelines import batch, cli, requests
 from maxdiff.checkpoint import open_weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,13 +137,13 @@ def test_jsonl_per_line_overrides_and_webp(converted, env, tmp_path):
     assert [recs[0, k]["seed"] for k in (0, 1)] == [5, 6]  # a line's seed: seed, seed+1, ...
     assert recs[1, 0]["negative_prompt"] == "green" and recs[1, 0]["guidance"] == 3.0
     assert recs[3, 0]["negative_prompt"] == "blurry" and recs[3, 0]["guidance"] == 5.0
-    assert recs[3, 0]["seed"] == batch.derive_seed(1, 3, 0)
+    assert recs[3, 0]["seed"] == requests.derive_seed(1, 3, 0)
     assert recs[2, 0]["source"] == f"{jobs}:5" and recs[2, 0]["model"] == str(converted[1])
     assert (recs[2, 0]["steps"], recs[2, 0]["size"]) == (2, "16x24")
     assert sorted(r["file"] for r in recs.values()) == images(out, "webp")
     with Image.open(out / recs[2, 0]["file"]) as im:
         assert im.format == "WEBP" and im.size == (16, 24)
-    info = batch.read_image_info(out / recs[1, 0]["file"])
+    info = requests.read_image_info(out / recs[1, 0]["file"])
     assert info["negative_prompt"] == "green" and info["seed"] == str(recs[1, 0]["seed"])
 
 
@@ -297,7 +297,8 @@ def test_batches_group_by_shape_and_pad_to_one_bucket():
     lines = batch.read_prompts(file="p.jsonl", file_text="\n".join(json.dumps(d) for d in [
         {"prompt": "a", "n": 3}, {"prompt": "b", "guidance": 0}, {"prompt": "c"}]))
     got = [(shape, [j.line.index for j in jobs], bucket)
-           for shape, jobs, bucket in batch.batches(batch.plan_jobs(lines, s), 2)]
+           for shape, jobs, bucket in requests.plan_batches(batch.plan_jobs(lines, s),
+                                                            lambda j: j.shape, 2)]
     assert got == [((32, 32, 1, True), [0, 0], 2), ((32, 32, 1, True), [0, 2], 2),
                    ((32, 32, 1, False), [1], 1)]
 
@@ -313,3 +314,39 @@ def test_convert_refuses_an_existing_destination_unless_forced(sdxl_dir, tmp_pat
     assert str(open_weights(dst / "vae").get("decoder.conv_in.weight").dtype) == "float16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # no temp folders left
     assert cli.main(["convert", str(tmp_path / "nope"), str(tmp_path / "x")]) == 2
+
+
+def test_a_regular_install_works_from_another_folder(tmp_path):
+    """The wheel (not the source tree) carries the named configs and the embedded model:
+    installed with ``pip install --target`` and run from an unrelated folder,
+    ``maxdiff generate --config demo`` writes an image."""
+    root = Path(__file__).resolve().parent.parent
+    wheels, target, work = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
+    work.mkdir()
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                            str(wheels), str(root)], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    wheel, = wheels.glob("maxdiff-*.whl")
+    inst = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                           str(target), str(wheel)], capture_output=True, text=True, timeout=600)
+    assert inst.returncode == 0, inst.stderr[-3000:]
+    assert (target / "maxdiff" / "configs" / "demo.yaml").is_file()
+    assert (target / "maxdiff" / "assets" / "demo-model" / "maxdiff.json").is_file()
+    env = {**os.environ, "PYTHONPATH": str(target),
+           "MAXDIFF_COMPILE_CACHE": str(tmp_path / "jax")}
+    env.pop("MAXDIFF_DEFAULT_MODEL", None)
+    where = subprocess.run(
+        [sys.executable, "-c", "import maxdiff.config, pipelines.default_model as d; "
+         "print(maxdiff.config.shipped_configs()); print(d.EMBEDDED)"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert where.returncode == 0, where.stderr
+    assert all(line.startswith(str(target)) for line in where.stdout.split()), where.stdout
+    out = work / "out"
+    res = subprocess.run([sys.executable, "-m", "pipelines.cli", "generate", "a red circle",
+                          "--config", "demo", "--seed", "1", "--quiet", "--out", str(out)],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    pngs = list(out.glob("*.png"))
+    assert len(pngs) == 1 and Image.open(pngs[0]).size == (64, 64)  # the model's own size
+    rec = json.loads((out / "metadata.jsonl").read_text().splitlines()[0])
+    assert (rec["steps"], rec["guidance"]) == (20, 7.5)  # its maxdiff.json defaults

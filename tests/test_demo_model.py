@@ -10,13 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
-from maxdiff.training import evaluate, shapes
+from maxdiff.training import shapes
+from pipelines import demo_eval as evaluate
+from pipelines.config import ModelDefaults
 from pipelines.default_model import EMBEDDED
 
 ROOT = Path(__file__).resolve().parent.parent
-DEMO = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+DEMO = ModelDefaults.read(EMBEDDED).model_dump()
 
 
 @pytest.fixture(scope="module")

@@ -20,5 +20,7 @@ def test_quickstart_notebook_runs(sdxl_dir, tmp_path, monkeypatch):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    assert "max pixel difference: 0" in text
+    diffs = [int(line.split(":")[1]) for line in text.splitlines()
+             if line.startswith("max pixel difference:")]
+    assert len(diffs) == 1 and diffs[0] <= 1  # the notebook's own tolerance: one level
     assert any("image/png" in o.get("data", {}) for o in outputs)

@@ -140,18 +140,23 @@ def test_settings_from_cli_strings():
     assert (s.max_batch_size, s.batch_wait_timeout_s, s.resource, s.resource_amount) == (
         8, 0.1, "TPU", 4.0)
     assert s.run_overrides == {"steps": 4, "model": "/m/1234"}
-    assert s.warmup_shapes == (WarmupShape(1024, 1024, 4, 0.0), WarmupShape(512, 768, 30, 5.0))
+    assert s.warmup_shapes == (WarmupShape(width=1024, height=1024, steps=4, guidance=0.0),
+                               WarmupShape(width=512, height=768, steps=30, guidance=5.0))
     assert s.warmup_batch_sizes == (1, 2) and s.generator_max_ongoing == 16
     yaml_style = ServeSettings.from_args({"warmup_shapes": [{"size": "64x32", "cfg": "off"},
                                                             "default"], "max_queued_requests": -1})
-    assert yaml_style.warmup_shapes == (WarmupShape(64, 32, None, 0.0), WarmupShape())
+    assert yaml_style.warmup_shapes == (WarmupShape(width=64, height=32, guidance=0.0),
+                                        WarmupShape())
 
 
 @pytest.mark.parametrize("args,message", [
     ({"max_batchsize": 4}, "unknown serve arg 'max_batchsize'"),
-    ({"max_batch_size": "many"}, "must be int"),
-    ({"max_batch_size": 0}, ">= 1"),
-    ({"warmup_shapes": "1024:4"}, "WIDTHxHEIGHT"),
+    ({"max_batch_size": "many"}, "key 'max_batch_size': Input should be a valid integer"),
+    ({"steps": "many"}, "key 'steps': Input should be a valid integer"),
+    ({"max_batch_size": 0}, "key 'max_batch_size': Input should be greater than or equal to 1"),
+    ({"warmup_shapes": "1024y4:4"}, "WIDTHxHEIGHT"),
+    ({"warmup_shapes": "64x64:0"}, "key 'steps': Input should be greater than or equal to 1"),
+    ({"warmup_batch_sizes": "1,0"}, "warmup_batch_sizes"),
     ({"max_batch_size": 8, "max_ongoing_requests": 4}, "batches could never fill"),
 ])
 def test_settings_refuse_bad_args(args, message):
@@ -167,7 +172,7 @@ def test_build_app_without_a_model_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setenv("MAXDIFF_DEFAULT_MODEL", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="MAXDIFF_DEFAULT_MODEL"):
         build_app({})
-    with pytest.raises(ValueError, match="unknown config key|no such file"):
+    with pytest.raises(ValueError, match="no such file, and not one of the named run configs"):
         build_app({"config": "no-such-config", "model": str(tmp_path)})
 
 
@@ -228,9 +233,33 @@ def test_openai_client(main_app):
     assert [m.id for m in client.models.list()] == ["tiny-sdxl"]
     with pytest.raises(openai.UnprocessableEntityError, match="b64_json"):
         client.images.generate(prompt="a cat", response_format="url")
-    # size "auto" (and no size) is the model's default
-    r = requests.post(f"{main_app.url}/v1/images/generations", json={"prompt": "x", "size": "auto"})
-    assert r.status_code == 200 and r.json()["size"] == f"{SIZE}x{SIZE}"
+    # size "auto" (and no size) is the model's default, through the client too
+    for size in ("auto", openai.NOT_GIVEN):
+        out = client.images.generate(prompt="a red circle", size=size)
+        assert _png(out.data[0].b64_json).shape == (SIZE, SIZE, 3)
+        assert out.size == f"{SIZE}x{SIZE}"
+    # the most common OpenAI size, far above what this server allows: a clear 422 at once
+    t0 = time.monotonic()
+    with pytest.raises(openai.UnprocessableEntityError, match=r"between 16 and 64 \(the serve arg "
+                                                              r"max_size\)"):
+        client.images.generate(prompt="a cat", size="1024x1024")
+    assert time.monotonic() - t0 < 10
+    assert client.images.generate(prompt="a cat", size=f"{SIZE}x{SIZE}").data  # still serving
+
+
+def test_curl_style_form_encoded_json_is_accepted(main_app):
+    """``curl -d '{...}'`` declares application/x-www-form-urlencoded; a JSON object body is
+    read as JSON anyway (text/plain and no Content-Type too)."""
+    body = json.dumps({"prompt": "a cat", "seed": 1234, "steps": 2, "guidance_scale": 0})
+    for ctype in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {"Accept": "image/png"} | ({"Content-Type": ctype} if ctype else {})
+        r = requests.post(f"{main_app.url}/v1/generate", data=body.encode(), headers=headers,
+                          timeout=120)
+        assert r.status_code == 200, (ctype, r.text)
+        assert r.headers["content-type"] == "image/png" and r.headers["X-Seed"] == "1234"
+    r = requests.post(f"{main_app.url}/v1/generate", data="prompt=a+cat",
+                      headers={"Content-Type": "application/x-www-form-urlencoded"}, timeout=30)
+    assert r.status_code == 422  # a real form is still not a JSON object
 
 
 def test_same_seed_same_image(main_app):

@@ -334,9 +334,10 @@ def param_shapes(model: UNet2DConditionModel) -> dict:
 
 def load_unet(path: str | os.PathLike, dtype: Any = "float32", *, config: dict | None = None,
               attention_kernel: str = "auto", attention_chunk: int = DEFAULT_CHUNK,
-              put=None) -> tuple[UNet2DConditionModel, dict]:
+              put=None, variant: str | None = None) -> tuple[UNet2DConditionModel, dict]:
     """Load a UNet from a diffusers ``unet/`` folder, or a single ``.safetensors`` file in
     diffusers key format together with ``config`` (the base model's ``unet/config.json``).
+    ``variant`` picks ``diffusion_pytorch_model.{variant}.safetensors`` in a folder.
 
     Returns ``(module, params)``; params are cast to ``dtype`` tensor by tensor.
     """
@@ -352,7 +353,7 @@ def load_unet(path: str | os.PathLike, dtype: Any = "float32", *, config: dict |
     cfg = UNetConfig.from_dict(config)
     np_dtype = checkpoint.resolve_dtype(dtype)
     model = UNet2DConditionModel(cfg, attention_kernel, attention_chunk, jnp.dtype(np_dtype))
-    source = checkpoint.open_weights(path)
+    source = checkpoint.open_weights(path, variant)
     params = checkpoint.load_params(param_shapes(model), source, np_dtype, put=put)
     return model, params
 

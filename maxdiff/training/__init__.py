@@ -1,3 +1,3 @@
 """Training the embedded demo model: procedural data (``shapes``), the JAX training loop
-(``train``), export to a diffusers folder (``export``) and the prompt-fidelity check
-(``evaluate``)."""
+(``train``) and export to a diffusers folder (``export``). Its prompt-fidelity evaluation runs
+the pipeline, so it lives a layer up, in ``pipelines.demo_eval``."""

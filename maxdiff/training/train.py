@@ -22,22 +22,21 @@ An EMA of the phase-2 weights is exported as a diffusers SDXL folder (``--out``)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import yaml
+from pydantic import Field
 from tqdm import tqdm
 
 from maxdiff import checkpoint
+from maxdiff.config import StrictConfig, load_config
 from maxdiff.models.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 from maxdiff.models.unet import UNet2DConditionModel, UNetConfig, count_params
 from maxdiff.models.vae import AutoencoderKL, AutoencoderKLConfig
@@ -47,52 +46,38 @@ from maxdiff.training import export, shapes
 DEFAULT_VOCAB = Path(__file__).resolve().parent.parent / "assets" / "demo-model" / "tokenizer"
 
 
-@dataclass
-class PhaseConfig:
-    steps: int = 1000
-    batch: int = 16
-    lr: float = 1e-3
-    warmup: int = 100
-    weight_decay: float = 0.0
+class PhaseConfig(StrictConfig):
+    steps: int = Field(1000, ge=1)
+    batch: int = Field(16, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    warmup: int = Field(100, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
 
 
-@dataclass
-class TrainConfig:
-    """``configs/train-demo.yaml``; unknown keys are refused."""
+class TrainConfig(StrictConfig):
+    """``configs/train-demo.yaml`` (or ``train-demo`` by name); unknown keys are refused."""
 
     seed: int = 0
-    vae: dict = field(default_factory=dict)  # diffusers AutoencoderKL config
-    unet: dict = field(default_factory=dict)  # diffusers UNet2DConditionModel config
-    text_encoder: dict = field(default_factory=dict)  # transformers CLIPTextConfig fields
-    text_encoder_2: dict = field(default_factory=dict)
-    scheduler: dict = field(default_factory=dict)  # overrides of SDXL's Euler config
-    vae_train: PhaseConfig = field(default_factory=PhaseConfig)
-    unet_train: PhaseConfig = field(default_factory=PhaseConfig)
-    kl_weight: float = 1e-6
-    pool_size: int = 16384
-    caption_dropout: float = 0.1
-    offset_noise: float = 0.1
-    min_snr_gamma: float = 5.0
-    ema_decay: float = 0.999
-    save_every: int = 1000
-    max_minutes: float = 0.0  # phase-2 wall-time bound; 0: none
+    vae: dict = {}  # diffusers AutoencoderKL config
+    unet: dict = {}  # diffusers UNet2DConditionModel config
+    text_encoder: dict = {}  # transformers CLIPTextConfig fields
+    text_encoder_2: dict = {}
+    scheduler: dict = {}  # overrides of SDXL's Euler config
+    vae_train: PhaseConfig = PhaseConfig()
+    unet_train: PhaseConfig = PhaseConfig()
+    kl_weight: float = Field(1e-6, ge=0)
+    pool_size: int = Field(16384, ge=1)
+    caption_dropout: float = Field(0.1, ge=0, le=1)
+    offset_noise: float = Field(0.1, ge=0)
+    min_snr_gamma: float = Field(5.0, gt=0)
+    ema_decay: float = Field(0.999, ge=0, lt=1)
+    save_every: int = Field(1000, ge=1)
+    max_minutes: float = Field(0.0, ge=0)  # phase-2 wall-time bound; 0: none
 
     @classmethod
-    def load(cls, path: str | Path, overrides: dict | None = None) -> "TrainConfig":
-        d = yaml.safe_load(Path(path).read_text()) or {}
-        d.update(overrides or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        bad = sorted(set(d) - names)
-        if bad:
-            raise ValueError(f"{path}: unknown key(s) {bad}; allowed: {sorted(names)}")
-        for k in ("vae_train", "unet_train"):
-            if k in d:
-                sub = {f.name for f in dataclasses.fields(PhaseConfig)}
-                if set(d[k]) - sub:
-                    raise ValueError(f"{path}: {k}: unknown key(s) {sorted(set(d[k]) - sub)}; "
-                                     f"allowed: {sorted(sub)}")
-                d[k] = PhaseConfig(**d[k])
-        return cls(**d)
+    def load(cls, source: str | Path, overrides=None) -> "TrainConfig":
+        """From a YAML path or a shipped config's name, with ``key=value`` overrides."""
+        return load_config(cls, source, overrides, kind="training config")
 
 
 def _optimizer(p: PhaseConfig, clip: float = 1.0):
@@ -292,7 +277,8 @@ def train_unet(cfg: TrainConfig, vae_cfg: dict, vae_params: dict, vocab_dir: Pat
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="Train the maxdiff demo model (see module doc).")
-    ap.add_argument("--config", default="configs/train-demo.yaml")
+    ap.add_argument("--config", default="train-demo",
+                    help="training config: a YAML path or a shipped name (default train-demo)")
     ap.add_argument("--out", required=True, help="diffusers folder to write (replaced)")
     ap.add_argument("--vocab", default=str(DEFAULT_VOCAB),
                     help="folder with CLIP's vocab.json + merges.txt (scripts/clip_vocab.py)")
@@ -301,8 +287,7 @@ def main(argv=None) -> None:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=YAML",
                     help="override top-level config keys, e.g. max_minutes=5")
     a = ap.parse_args(argv)
-    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}
-    cfg = TrainConfig.load(a.config, overrides)
+    cfg = TrainConfig.load(a.config, a.set)
     out = Path(a.out)
     t0 = time.time()
     # keep a private copy of the vocabulary: --out may be the folder it came from

@@ -1,6 +1,6 @@
 """Prompt fidelity of a model on the shapes task, scored by a deterministic image analyser.
 
-    python -m maxdiff.training.evaluate [--model DIR] [--steps N] [--guidance G] [--sampler S]
+    python -m pipelines.demo_eval [--model DIR] [--steps N] [--guidance G] [--sampler S]
 
 48 held-out (prompt, seed) pairs (:func:`eval_set`: captions from the training templates for
 scenes drawn from a generator seed the training never uses, 16 per shape, and initial-noise
@@ -123,7 +123,7 @@ def passes(result: dict) -> bool:
 
 def generate(pipe, prompts, seeds, steps: int, guidance: float) -> np.ndarray:
     """uint8 (N, 64, 64, 3) images, all in one batch."""
-    from pipelines.text_to_image import ImageRequest
+    from pipelines.requests import ImageRequest
 
     items = [ImageRequest(prompt=p, seed=s, guidance_scale=guidance) for p, s in zip(prompts, seeds)]
     out = pipe.generate(items, height=shapes.SIZE, width=shapes.SIZE, num_inference_steps=steps,
@@ -155,15 +155,14 @@ def evaluate(pipe, steps: int, guidance: float) -> dict:
 
 
 def main(argv=None) -> None:
-    import yaml
+    from pipelines.config import ModelDefaults
+    from pipelines.default_model import default_model_path
 
-    from pipelines.config import CONFIG_DIR
-
-    demo = yaml.safe_load((CONFIG_DIR / "demo.yaml").read_text()) or {}
+    demo = ModelDefaults.read(default_model_path())
     ap = argparse.ArgumentParser(description="Prompt-fidelity evaluation on the shapes task.")
     ap.add_argument("--model", default=None, help="diffusers SDXL folder (default: embedded)")
-    ap.add_argument("--steps", type=int, nargs="*", default=[demo.get("steps") or 20])
-    ap.add_argument("--guidance", type=float, nargs="*", default=[demo.get("guidance") or 5.0])
+    ap.add_argument("--steps", type=int, nargs="*", default=[demo.steps or 20])
+    ap.add_argument("--guidance", type=float, nargs="*", default=[5.0 if demo.guidance is None else demo.guidance])
     ap.add_argument("--sampler", nargs="*", default=[None],
                     help=f"scheduler(s) to try instead of the model's: {', '.join(SAMPLERS)}")
     ap.add_argument("--ground-truth", action="store_true",

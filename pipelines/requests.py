@@ -1,0 +1,283 @@
+"""What a generation request is, for every way in: the Python API, the CLI and the service.
+
+JAX-free (NumPy and Pillow only), so the HTTP ingress imports it without loading a model:
+
+- :func:`parse_size`: ``"1024x768"``, ``"512"`` or ``512`` -> (width, height);
+  :func:`size_problems`: a size against the model's multiple and the allowed range.
+- :class:`ShapeKey`: (height, width, steps, CFG on/off): requests with equal keys run in the
+  same compiled program; :func:`cfg_on` is the one rule for "guidance turns CFG on".
+- :func:`image_seeds`: image k of a request gets ``seed + k``; :func:`derive_seed`: the
+  CLI's per-(line, image) seed from a run seed.
+- :class:`ImageRequest`: one image (prompt, negative prompt, seed, guidance); a batch is a list
+  of them. :class:`GenerationRequest`: one request of ``n`` images with every setting resolved.
+- :func:`bucket_size`, :func:`plan_batches`, :func:`pad_to`: cut images into device batches,
+  padded so that every batch of a shape runs one compiled program.
+- :func:`encode_image` / :func:`read_image_info`: PNG/JPEG/WebP bytes carrying the settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, TypeVar
+
+import numpy as np
+
+MAX_SEED = 2**32 - 1
+FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------------- sizes
+_SIZE = re.compile(r"\s*(\d{1,6})\s*(?:[xX×]\s*(\d{1,6})\s*)?")
+
+
+def parse_size(value: Any) -> tuple[int, int]:
+    """``"768x512"`` (width x height), ``"512"`` or ``512`` (square) -> (width, height)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        w = h = int(value)
+    elif isinstance(value, str) and (m := _SIZE.fullmatch(value)):
+        w = int(m.group(1))
+        h = int(m.group(2)) if m.group(2) else w
+    else:
+        raise ValueError(f"must be WIDTHxHEIGHT such as 1024x768 (or one number for a square), "
+                         f"got {value!r}")
+    if w < 1 or h < 1:
+        raise ValueError(f"must be positive, got {w}x{h}")
+    return w, h
+
+
+def size_problems(width: int | None, height: int | None, multiple: int, lo: int | None = None,
+                  hi: int | None = None, names: tuple[str, str] = ("width", "height"),
+                  hint: str = "") -> list[tuple[str, str, Any]]:
+    """(field, message, value) for each side that is missing, outside ``[lo, hi]`` or not a
+    multiple of ``multiple``; ``hint`` is added to range messages (how to raise the limit)."""
+    lo = lo or multiple
+    out = []
+    for name, v in zip(names, (width, height)):
+        if v is None:
+            out.append((name, "this model has no default size: give one", None))
+        elif hi is not None and not lo <= v <= hi:
+            out.append((name, f"{v} pixels is out of range; image sides must be between {lo} "
+                        f"and {hi}{hint}", v))
+        elif v < lo:
+            out.append((name, f"{v} pixels is too small; image sides must be at least {lo}", v))
+        elif v % multiple:
+            out.append((name, f"{v} is not a multiple of {multiple}; image sides must be "
+                        f"multiples of {multiple} for this model", v))
+    if names[0] == names[1]:  # one "size" field: report it once
+        out = list({m: (f, m, v) for f, m, v in out}.values())
+    return out
+
+
+# ---------------------------------------------------------------------------------- shapes
+def cfg_on(guidance: float) -> bool:
+    """Classifier-free guidance runs (two UNet passes a step) only for guidance > 1."""
+    return guidance > 1.0
+
+
+class ShapeKey(NamedTuple):
+    """What selects a compiled program (besides the padded batch size)."""
+
+    height: int
+    width: int
+    steps: int
+    cfg: bool
+
+    @classmethod
+    def of(cls, height: int, width: int, steps: int, guidance: float) -> "ShapeKey":
+        return cls(height, width, steps, cfg_on(guidance))
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}:{self.steps}:{'cfg' if self.cfg else 'nocfg'}"
+
+
+# ---------------------------------------------------------------------------------- seeds
+def check_seed(seed: Any, where: str = "") -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                             or not 0 <= seed <= MAX_SEED):
+        raise ValueError(f"{where}seed {seed!r} is out of range; seeds are integers in "
+                         f"0..{MAX_SEED}")
+
+
+def image_seeds(seed: int | None, n: int) -> list[int | None]:
+    """Seeds of a request's ``n`` images: ``seed + k`` (None: n random draws, made later)."""
+    if seed is None:
+        return [None] * n
+    check_seed(seed)
+    if seed + n - 1 > MAX_SEED:
+        raise ValueError(f"seed {seed} + {n} images - 1 is above {MAX_SEED}; image k gets "
+                         "seed + k, so seed + n - 1 must stay in range")
+    return [int(seed) + k for k in range(n)]
+
+
+def derive_seed(run_seed: int, line: int, image: int) -> int:
+    """The seed of image ``image`` of line ``line`` of a CLI run: a hash, so no line shifts
+    another's."""
+    digest = hashlib.sha256(f"maxdiff-seed:{run_seed}:{line}:{image}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+# ---------------------------------------------------------------------------------- requests
+@dataclass
+class ImageRequest:
+    """One image to generate: its text, seed and guidance (sizes and steps are per batch).
+
+    ``seed`` None draws a random one (reported in the output). ``negative_size``:
+    (original_size, crops_coords_top_left, target_size) for the negative branch; None uses the
+    positive ones, as diffusers does.
+    """
+
+    prompt: str
+    prompt_2: str | None = None
+    negative_prompt: str | None = None
+    negative_prompt_2: str | None = None
+    seed: int | None = None
+    guidance_scale: float = 5.0
+    guidance_rescale: float = 0.0
+    original_size: tuple[int, int] | None = None
+    crops_coords_top_left: tuple[int, int] = (0, 0)
+    target_size: tuple[int, int] | None = None
+    negative_size: tuple | None = None
+
+    def validate(self, index: int = 0) -> None:
+        where = f"item {index}: " if index else ""
+        for name in ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"{where}{name} must be a string, got {type(v).__name__}")
+        check_seed(self.seed, where)
+        g = self.guidance_scale
+        if (isinstance(g, bool) or not isinstance(g, (int, float, np.floating))
+                or not np.isfinite(g) or g < 0):
+            raise ValueError(f"{where}guidance_scale={g!r}; it must be a number >= 0 "
+                             "(<= 1 turns classifier-free guidance off)")
+        r = self.guidance_rescale
+        if not isinstance(r, (int, float, np.floating)) or not 0.0 <= r <= 1.0:
+            raise ValueError(f"{where}guidance_rescale={r!r}; it must be in [0, 1]")
+
+    def time_ids(self, height: int, width: int) -> list[float]:
+        return [*(self.original_size or (height, width)), *self.crops_coords_top_left,
+                *(self.target_size or (height, width))]
+
+    def negative_time_ids(self, height: int, width: int) -> list[float]:
+        if self.negative_size is None:
+            return self.time_ids(height, width)
+        o, c, t = self.negative_size
+        return [*o, *c, *t]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request of ``n`` images, every setting resolved: image k has seed ``seed + k``
+    (``seed`` None: random seeds, reported back). What the service queues and batches."""
+
+    prompt: str
+    negative_prompt: str | None
+    seed: int | None
+    n: int
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+
+    @property
+    def key(self) -> ShapeKey:
+        """Requests with equal keys can share a device batch (one compiled program)."""
+        return ShapeKey.of(self.height, self.width, self.steps, self.guidance_scale)
+
+    def images(self) -> list[ImageRequest]:
+        """One :class:`ImageRequest` per image, seeds ``seed + k``."""
+        return [ImageRequest(self.prompt, negative_prompt=self.negative_prompt, seed=s,
+                             guidance_scale=self.guidance_scale)
+                for s in image_seeds(self.seed, self.n)]
+
+    def validate(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n={self.n!r}; it must be an integer >= 1")
+        for k, item in enumerate(self.images()):
+            item.validate(k)
+
+
+# ---------------------------------------------------------------------------------- batches
+def bucket_size(n: int, mesh_size: int = 1) -> int:
+    """The padded batch size for ``n`` images: the mesh size times the next power of two, so
+    every device gets the same share and few distinct shapes are ever compiled."""
+    if n < 1:
+        raise ValueError(f"batch of {n} images; need at least 1")
+    per_device = -(-n // mesh_size)
+    return mesh_size * (1 << (per_device - 1).bit_length())
+
+
+def plan_batches(entries: Iterable[T], key: Callable[[T], Any], max_batch: int,
+                 mesh_size: int = 1) -> Iterator[tuple[Any, list[T], int]]:
+    """Group ``entries`` by ``key`` (groups in order of first appearance, entries in order) and
+    cut each group into batches of at most ``max_batch``. Yields (key, entries, bucket): every
+    batch of a group is padded (:func:`pad_to`) to the same ``bucket``, so a group runs one
+    compiled program."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch={max_batch}; it must be >= 1")
+    groups: dict[Any, list[T]] = {}
+    for e in entries:
+        groups.setdefault(key(e), []).append(e)
+    for k, group in groups.items():
+        size = min(max_batch, len(group))
+        bucket = bucket_size(size, mesh_size)
+        for i in range(0, len(group), size):
+            yield k, group[i:i + size], bucket
+
+
+def pad_to(items: Sequence[T], bucket: int) -> list[T]:
+    """``items`` padded to ``bucket`` entries by repeating the last (its outputs are dropped)."""
+    items = list(items)
+    if not items or len(items) > bucket:
+        raise ValueError(f"cannot pad {len(items)} item(s) to a batch of {bucket}")
+    return items + [items[-1]] * (bucket - len(items))
+
+
+# ---------------------------------------------------------------------------------- images
+def encode_image(image: Any, fmt: str = "png", info: dict[str, str] | None = None,
+                 quality: int | None = None) -> bytes:
+    """A PIL image or uint8 (H, W, 3) array -> PNG / JPEG / WebP bytes. ``info`` (settings) goes
+    into PNG text chunks, or as JSON into EXIF ImageDescription for JPEG and WebP; PNG is
+    lossless, JPEG/WebP use ``quality`` (default 95). The same pixels and info give the same
+    bytes."""
+    from PIL import Image, PngImagePlugin
+
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if not isinstance(image, Image.Image):
+        image = Image.fromarray(np.asarray(image))
+    buf = io.BytesIO()
+    if fmt == "png":
+        png = None
+        if info is not None:
+            png = PngImagePlugin.PngInfo()
+            for k, v in info.items():
+                png.add_text(k, v)
+            png.add_text("software", "maxdiff")
+        image.save(buf, "PNG", pnginfo=png)
+    else:
+        kw: dict[str, Any] = {"quality": 95 if quality is None else quality}
+        if info is not None:
+            exif = Image.Exif()
+            exif[0x010E] = json.dumps(info, sort_keys=True)  # ImageDescription (ASCII JSON)
+            exif[0x0131] = "maxdiff"  # Software
+            kw["exif"] = exif.tobytes()
+        image.save(buf, FORMATS[fmt], **kw)
+    return buf.getvalue()
+
+
+def read_image_info(path: str | os.PathLike) -> dict[str, str]:
+    """The settings an image file carries (PNG text chunks or EXIF ImageDescription JSON)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        if im.format == "PNG":
+            return dict(im.text)
+        desc = im.getexif().get(0x010E)
+        return json.loads(desc) if desc else {}

@@ -1,0 +1,104 @@
+"""The shared request model (pipelines.requests), without Ray or JAX."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipelines.requests import (MAX_SEED, GenerationRequest, ImageRequest, ShapeKey, bucket_size,
+                                cfg_on, derive_seed, encode_image, image_seeds, pad_to,
+                                parse_size, plan_batches, read_image_info, size_problems)
+
+
+@pytest.mark.parametrize("text, want", [("1024x768", (1024, 768)), ("512", (512, 512)),
+                                        (" 64 X 96 ", (64, 96)), ("8×16", (8, 16)), (256, (256, 256))])
+def test_parse_size(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("bad", ["", "auto", "1024x", "x768", "-5", "0x8", "1.5", True, None, 3.0])
+def test_parse_size_refuses(bad):
+    with pytest.raises(ValueError, match="WIDTHxHEIGHT|positive"):
+        parse_size(bad)
+
+
+def test_size_problems_name_the_field_and_the_range():
+    assert size_problems(64, 96, 8, None, 256) == []
+    (f, msg, v), = size_problems(1024, 64, 8, None, 256, hint=" (max_size)")
+    assert (f, v) == ("width", 1024) and "between 8 and 256 (max_size)" in msg
+    (f, msg, v), = size_problems(64, 60, 8, 16, 256)
+    assert f == "height" and "multiple of 8" in msg
+    # one "size" field: one message for a square that is too big on both sides
+    assert len(size_problems(1024, 1024, 8, None, 256, names=("size", "size"))) == 1
+    (f, msg, _), = size_problems(None, None, 8, names=("size", "size"))
+    assert f == "size" and "no default size" in msg
+
+
+def test_shape_key_and_cfg_rule():
+    assert cfg_on(1.01) and not cfg_on(1.0) and not cfg_on(0)
+    k = ShapeKey.of(64, 96, 4, 7.5)
+    assert k == (64, 96, 4, True) and str(k) == "96x64:4:cfg"
+    r = GenerationRequest("a", None, 5, 2, width=96, height=64, steps=4, guidance_scale=0.0)
+    assert r.key == ShapeKey(64, 96, 4, False)
+
+
+def test_seeds_are_seed_plus_k_and_stay_in_range():
+    assert image_seeds(7, 3) == [7, 8, 9]
+    assert image_seeds(None, 2) == [None, None]
+    assert image_seeds(MAX_SEED, 1) == [MAX_SEED]
+    with pytest.raises(ValueError, match="seed \\+ n - 1 must stay in range"):
+        image_seeds(MAX_SEED, 2)
+    with pytest.raises(ValueError, match="out of range"):
+        image_seeds(-1, 1)
+    r = GenerationRequest("a", "b", 10, 3, 64, 64, 4, 7.0)
+    assert [(i.prompt, i.negative_prompt, i.seed, i.guidance_scale) for i in r.images()] == [
+        ("a", "b", 10, 7.0), ("a", "b", 11, 7.0), ("a", "b", 12, 7.0)]
+    assert derive_seed(1, 3, 0) == derive_seed(1, 3, 0) != derive_seed(1, 3, 1)
+    assert 0 <= derive_seed(123, 0, 0) <= MAX_SEED
+
+
+def test_image_request_validation():
+    ImageRequest("a", seed=0, guidance_scale=0).validate()
+    for bad, match in [(dict(seed=MAX_SEED + 1), "out of range"), (dict(seed=True), "out of range"),
+                       (dict(guidance_scale=float("nan")), "guidance_scale"),
+                       (dict(guidance_rescale=2.0), "guidance_rescale"),
+                       (dict(negative_prompt=3), "negative_prompt must be a string")]:
+        with pytest.raises(ValueError, match=match):
+            ImageRequest("a", **bad).validate(2)
+    with pytest.raises(ValueError, match="n=0"):
+        GenerationRequest("a", None, None, 0, 64, 64, 4, 1.0).validate()
+
+
+def test_buckets_and_batch_plans():
+    assert [bucket_size(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+    assert [bucket_size(n, 4) for n in (1, 4, 5, 9)] == [4, 4, 8, 16]
+    with pytest.raises(ValueError):
+        bucket_size(0)
+    entries = [("a", 1), ("b", 1), ("a", 2), ("a", 3), ("b", 2), ("a", 4), ("a", 5)]
+    plan = list(plan_batches(entries, lambda e: e[0], 2))
+    assert [(k, [e[1] for e in part], b) for k, part, b in plan] == [
+        ("a", [1, 2], 2), ("a", [3, 4], 2), ("a", [5], 2), ("b", [1, 2], 2)]
+    assert pad_to([1, 2, 3], 4) == [1, 2, 3, 3]
+    with pytest.raises(ValueError):
+        pad_to([1, 2, 3], 2)
+
+
+def test_encode_image_carries_settings(tmp_path):
+    pixels = np.random.default_rng(0).integers(0, 256, (8, 16, 3), np.uint8)
+    for fmt in ("png", "jpeg", "webp"):
+        data = encode_image(pixels, fmt, {"prompt": "a fox", "seed": "7"})
+        assert data == encode_image(Image.fromarray(pixels), fmt, {"prompt": "a fox", "seed": "7"})
+        path = tmp_path / f"x.{fmt}"
+        path.write_bytes(data)
+        info = read_image_info(path)
+        assert info["prompt"] == "a fox" and info["seed"] == "7"
+        assert Image.open(io.BytesIO(data)).size == (16, 8)
+    plain = encode_image(pixels)  # no settings: a plain PNG, lossless
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(plain))), pixels)
+    small = encode_image(pixels, "jpeg", quality=5)
+    assert len(small) < len(encode_image(pixels, "jpeg"))
+    with pytest.raises(ValueError, match="format 'gif'"):
+        encode_image(pixels, "gif")
