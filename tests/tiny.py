@@ -133,6 +133,12 @@ VAE = dict(
 )
 
 
+# SDXL's scale factor of 8 (four levels) at tiny widths: big images stay cheap in the UNet
+VAE_F8 = dict(VAE, block_out_channels=(16, 16, 32, 32),
+              down_block_types=("DownEncoderBlock2D",) * 4,
+              up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=8, sample_size=128)
+
+
 def make_unet(folder: str | Path, config: dict, seed: int = 0):
     from diffusers import UNet2DConditionModel
 
@@ -168,8 +174,10 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / fan_in**0.5)
 
 
-def make_sdxl_pipeline(folder: str | Path, seed: int = 0, scheduler_config: dict | None = None):
-    """A complete tiny SDXL folder in the diffusers layout (model_index.json and components)."""
+def make_sdxl_pipeline(folder: str | Path, seed: int = 0, scheduler_config: dict | None = None,
+                       vae_config: dict | None = None, unet_config: dict | None = None):
+    """A complete tiny SDXL folder in the diffusers layout (model_index.json and components).
+    ``vae_config`` / ``unet_config``: other tiny configs (e.g. :data:`VAE_F8`)."""
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
     from transformers import CLIPTokenizer
 
@@ -181,9 +189,9 @@ def make_sdxl_pipeline(folder: str | Path, seed: int = 0, scheduler_config: dict
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     torch.manual_seed(seed)
-    unet = UNet2DConditionModel(**SDXL_UNET).eval()
+    unet = UNet2DConditionModel(**(unet_config or SDXL_UNET)).eval()
     _randomize(unet, seed)
-    vae = AutoencoderKL(**VAE).eval()
+    vae = AutoencoderKL(**(vae_config or VAE)).eval()
     _randomize(vae, seed + 10)
     torch.manual_seed(seed + 20)
     te1 = CLIPTextModel(clip_text_config(projection=False, hidden_act="quick_gelu")).eval()
