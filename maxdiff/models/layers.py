@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from maxdiff.models.conv import Conv
+
 
 def group_norm(groups: int, eps: float, name: str, dtype: Any) -> nn.GroupNorm:
     """torch.nn.GroupNorm over the channel (last) axis; statistics in float32.
@@ -27,12 +29,13 @@ def group_norm(groups: int, eps: float, name: str, dtype: Any) -> nn.GroupNorm:
 
 
 def conv(features: int, name: str, dtype: Any, kernel: int = 3, stride: int = 1,
-         padding: int | tuple = 1) -> nn.Conv:
-    """A 2-D convolution with torch's symmetric integer padding (or explicit pairs)."""
+         padding: int | tuple = 1) -> Conv:
+    """A 2-D convolution with torch's symmetric integer padding (or explicit pairs); 3x3 ones
+    use the faster CPU algorithms of :mod:`maxdiff.models.conv` where they apply."""
     if isinstance(padding, int):
         padding = ((padding, padding), (padding, padding))
-    return nn.Conv(features, (kernel, kernel), strides=(stride, stride), padding=padding,
-                   dtype=dtype, param_dtype=dtype, name=name)
+    return Conv(features, (kernel, kernel), strides=(stride, stride),
+                padding=tuple(map(tuple, padding)), dtype=dtype, param_dtype=dtype, name=name)
 
 
 def dense(features: int, name: str, dtype: Any, use_bias: bool = True) -> nn.Dense:
@@ -87,7 +90,8 @@ class Downsample2D(nn.Module):
 
 
 class Upsample2D(nn.Module):
-    """Nearest-neighbour 2x upsampling, then a 3x3 convolution."""
+    """Nearest-neighbour 2x upsampling, then a 3x3 convolution (on CPU computed from the
+    low-resolution input directly, see :func:`maxdiff.models.conv.upsample2x_conv3x3`)."""
 
     out_channels: int
     dtype: Any = jnp.float32
@@ -97,7 +101,7 @@ class Upsample2D(nn.Module):
         b, h, w, c = x.shape
         oh, ow = output_size or (2 * h, 2 * w)
         if (oh, ow) == (2 * h, 2 * w):
-            x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
-        else:  # torch nearest: src = floor(dst * in / out)
-            x = x[:, (jnp.arange(oh) * h) // oh][:, :, (jnp.arange(ow) * w) // ow]
+            return conv(self.out_channels, "conv", self.dtype)(x, upsample=True)
+        # torch nearest: src = floor(dst * in / out)
+        x = x[:, (jnp.arange(oh) * h) // oh][:, :, (jnp.arange(ow) * w) // ow]
         return conv(self.out_channels, "conv", self.dtype)(x)
