@@ -36,3 +36,13 @@ def test_unknown_kernel():
     q = jnp.ones((1, 4, 1, 8))
     with pytest.raises(ValueError, match="attention kernel 'flash' is unknown; use one of auto, chunked, xla, dot_product"):
         attention(q, q, q, "flash")
+
+
+def test_dot_product_asks_for_cudnn_only_where_it_applies():
+    from maxdiff.models.attention import dot_product_implementation as impl
+
+    assert impl("gpu", jnp.bfloat16, 64) == impl("cuda", jnp.float16, 128) == "cudnn"
+    assert impl("gpu", jnp.float32, 64) is None  # cuDNN's fused kernel is half precision only
+    assert impl("gpu", jnp.bfloat16, 512) is None  # the VAE's single 512-wide head
+    assert impl("gpu", jnp.bfloat16, 36) is None
+    assert impl("cpu", jnp.bfloat16, 64) is None and impl("tpu", jnp.bfloat16, 64) is None

@@ -72,3 +72,22 @@ def test_bfloat16_keeps_xla_convolution():
     assert m.apply(params, x).dtype == jnp.bfloat16
     text = jax.jit(m.apply).lower(params, x).as_text()
     assert "convolution" in text and "while" not in text  # no Winograd loop
+
+
+@pytest.mark.parametrize("mean, std", [(0.0, 1.0), (1000.0, 1.0)])
+def test_group_norm_matches_torch_even_far_from_zero(mean, std):
+    """Two-pass statistics: at mean 1000 and std 1 a one-pass variance loses most digits."""
+    from maxdiff.models.layers import GroupNorm
+
+    rng = np.random.default_rng(3)
+    x = (mean + std * rng.standard_normal((2, 6, 5, 32))).astype(np.float32)
+    m = GroupNorm(8, epsilon=1e-6)
+    params = {"params": {"scale": rng.standard_normal(32).astype(np.float32),
+                         "bias": rng.standard_normal(32).astype(np.float32)}}
+    ours = np.asarray(m.apply(params, x))
+    g = torch.nn.GroupNorm(8, 32, eps=1e-6).double()
+    with torch.no_grad():
+        g.weight.copy_(torch.from_numpy(params["params"]["scale"]))
+        g.bias.copy_(torch.from_numpy(params["params"]["bias"]))
+        ref = g(torch.from_numpy(x.transpose(0, 3, 1, 2)).double()).numpy().transpose(0, 2, 3, 1)
+    assert np.abs(ours - ref).max() < (1e-5 if mean == 0 else 2e-3)

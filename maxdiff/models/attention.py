@@ -11,7 +11,10 @@ scores and softmax in float32 whatever the input dtype, so they agree to ~1e-6):
   ``jax.nn.dot_product_attention`` 5.7x: XLA:CPU's batched matmul is far slower than its
   plain one.
 - ``"xla"``: heads-first batched einsum, softmax, einsum (full score matrix).
-- ``"dot_product"``: ``jax.nn.dot_product_attention`` (cuDNN flash attention on GPUs).
+- ``"dot_product"``: ``jax.nn.dot_product_attention``, asking for cuDNN's fused flash attention
+  (``implementation="cudnn"``) on NVIDIA GPUs where the dtype (bf16 / fp16) and head size
+  (a multiple of 8, at most 128) allow it, XLA's implementation otherwise (logged once per
+  shape; the VAE's single 512-wide head is one such case). On TPU it is XLA's.
 - ``"auto"`` (default): on CPU ``chunked`` once the score matrix per head has at least
   ``AUTO_CHUNKED_MIN`` entries (below that the loop's overhead outweighs it and ``xla`` wins),
   ``dot_product`` on accelerators.
@@ -19,12 +22,14 @@ scores and softmax in float32 whatever the input dtype, so they agree to ~1e-6):
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+logger = logging.getLogger(__name__)
 KERNELS = ("auto", "chunked", "xla", "dot_product")
 DEFAULT_CHUNK = 512
 AUTO_CHUNKED_MIN = 32 * 1024  # Lq * Lk
@@ -65,6 +70,30 @@ def _chunked(q, k, v, scale, chunk):
     return out.transpose(0, 2, 1, 3)
 
 
+_FALLBACKS_LOGGED: set = set()
+
+
+def dot_product_implementation(backend: str, dtype: Any, head_dim: int) -> str | None:
+    """``"cudnn"`` where cuDNN's fused attention applies (NVIDIA GPU, bf16/fp16, head size a
+    multiple of 8 and at most 128), else None (XLA's implementation)."""
+    if (backend in ("gpu", "cuda") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and head_dim % 8 == 0 and head_dim <= 128):
+        return "cudnn"
+    return None
+
+
+def _dot_product(q, k, v, scale):
+    backend = jax.default_backend()
+    impl = dot_product_implementation(backend, q.dtype, q.shape[-1])
+    if impl is None and backend in ("gpu", "cuda"):
+        key = (str(q.dtype), q.shape[-1])
+        if key not in _FALLBACKS_LOGGED:
+            _FALLBACKS_LOGGED.add(key)
+            logger.info("attention: cuDNN fused attention does not take %s with head size %d; "
+                        "using XLA's dot_product_attention", q.dtype, q.shape[-1])
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=impl).astype(q.dtype)
+
+
 def resolve_kernel(kernel: str, lq: int = 1 << 30, lk: int = 1) -> str:
     """``"auto"`` -> the measured-best kernel for the default backend and these lengths."""
     if kernel == "auto":
@@ -84,7 +113,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "auto",
     if kernel == "chunked":
         return _chunked(q, k, v, scale, chunk_size)
     if kernel == "dot_product":
-        return jax.nn.dot_product_attention(q, k, v, scale=scale).astype(q.dtype)
+        return _dot_product(q, k, v, scale)
     raise ValueError(f"attention kernel {kernel!r} is unknown; use one of {', '.join(KERNELS)}")
 
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 WINOGRAD_MIN_CHANNELS = 256
+WINOGRAD_MIN_PIXELS = 1024  # h * w below which the loop overhead outweighs the gain (measured)
 _DN = ("NHWC", "HWIO", "NHWC")
 # Winograd F(2x2, 3x3) kernel transform G (4x3), and G g Gᵀ as one (16, 9) map of the 9 taps
 _G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], np.float32)
@@ -158,7 +159,7 @@ class Conv(nn.Module):
             if upsample:
                 x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
             if (fast and cin >= WINOGRAD_MIN_CHANNELS and x.shape[1] % 2 == 0
-                    and x.shape[2] % 2 == 0):
+                    and x.shape[2] % 2 == 0 and x.shape[1] * x.shape[2] >= WINOGRAD_MIN_PIXELS):
                 y = winograd_conv3x3(x, kernel)
             else:
                 y = xla_conv(x, kernel, tuple(self.strides), tuple(map(tuple, self.padding)))

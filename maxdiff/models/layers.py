@@ -16,16 +16,49 @@ import flax.linen as nn
 from maxdiff.models.conv import Conv
 
 
-def group_norm(groups: int, eps: float, name: str, dtype: Any) -> nn.GroupNorm:
-    """torch.nn.GroupNorm over the channel (last) axis; statistics in float32.
+class GroupNorm(nn.Module):
+    """torch.nn.GroupNorm over the channel (last) axis; statistics in float32, two-pass.
 
-    Two-pass variance (``use_fast_variance=False``): flax's default E[x^2] - E[x]^2 loses
-    most digits when a group's mean is large against its spread (VAE decoder activations
-    reach the hundreds); measured at mean 1000, std 1: error 8.3 (fast), 0.82 (torch),
-    3e-4 (two-pass), at no measurable cost in speed.
+    Parameters ``scale`` and ``bias`` (C,), as flax's ``nn.GroupNorm``. The sums run per
+    channel over the pixels (a reduction over one contiguous axis) and are then combined per
+    group, which XLA:CPU does 1.3-1.6x faster than flax's reduction over (pixels, channels of a
+    group) (measured at 128-256 px and 128-256 channels). Two passes (the mean first, then the
+    squared deviations) because the one-pass E[x^2] - E[x]^2 loses most digits when a group's
+    mean is large against its spread (VAE decoder activations reach the hundreds; measured at
+    mean 1000, std 1: error 8.3 one-pass, 0.82 torch, 3e-4 two-pass).
     """
-    return nn.GroupNorm(num_groups=groups, epsilon=eps, dtype=dtype, param_dtype=dtype,
-                        use_fast_variance=False, name=name)
+
+    num_groups: int
+    epsilon: float = 1e-5
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = x.shape[-1]
+        g = self.num_groups
+        if c % g:
+            raise ValueError(f"GroupNorm: {c} channels do not split into {g} groups")
+        scale = self.param("scale", nn.initializers.ones, (c,), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (c,), self.param_dtype)
+        shape = x.shape
+        xf = x.astype(jnp.float32).reshape(shape[0], -1, c)  # (B, pixels, C)
+        n = xf.shape[1] * (c // g)
+
+        def per_channel(group_values):  # (B, G) -> (B, 1, C)
+            return jnp.repeat(group_values, c // g, axis=1)[:, None, :]
+
+        mean = per_channel(xf.sum(axis=1).reshape(-1, g, c // g).sum(-1) / n)
+        d = xf - mean
+        var = jnp.square(d).sum(axis=1).reshape(-1, g, c // g).sum(-1) / n
+        inv = per_channel(jax.lax.rsqrt(var + self.epsilon))
+        y = d * (inv * scale.astype(jnp.float32)) + bias.astype(jnp.float32)
+        return y.reshape(shape).astype(self.dtype)
+
+
+def group_norm(groups: int, eps: float, name: str, dtype: Any) -> GroupNorm:
+    """A :class:`GroupNorm` of ``groups`` groups with torch's ``eps``."""
+    return GroupNorm(num_groups=groups, epsilon=eps, dtype=dtype, param_dtype=dtype, name=name)
 
 
 def conv(features: int, name: str, dtype: Any, kernel: int = 3, stride: int = 1,
