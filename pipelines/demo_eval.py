@@ -10,7 +10,9 @@ seeds 10,000+) are generated in one batch and each image is analysed (:func:`ana
 - shape colour: the most frequent nearest-palette label among pixels not labelled background;
 - shape: the pixels nearer the shape colour than the background colour, largest connected
   component; its fill ratio of its bounding box is ~1 for a square, ~pi/4 for a circle and
-  ~1/2 for a triangle (thresholds 0.87 and 0.62).
+  ~1/2 for a triangle (thresholds 0.87 and 0.62); a triangle must also be upright (its top
+  third at most 0.6 times as wide as its bottom third) and fill more than 0.35 of its box, so
+  a plus sign, an upside-down triangle or noise is no shape at all.
 
 ``--ground-truth`` scores the dataset's own rendered images instead (validates the analyser).
 """
@@ -93,9 +95,19 @@ def analyse(image: np.ndarray) -> Analysis:
     sizes = ndimage.sum(mask, comp, range(1, n + 1))
     mask = comp == (1 + int(np.argmax(sizes)))
     ys, xs = np.nonzero(mask)
-    box = (ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1)
-    fill = float(mask.sum() / box)
-    shape = "square" if fill > 0.87 else "circle" if fill > 0.62 else "triangle"
+    box = mask[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+    fill = float(box.mean())
+    widths = box.sum(axis=1)  # per row, top to bottom
+    k = max(1, len(widths) // 3)
+    narrowing = widths[:k].mean() / max(widths[-k:].mean(), 1e-9)  # ~0.2 upright triangle
+    if fill > 0.87:
+        shape = "square"
+    elif fill > 0.62:
+        shape = "circle"
+    elif fill > 0.35 and narrowing < 0.6:
+        shape = "triangle"
+    else:  # a plus sign, an upside-down triangle, a sliver, noise: no shape of the task
+        shape = None
     return Analysis(NAMES[col], NAMES[bg], shape, fill)
 
 

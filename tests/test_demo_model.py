@@ -109,3 +109,26 @@ def test_demo_writes_images_and_contact_sheet(tmp_path):
     from PIL import Image
 
     assert Image.open(pngs[0]).size == (64, 64)
+
+
+def _scene(shape="triangle", color="red", bg="blue"):
+    return shapes.Scene(shape, color, bg, "large", "center", 32, 32, 16)
+
+
+def test_analyser_rejects_wrong_images():
+    """Wrong shapes, wrong colours and noise fail; the analyser is not a rubber stamp."""
+    want = _scene()
+    right = shapes.render(want)
+    assert evaluate.score([right], [want])["all"] == 1.0
+    blue, red = np.array(shapes.COLORS["blue"], np.uint8), np.array(shapes.COLORS["red"], np.uint8)
+    plus = np.tile(blue, (64, 64, 1))
+    plus[26:38, 12:52] = red
+    plus[12:52, 26:38] = red
+    upside_down = right[::-1].copy()
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), np.uint8)
+    for image in (plus, upside_down):
+        r = evaluate.analyse(image)
+        assert (r.shape_color, r.background) == ("red", "blue") and r.shape != "triangle", r
+    assert evaluate.score([noise], [want])["all"] == 0.0
+    for other in (_scene(color="green"), _scene(bg="white"), _scene(shape="circle")):
+        assert evaluate.score([right], [other])["all"] == 0.0
