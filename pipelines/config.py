@@ -44,12 +44,13 @@ class RunConfig(StrictConfig):
     attention_chunk: int = Field(512, ge=1)
     devices: int | None = Field(None, ge=1)  # mesh size: first N local devices; None for all
     compile_cache_dir: str | None = None  # None: ~/.cache/maxdiff/jax ("" turns it off)
+    vae_tiling: bool = False  # decode images larger than the VAE's sample_size tile by tile
 
     def pipeline_kwargs(self) -> dict:
         """Keyword arguments for ``TextToImagePipeline.from_pretrained``."""
         kw = dict(path=self.model, dtype=self.dtype, unet=self.unet, scheduler=self.scheduler,
                   devices=self.devices, attention_kernel=self.attention,
-                  attention_chunk=self.attention_chunk)
+                  attention_chunk=self.attention_chunk, vae_tiling=self.vae_tiling)
         if self.compile_cache_dir is not None:
             kw["compile_cache_dir"] = self.compile_cache_dir or None
         return kw

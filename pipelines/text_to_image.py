@@ -33,6 +33,7 @@ from maxdiff.models.vae import load_vae
 from maxdiff.schedulers import (EulerAncestralDiscreteScheduler, LCMScheduler, get_preset,
                                 load_scheduler)
 from maxdiff.tokenizers import load_tokenizer, tokenize
+from maxdiff.models.vae_tiling import needs_tiling, tile_decoder, tiled_decode
 from pipelines.config import ModelDefaults, RunConfig, load_run_config
 from pipelines.requests import MAX_SEED, ImageRequest, bucket_size, image_seeds
 DEFAULT_COMPILE_CACHE = Path(os.environ.get("MAXDIFF_COMPILE_CACHE",
@@ -68,6 +69,12 @@ def _as_list(x, name: str) -> list[str] | None:
     raise ValueError(f"{name} must be a string or a list of strings, got {type(x).__name__}")
 
 
+def _to_pixels(img, as_uint8: bool):
+    """Decoder output in ~[-1, 1] -> float32 [0, 1], or uint8."""
+    img = jnp.clip(img.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
+    return jnp.round(img * 255).astype(jnp.uint8) if as_uint8 else img
+
+
 class TextToImagePipeline:
     """SDXL text-to-image in JAX. Build with :meth:`from_pretrained`; call like diffusers'
     ``StableDiffusionXLPipeline``."""
@@ -88,6 +95,9 @@ class TextToImagePipeline:
         self.latent_channels = unet.config.in_channels
         self.default_height = self.default_width = None
         self.max_size = None  # largest side the model is meant for (maxdiff.json), if stated
+        # decode latents larger than one VAE tile tile by tile (diffusers' enable_tiling)
+        self.vae_tiling = False
+        self._tile_decoder = None
         self.run_config = None
         self._programs: dict[tuple, Any] = {}
 
@@ -98,7 +108,8 @@ class TextToImagePipeline:
                         devices: int | Sequence[Any] | None = None, *,
                         attention_kernel: str = "auto", attention_chunk: int = 512,
                         compile_cache_dir: str | os.PathLike | None = DEFAULT_COMPILE_CACHE,
-                        variant: str | None = None) -> "TextToImagePipeline":
+                        variant: str | None = None, vae_tiling: bool = False
+                        ) -> "TextToImagePipeline":
         """Load a diffusers SDXL folder (``model_index.json``, ``unet/``, ``vae/``,
         ``text_encoder/``, ``text_encoder_2/``, ``tokenizer*/``, ``scheduler/``).
 
@@ -172,6 +183,7 @@ class TextToImagePipeline:
         pipe.default_height = measured.height or pipe.default_height
         pipe.default_width = measured.width or pipe.default_width
         pipe.max_size = measured.max_size
+        pipe.vae_tiling = vae_tiling
         return pipe
 
     @classmethod
@@ -205,7 +217,7 @@ class TextToImagePipeline:
         return fn
 
     def _build(self, batch: int, lh: int, lw: int, steps: int, cfg: bool, given_latents: bool,
-               as_uint8: bool):
+               as_uint8: bool, tiled: bool = False):
         te1, te2, unet, vae, sched = (self.text_encoder, self.text_encoder_2, self.unet, self.vae,
                                       self.scheduler)
         channels = self.latent_channels
@@ -261,13 +273,19 @@ class TextToImagePipeline:
 
             (latents, _), _ = jax.lax.scan(body, (latents, sched_state),
                                            jnp.arange(steps, dtype=jnp.int32))
+            if tiled:  # decoded tile by tile afterwards (_decode_tiled)
+                return vae.apply({"params": p["vae"]}, latents, method=vae.unscale_latents)
             img = vae.apply({"params": p["vae"]}, latents, method=vae.latents_to_image)
-            img = jnp.clip(img.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
-            if as_uint8:
-                return jnp.round(img * 255).astype(jnp.uint8)
-            return img
+            return _to_pixels(img, as_uint8)
 
         return program
+
+    def _decode_tiled(self, z, as_uint8: bool):
+        """VAE latents -> pixels with diffusers' tiled decode (bounded memory)."""
+        if self._tile_decoder is None:
+            self._tile_decoder = tile_decoder(self.vae, self.params["vae"])
+        img = tiled_decode(self.vae.config, self._tile_decoder, z)
+        return _to_pixels(img, as_uint8)
 
     # ------------------------------------------------------------------ calling
     def __call__(self, prompt: str | list[str], prompt_2: str | list[str] | None = None,
@@ -389,9 +407,13 @@ class TextToImagePipeline:
         state = self.scheduler.set_timesteps(steps, (bucket, lh, lw, self.latent_channels))
         state = jax.device_put(state, meshlib.replicated(self.mesh))
         as_uint8 = output_type != "np"
-        program = self._program((bucket, lh, lw, steps, cfg, latents is not None, as_uint8))
+        tiled = bool(self.vae_tiling) and needs_tiling(self.vae.config, lh, lw)
+        program = self._program((bucket, lh, lw, steps, cfg, latents is not None, as_uint8,
+                                 tiled))
         t1 = time.perf_counter()
         out = program(self.params, *args, state)
+        if tiled:
+            out = self._decode_tiled(out, as_uint8)
         images = np.asarray(jax.device_get(out))[:n]
         t2 = time.perf_counter()
         if output_type == "pil":

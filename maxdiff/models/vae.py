@@ -352,14 +352,17 @@ class AutoencoderKL(nn.Module):
         ``latents / scaling_factor + shift_factor`` (shift 0 when null; the SD3 formula).
         The arithmetic runs in float32, the decode in ``self.dtype``. Images are not clipped.
         """
+        return self.decode(self.unscale_latents(latents))
+
+    def unscale_latents(self, latents: jax.Array) -> jax.Array:
+        """Diffusion-space latents -> VAE latents (float32): the first half of
+        :meth:`latents_to_image`, for decoding elsewhere (tiled, :mod:`maxdiff.models.vae_tiling`)."""
         cfg = self.config
         z = latents.astype(jnp.float32)
         mean, std = self._moments()
         if mean is not None:
-            z = z * std / cfg.scaling_factor + mean
-        else:
-            z = z / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        return self.decode(z)
+            return z * std / cfg.scaling_factor + mean
+        return z / cfg.scaling_factor + (cfg.shift_factor or 0.0)
 
     def image_to_latents(self, images: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """Images (B, H, W, 3) in [-1, 1] -> diffusion-space latents (B, H/f, W/f, C), float32.
