@@ -30,8 +30,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
-from pipelines.requests import (FORMATS, MAX_SEED, ImageRequest, ShapeKey, derive_seed,
-                                encode_image, image_seeds, parse_size)
+from pipelines.requests import (MAX_SEED, ImageRequest, ShapeKey, derive_seed, encode_image,
+                                image_seeds, parse_size)
 
 LINE_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "n")
 METADATA = "metadata.jsonl"

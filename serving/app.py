@@ -29,7 +29,8 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from pipelines.requests import GenerationRequest, encode_image, image_seeds, parse_size, size_problems
+from pipelines.requests import (GenerationRequest, encode_image, image_seeds, parse_size,
+                                size_problems)
 from serving.generator import Expired, Generator, InvalidJob
 from serving.schemas import (GenerateRequest, GenerateResponse, ImagesGenerationRequest,
                              ImagesResponse, JobResult, ServeSettings)
