@@ -39,6 +39,8 @@ __all__ = [
     "SafetensorsFile",
     "WeightSource",
     "open_weights",
+    "check_links",
+    "refuse_pickle",
     "flax_to_torch_key",
     "load_params",
     "read_config",
@@ -210,6 +212,43 @@ class WeightSource:
 
 
 _WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
+PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth", ".pkl", ".pickle")
+_CONVERT = (
+    "maxdiff never unpickles weights (loading a pickle can run arbitrary code). Convert the "
+    "folder once on a machine with diffusers: `python -c \"from diffusers import "
+    "StableDiffusionXLPipeline as P; P.from_pretrained('IN', use_safetensors=False)"
+    ".save_pretrained('OUT')\"` (writes safetensors), or a single file with "
+    "`python -c \"import torch, safetensors.torch as st; sd = torch.load('IN', "
+    "weights_only=True); st.save_file(sd.get('state_dict', sd), 'OUT.safetensors')\"`."
+)
+
+
+def refuse_pickle(path: str | os.PathLike) -> None:
+    """A :class:`CheckpointError` for a pickle-based weight file (``.bin``, ``.ckpt``, ``.pt``,
+    ...), saying how to convert it; nothing for other files."""
+    p = Path(path)
+    if p.suffix.lower() in PICKLE_SUFFIXES:
+        raise CheckpointError(f"{p}: a pickle-based weight file ({p.suffix}); {_CONVERT}")
+
+
+def check_links(root: str | os.PathLike) -> None:
+    """Refuse symbolic links under ``root`` that lead outside it (a model folder must not read
+    files elsewhere on the machine), naming the link. A Hugging Face cache snapshot
+    (``models--ORG--NAME/snapshots/REV``) may link into its own repository folder's ``blobs/``."""
+    base = Path(root).resolve()
+    allowed = [base]
+    if base.parent.name == "snapshots" and base.parent.parent.name.startswith("models--"):
+        allowed.append(base.parent.parent / "blobs")
+    for folder, dirs, files in os.walk(Path(root), followlinks=False):
+        for name in [*dirs, *files]:
+            link = Path(folder) / name
+            if not link.is_symlink():
+                continue
+            target = link.resolve()
+            if not any(target == a or a in target.parents for a in allowed):
+                raise CheckpointError(
+                    f"{link}: a symbolic link to {target}, outside the model folder {base}; "
+                    "copy the file into the folder instead")
 
 
 def open_weights(path: str | os.PathLike, variant: str | None = None) -> WeightSource:
@@ -223,6 +262,7 @@ def open_weights(path: str | os.PathLike, variant: str | None = None) -> WeightS
     """
     p = Path(path)
     if p.is_file():
+        refuse_pickle(p)
         return WeightSource.from_files([p])
     if not p.is_dir():
         raise CheckpointError(f"{p}: no such file or folder")
@@ -250,11 +290,15 @@ def open_weights(path: str | os.PathLike, variant: str | None = None) -> WeightS
                     )
                 return src
     found = sorted(x.name for x in p.iterdir())
+    pickles = [x for x in found if Path(x).suffix.lower() in PICKLE_SUFFIXES]
+    if pickles:
+        raise CheckpointError(f"{p / pickles[0]}: only pickle-based weights here "
+                              f"({', '.join(pickles)}), no safetensors; {_CONVERT}")
     want = f"variant {variant!r} of " if variant else ""
     raise CheckpointError(
         f"{p}: no {want}safetensors weights found (looked for diffusion_pytorch_model*.safetensors "
         f"and model*.safetensors, single or sharded); the folder holds: {found or 'nothing'}. "
-        "maxdiff reads safetensors only: convert .bin checkpoints with diffusers first."
+        "maxdiff reads safetensors only."
     )
 
 

@@ -127,6 +127,7 @@ class TextToImagePipeline:
         if not index.is_file():
             raise checkpoint.CheckpointError(
                 f"{root}: not a diffusers pipeline folder (no model_index.json)")
+        checkpoint.check_links(root)
         model_index = json.loads(index.read_text())
         for comp in ("unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
             if not (root / comp).is_dir():

@@ -177,3 +177,50 @@ def test_peak_memory_while_loading(tmp_path):
     grew = int(res.stdout.split()[-1])
     print(f"peak growth {grew / nbytes:.2f}x the weights")
     assert grew < 1.5 * nbytes, (grew / nbytes)
+
+
+def test_pickle_weights_are_refused_with_a_way_to_convert(unet_dir, tmp_path):
+    """maxdiff never unpickles: a .bin/.ckpt/.pt file is refused, naming it and saying how to
+    convert it (torch is not needed to say so)."""
+    folder = tmp_path / "unet"
+    folder.mkdir()
+    (folder / "config.json").write_text((unet_dir / "config.json").read_text())
+    (folder / "diffusion_pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model.bin: only pickle-based "
+                                              r"weights here .*never unpickles.*save_pretrained"):
+        load_unet(folder)
+    for name in ("lightning.ckpt", "model.pt", "model.pth"):
+        single = tmp_path / name
+        single.write_bytes(b"\x80\x04")
+        with pytest.raises(CheckpointError, match=rf"{name}: a pickle-based weight file.*"
+                                                  r"safetensors"):
+            open_weights(single)
+
+
+def test_links_out_of_the_model_folder_are_refused(tmp_path):
+    from maxdiff.checkpoint import check_links
+    from pipelines import TextToImagePipeline
+
+    model = tmp_path / "model"
+    tiny.make_sdxl_pipeline(model)
+    check_links(model)  # no links: fine
+    inside = model / "unet" / "alias.json"
+    inside.symlink_to(model / "unet" / "config.json")
+    check_links(model)  # a link within the folder: fine
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a model file")
+    (model / "vae" / "extra.json").symlink_to(secret)
+    with pytest.raises(CheckpointError, match=r"vae/extra.json: a symbolic link to .*secret.txt, "
+                                              r"outside the model folder"):
+        TextToImagePipeline.from_pretrained(model, compile_cache_dir=None)
+    # a Hugging Face cache snapshot links into its repository's blobs/: allowed
+    repo = tmp_path / "hub" / "models--org--name"
+    snap = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (repo / "blobs" / "f00d").write_text("{}")
+    (snap / "model_index.json").symlink_to(repo / "blobs" / "f00d")
+    check_links(snap)
+    (snap / "escape.json").symlink_to(secret)
+    with pytest.raises(CheckpointError, match="escape.json"):
+        check_links(snap)
