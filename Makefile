@@ -24,9 +24,11 @@ test-slow: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m pipelines.demo
 
-# Re-trains the embedded demo model (about an hour on 2 CPU cores) into maxdiff/assets/demo-model.
+# Re-trains the embedded demo model (about an hour on 2 CPU cores) into maxdiff/assets/demo-model
+# (or DEMO_OUT=DIR), on the training split of the shape/colour/background combinations only.
+DEMO_OUT ?= maxdiff/assets/demo-model
 train-demo: $(STAMP)
-	$(PY) -m maxdiff.training.train --config configs/train-demo.yaml --out maxdiff/assets/demo-model
+	$(PY) -m maxdiff.training.train --config configs/train-demo.yaml --out $(DEMO_OUT)
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -139,8 +139,9 @@ def export_pipeline(out: str | os.PathLike, *, unet_config: Mapping, unet_params
     write_tokenizer(tmp / "tokenizer_2", vocab_dir, "!")
     _write_json(tmp / "scheduler" / "scheduler_config.json",
                 {"_diffusers_version": DIFFUSERS_VERSION, **scheduler_config})
-    if (out / "README.md").is_file():  # keep the hand-written model card across re-exports
-        shutil.copyfile(out / "README.md", tmp / "README.md")
+    for keep in ("README.md", "maxdiff.json"):  # model card and measured defaults: hand-written
+        if (out / keep).is_file():
+            shutil.copyfile(out / keep, tmp / keep)
     if out.exists():
         old = out.with_name(out.name + ".old")
         if old.exists():
