@@ -109,7 +109,8 @@ _CHECKS = {
 
 
 def _jsonl_line(text: str, where: str, index: int, factor: int | None,
-                errors: list[str]) -> PromptLine | None:
+                errors: list[str], steps_limit: tuple[int, str] | None = None
+                ) -> PromptLine | None:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -134,6 +135,9 @@ def _jsonl_line(text: str, where: str, index: int, factor: int | None,
                 values[key] = check(obj[key])
                 if key == "size":
                     check_size(values[key], factor)
+                if key == "steps" and steps_limit and values[key] > steps_limit[0]:
+                    raise ValueError(f"must be in 1..{steps_limit[0]} ({steps_limit[1]} allows "
+                                     f"no more), got {values[key]}")
             except ValueError as e:
                 errors.append(f"{where}: field {key!r}: {e}")
     if len(errors) > before:
@@ -142,14 +146,16 @@ def _jsonl_line(text: str, where: str, index: int, factor: int | None,
 
 
 def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = None, *,
-                 factor: int | None = None, file_text: str | None = None) -> list[PromptLine]:
+                 factor: int | None = None, file_text: str | None = None,
+                 steps_limit: tuple[int, str] | None = None) -> list[PromptLine]:
     """All prompts of a run: the command-line ones first, then the file's.
 
     A ``.jsonl``/``.ndjson`` file (or one whose first entry starts with ``{``) holds one JSON
     object per line: ``prompt`` and any of ``negative_prompt``, ``seed``, ``steps``,
     ``guidance``, ``size``, ``n``. Any other file is one prompt per line. Both skip blank lines
     and lines starting with ``#``. ``file="-"`` reads stdin (or ``file_text``). Sizes must be
-    multiples of ``factor``. Raises :class:`InputError` listing every bad line.
+    multiples of ``factor``; steps at most ``steps_limit`` = (limit, scheduler name). Raises
+    :class:`InputError` listing every bad line.
     """
     errors: list[str] = []
     lines: list[PromptLine] = []
@@ -167,14 +173,14 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
             except (OSError, UnicodeDecodeError) as e:
                 raise InputError(errors + [f"--prompts {name}: cannot read it ({e})"]) from None
         name = "<stdin>" if name == "-" else name
-        entries = [(no, t.strip()) for no, t in enumerate(file_text.splitlines(), 1)
+        entries = [(no, t.strip()) for no, t in enumerate(file_text.split("\n"), 1)
                    if t.strip() and not t.lstrip().startswith("#")]
         jsonl = name.endswith((".jsonl", ".ndjson")) or bool(
             entries and entries[0][1].startswith("{"))
         for no, text in entries:
             where = f"{name}:{no}"
             if jsonl:
-                line = _jsonl_line(text, where, len(lines), factor, errors)
+                line = _jsonl_line(text, where, len(lines), factor, errors, steps_limit)
                 if line is not None:
                     lines.append(line)
             else:

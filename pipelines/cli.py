@@ -229,6 +229,19 @@ def _json_file(path: Path) -> dict:
         return {}
 
 
+def _step_limit(cfg) -> tuple[int, str] | None:
+    """(most steps, scheduler name) of the run's scheduler, from its config alone (no weights);
+    None where it cannot be read here (then loading reports the problem)."""
+    from maxdiff.schedulers import load_scheduler
+    from pipelines.requests import scheduler_step_limit
+
+    try:
+        sched = load_scheduler(cfg.scheduler or Path(cfg.model) / "scheduler")
+    except Exception:
+        return None
+    return scheduler_step_limit(sched), type(sched).__name__
+
+
 def _vae_factor(model: Path) -> int | None:
     blocks = _json_file(model / "vae" / "config.json").get("block_out_channels")
     return 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else None
@@ -255,8 +268,12 @@ def cmd_generate(args) -> int:
                 check_size((cfg.width, cfg.height), factor)
             except ValueError as e:
                 errors.append(f"{'--size' if args.size else 'config size'}: {e}")
+        steps_limit = _step_limit(cfg) if cfg else None
+        if steps_limit and cfg.steps is not None and cfg.steps > steps_limit[0]:
+            errors.append(f"{'--steps' if args.steps else 'config steps'}: {cfg.steps} is above "
+                          f"what {steps_limit[1]} allows (1..{steps_limit[0]})")
         try:
-            lines = read_prompts(args.prompt, args.prompts, factor=factor)
+            lines = read_prompts(args.prompt, args.prompts, factor=factor, steps_limit=steps_limit)
         except InputError as e:
             errors += e.errors
         if errors:

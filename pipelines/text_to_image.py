@@ -35,7 +35,9 @@ from maxdiff.schedulers import (EulerAncestralDiscreteScheduler, LCMScheduler, g
 from maxdiff.tokenizers import load_tokenizer, tokenize
 from maxdiff.models.vae_tiling import needs_tiling, tile_decoder, tiled_decode
 from pipelines.config import ModelDefaults, RunConfig, load_run_config
-from pipelines.requests import MAX_SEED, ImageRequest, bucket_size, image_seeds
+from pipelines.requests import (MAX_SEED, ImageRequest, bucket_size, check_seed,
+                                image_seeds, scheduler_step_limit)
+
 DEFAULT_COMPILE_CACHE = Path(os.environ.get("MAXDIFF_COMPILE_CACHE",
                                             Path.home() / ".cache" / "maxdiff" / "jax"))
 
@@ -73,6 +75,9 @@ def _to_pixels(img, as_uint8: bool):
     """Decoder output in ~[-1, 1] -> float32 [0, 1], or uint8."""
     img = jnp.clip(img.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
     return jnp.round(img * 255).astype(jnp.uint8) if as_uint8 else img
+
+
+_abs_sum = jax.jit(lambda x: jnp.sum(jnp.abs(x.astype(jnp.float32))))
 
 
 class TextToImagePipeline:
@@ -205,6 +210,21 @@ class TextToImagePipeline:
         return pipe
 
     # ------------------------------------------------------------------ the program
+    @property
+    def max_steps(self) -> int:
+        """The most denoising steps the loaded scheduler allows (its ``num_train_timesteps``;
+        for LCM its ``original_inference_steps``)."""
+        return scheduler_step_limit(self.scheduler)
+
+    def probe(self) -> float:
+        """Run a tiny program on the devices with the loaded weights (health checks); raises if
+        the devices or the weights are unusable."""
+        leaf = jax.tree_util.tree_leaves(self.params)[-1]
+        value = float(_abs_sum(leaf))
+        if not np.isfinite(value):
+            raise RuntimeError("the loaded weights are not finite")
+        return value
+
     @property
     def num_compiled(self) -> int:
         """How many programs have been compiled (one per distinct shape key)."""
@@ -429,7 +449,13 @@ class TextToImagePipeline:
         (stays None: :meth:`generate` draws them)."""
         if seed is None or isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
             return image_seeds(seed, n)
-        seeds = [int(s) for s in seed]
+        if not isinstance(seed, (list, tuple, np.ndarray)):
+            raise ValueError(f"seed={seed!r}; give one int in 0..{MAX_SEED}, a list of one int "
+                             "per image, or None")
+        seeds = list(seed)
+        for s in seeds:
+            check_seed(s)
+        seeds = [int(s) for s in seeds]
         if len(seeds) != n:
             raise ValueError(f"seed has {len(seeds)} values but {n} image(s) are generated; "
                              "give one int, or one per image")
@@ -439,6 +465,9 @@ class TextToImagePipeline:
         f = self.vae_scale_factor
         if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"num_inference_steps={steps!r}; it must be an integer >= 1")
+        if steps > self.max_steps:
+            raise ValueError(f"num_inference_steps={steps}; {type(self.scheduler).__name__} "
+                             f"allows 1..{self.max_steps}")
         for name, v in (("height", height), ("width", width)):
             if v is None:
                 raise ValueError(f"{name} is required: this model's unet config has no sample_size")

@@ -7,7 +7,11 @@ The ingress validates every request (422 with the offending field, 413 for bodie
 ``max_body_bytes``), turns it into a :class:`pipelines.requests.GenerationRequest`, sends it to a generator
 replica through a deployment handle and encodes the images it gets back. A full generator queue
 (``max_queued_requests``) is a 503 with ``Retry-After``; a request past its deadline
-(``request_timeout_s``, or a shorter ``X-Request-Timeout`` header) is a 504.
+(``request_timeout_s``, or a shorter ``X-Request-Timeout`` header) is a 504. A request whose
+generator replica dies is retried once on another replica (same seeds, same images), else a 503.
+Every response carries ``X-Request-Id``; every error body is ``{"error": {...}}`` with that id.
+With API keys on (``api_keys`` / ``MAXDIFF_API_KEYS``) the ``/v1/`` routes need
+``Authorization: Bearer KEY`` (401 otherwise) and ``rate_limit_per_minute`` bounds each key (429).
 
 Endpoints (OpenAPI at ``/docs``): ``POST /v1/images/generations`` (OpenAI Images API),
 ``POST /v1/generate`` (native), ``GET /healthz``, ``GET /v1/models``, ``GET /v1/stats``.
@@ -16,24 +20,26 @@ Endpoints (OpenAPI at ``/docs``): ``POST /v1/images/generations`` (OpenAI Images
 
 import asyncio
 import base64
-import collections
 import logging
 import math
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from pipelines.requests import (GenerationRequest, encode_image, image_seeds, parse_size,
                                 size_problems)
-from serving.generator import Expired, Generator, InvalidJob
-from serving.schemas import (GenerateRequest, GenerateResponse, ImagesGenerationRequest,
-                             ImagesResponse, JobResult, ServeSettings)
+from serving import security
+from serving.generator import Expired, Generator, InvalidJob, StatsBoard
+from serving.schemas import (ERROR_RESPONSES, GenerateRequest, GenerateResponse,
+                             ImagesGenerationRequest, ImagesResponse, JobResult, ServeSettings)
 
 logger = logging.getLogger("ray.serve")
 
@@ -52,10 +58,16 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
 
 
-def _error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
+def _error_body(status: int, message: str, kind: str, param: str | None = None, *,
+                code: str | int | None = None, request_id: str | None = None) -> dict:
     # `error` is the OpenAI error shape (the openai client reads it); `detail` is FastAPI's.
-    return {"error": {"message": message, "type": kind, "param": param, "code": status},
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": status if code is None else code, "request_id": request_id},
             "detail": message}
+
+
+def _rid(request: Request) -> str | None:
+    return getattr(request.state, "request_id", None)
 
 
 def invalid(field: str, message: str, value: Any = None, where: str = "body"):
@@ -73,13 +85,20 @@ api = FastAPI(
                 "are batched onto the accelerators together.",
     version="0.1.0",
 )
-_LIMITS = {"max_body_bytes": 65536}  # set by the Ingress constructor (one per replica process)
+# The gate's settings live in serving.security.GATE, set by the Ingress constructor (one
+# ingress per replica process). Not a dict here: Ray Serve pickles the ingress class by value,
+# globals included, so a dict of this module would be a copy the gate never sees.
+_LIMITS = security.GATE
+_OPEN = ("/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc")
 
 
 class _Gate:
-    """ASGI middleware: refuse bodies over ``max_body_bytes`` (declared Content-Length or bytes
-    actually received, chunked uploads included) with a 413, and count requests per route and
-    status in Prometheus metrics."""
+    """ASGI middleware: give every request an id (``X-Request-Id``, the client's if plain);
+    check API keys and per-key rate limits on the ``/v1/`` routes (401, 429); refuse bodies over
+    ``max_body_bytes`` (declared Content-Length or bytes actually received, chunked uploads
+    included) with a 413; answer an exception that escaped the app with a 500 error body (the
+    traceback goes to the log, never to the client); count requests per route and status in
+    Prometheus metrics."""
 
     ROUTES = ("/v1/images/generations", "/v1/generate", "/healthz", "/v1/models", "/v1/stats")
 
@@ -108,24 +127,37 @@ class _Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
-        status = {"code": 500}
+        status = {"code": 500, "started": False}
+        headers = dict(scope.get("headers") or [])
+        rid = security.request_id(headers.get(b"x-request-id", b"").decode("latin-1"))
+        scope = {**scope, "state": {**(scope.get("state") or {}), "request_id": rid}}
 
         async def send_status(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                status["started"] = True
+                if b"x-request-id" not in headers:  # else Ray Serve's proxy echoes it
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"x-request-id", rid.encode())]}
             await send(message)
 
+        def reply(code: int, message: str, kind: str, extra_headers=None, err_code=None):
+            body = _error_body(code, message, kind, code=err_code, request_id=rid)
+            return JSONResponse(body, code, headers=extra_headers)(scope, receive, send_status)
+
         try:
+            path = scope.get("path", "")
+            if "/v1/" in path and not path.endswith(_OPEN):
+                denied = self._admit(headers, scope)
+                if denied is not None:
+                    return await reply(*denied)
             limit = _LIMITS["max_body_bytes"]
-            headers = dict(scope.get("headers") or [])
             declared = headers.get(b"content-length")
             too_big = _error_body(413, f"request body is larger than {limit} bytes",
-                                  "request_too_large")
+                                  "request_too_large", request_id=rid)
             if declared is not None:
                 if not declared.strip().isdigit():
-                    return await JSONResponse(_error_body(400, "bad Content-Length header",
-                                                          "invalid_request_error"), 400)(
-                        scope, receive, send_status)
+                    return await reply(400, "bad Content-Length header", "invalid_request_error")
                 if int(declared) > limit:
                     return await JSONResponse(too_big, 413)(scope, receive, send_status)
             chunks, size = [], 0
@@ -148,8 +180,37 @@ class _Gate:
                 return replay.pop() if replay else await receive()
 
             await self.app(scope, replay_receive, send_status)
+        except Exception:
+            if status["started"]:  # the 500 body is already out (the app's handler sent it)
+                return
+            logger.error("request %s failed:\n%s", rid, traceback.format_exc())
+            await reply(500, f"internal error (request id {rid}); the server's log has the "
+                        "details", "server_error")
         finally:
             self._observe(scope.get("path", ""), status["code"], time.perf_counter() - t0)
+
+    @staticmethod
+    def _admit(headers: dict, scope: dict):
+        """None, or (status, message, kind, headers, code) refusing the request."""
+        hashes, limiter = _LIMITS["key_hashes"], _LIMITS["limiter"]
+        client = None
+        if hashes:
+            token = security.bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
+            client = security.check_key(token, hashes)
+            if client is None:
+                why = ("no API key given: send 'Authorization: Bearer YOUR_KEY' (the openai "
+                       "client's api_key)" if token is None else "incorrect API key")
+                return (401, why, "invalid_request_error", {"WWW-Authenticate": "Bearer"},
+                        "invalid_api_key")
+        if limiter is not None:
+            who = client or f"addr:{(scope.get('client') or ('?',))[0]}"
+            wait = limiter.take(who)
+            if wait > 0:
+                after = security.RateLimiter.retry_after(wait)
+                return (429, f"rate limit reached ({limiter.capacity:g} requests a minute); "
+                        f"retry after {after} s", "rate_limit_exceeded",
+                        {"Retry-After": str(after)}, "rate_limit_exceeded")
+        return None
 
 
 def _as_json(scope: dict, headers: dict, body: bytes) -> dict:
@@ -189,15 +250,49 @@ async def _on_invalid(request: Request, exc: RequestValidationError):
     field = ".".join(str(p) for p in first["loc"][1:]) or None
     message = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
                         for e in errors)
-    body = _error_body(422, message, "invalid_request_error", field)
+    body = _error_body(422, message, "invalid_request_error", field, request_id=_rid(request))
     body["detail"] = errors
     return JSONResponse(body, status_code=422)
 
 
 @api.exception_handler(ApiError)
 async def _on_api_error(request: Request, exc: ApiError):
-    return JSONResponse(_error_body(exc.status, exc.message, exc.kind), status_code=exc.status,
-                        headers=exc.headers)
+    return JSONResponse(_error_body(exc.status, exc.message, exc.kind, request_id=_rid(request)),
+                        status_code=exc.status, headers=exc.headers)
+
+
+@api.exception_handler(Exception)
+async def _on_unexpected(request: Request, exc: Exception):
+    """Any other failure: a 500 with the error body and request id; details only in the log."""
+    rid = _rid(request)
+    logger.error("request %s failed: %s\n%s", rid, type(exc).__name__,
+                 "".join(traceback.format_exception(exc)))
+    return JSONResponse(_error_body(500, f"internal error (request id {rid}); the server's log "
+                                    "has the details", "server_error", request_id=rid),
+                        status_code=500)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _on_http_error(request: Request, exc: StarletteHTTPException):
+    """Starlette's own errors (no route, wrong method, a body that cannot be parsed) in the
+    same error body as every other error."""
+    rid = _rid(request)
+    status, kind = exc.status_code, "invalid_request_error"
+    if status == 400 and "parsing the body" in str(exc.detail):  # e.g. not UTF-8
+        body = _error_body(422, "the body is not valid JSON (it could not be decoded)", kind,
+                           request_id=rid)
+        body["detail"] = [{"type": "json_invalid", "loc": ["body"],
+                           "msg": "the body is not valid JSON"}]
+        return JSONResponse(body, status_code=422)
+    if status == 404:
+        message, kind = f"no route {request.url.path}; see /docs", "not_found"
+    elif status == 405:
+        message, kind = (f"{request.method} is not allowed on {request.url.path}; see /docs",
+                         "method_not_allowed")
+    else:
+        message = str(exc.detail)
+    return JSONResponse(_error_body(status, message, kind, request_id=rid), status_code=status,
+                        headers=getattr(exc, "headers", None))
 
 
 def _wanted_image_type(accept: str | None) -> str | None:
@@ -225,17 +320,29 @@ async def _await(response):
 class Ingress:
     """Validates, forwards to the generator deployment, encodes. Light: never imports JAX."""
 
-    def __init__(self, generator: DeploymentHandle, settings: ServeSettings, model_id: str):
+    def __init__(self, generator: DeploymentHandle, settings: ServeSettings, model_id: str,
+                 key_hashes: tuple[str, ...] | None = None):
         self.generator = generator
         self.s = settings
         self.model_id = model_id
         self.started = int(time.time())
-        _LIMITS["max_body_bytes"] = settings.max_body_bytes
+        security.GATE.update(
+            max_body_bytes=settings.max_body_bytes, key_hashes=key_hashes,
+            limiter=(security.RateLimiter(settings.rate_limit_per_minute)
+                     if settings.rate_limit_per_minute else None))
+        if settings.cors_origins:
+            from fastapi.middleware.cors import CORSMiddleware
+
+            api.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                               allow_methods=["GET", "POST"],
+                               allow_headers=["Authorization", "Content-Type", "X-Request-Id",
+                                              TIMEOUT_HEADER],
+                               expose_headers=["X-Request-Id", "X-Seed", "Retry-After"])
         self.app_name = serve.get_replica_context().app_name
+        self.board = StatsBoard.get(self.app_name)
         self._info: dict | None = None
         self._ready_seen = False
         self._state = (0.0, False, {})
-        self._replicas: dict[str, dict] = {}
 
     # ------------------------------------------------------------------ plumbing
     async def _generator_state(self) -> tuple[bool, dict]:
@@ -274,9 +381,25 @@ class Ingress:
             timeout = min(timeout, asked)
         return time.monotonic() + timeout
 
-    async def _call(self, method: str, arg: Any, deadline: float) -> Any:
-        """Call a generator method within the deadline; map failures to HTTP errors."""
+    async def _call(self, method: str, arg: Any, deadline: float, rid: str | None = None) -> Any:
+        """Call a generator method within the deadline; map failures to HTTP errors. A call
+        whose replica dies is made once more (Ray Serve routes it to a live replica)."""
         from ray.exceptions import RayActorError
+
+        try:
+            return await self._call_once(method, arg, deadline)
+        except RayActorError as e:
+            logger.warning("request %s: generator replica lost (%s); retrying once", rid,
+                           type(e).__name__)
+        try:
+            return await self._call_once(method, arg, deadline)
+        except RayActorError as e:
+            logger.warning("request %s: generator replica lost again (%s)", rid, type(e).__name__)
+            raise ApiError(503, "a generator replica became unavailable; retry",
+                           kind="service_unavailable",
+                           headers={"Retry-After": str(self.s.retry_after_s)}) from None
+
+    async def _call_once(self, method: str, arg: Any, deadline: float) -> Any:
         from ray.serve.exceptions import BackPressureError
 
         if not self._ready_seen:
@@ -308,33 +431,44 @@ class Ingress:
             raise ApiError(504, "the request did not start before its deadline "
                            f"(request_timeout_s={self.s.request_timeout_s:g} or {TIMEOUT_HEADER})",
                            kind="timeout") from None
-        except RayActorError as e:
-            logger.warning("generator replica unavailable: %s", e)
-            raise ApiError(503, "a generator replica became unavailable; retry",
-                           kind="service_unavailable",
-                           headers={"Retry-After": str(self.s.retry_after_s)}) from None
 
     async def _model_info(self, deadline: float) -> dict:
+        """The generator's defaults and limits (asked once, then cached)."""
         if self._info is None:
             self._info = await self._call("info", None, deadline)
         return self._info
 
-    async def _generate(self, job: GenerationRequest, deadline: float) -> JobResult:
-        result: JobResult = await self._call("generate", job, deadline)
+    async def _generate(self, job: GenerationRequest, deadline: float, request: Request
+                        ) -> JobResult:
+        rid = _rid(request)
+        if self.s.log_prompts:
+            logger.info("request %s: prompt=%r negative=%r", rid, job.prompt, job.negative_prompt)
+        result: JobResult = await self._call("generate", job, deadline, rid)
         self._ready_seen = True
-        rep = self._replicas.setdefault(result.replica["id"], {
-            "node_id": result.replica["node_id"], "images": 0,
-            "batches": collections.OrderedDict()})
-        rep["images"] += len(result.images)
-        rep["batches"][result.batch["id"]] = {k: v for k, v in result.batch.items()}
-        while len(rep["batches"]) > 256:
-            rep["batches"].popitem(last=False)
         return result
 
     def _check_common(self, info: dict, prompt: str, n: int, n_field: str,
-                      width: int | None, height: int | None, size_fields: tuple[str, str]):
+                      width: int | None, height: int | None, size_fields: tuple[str, str],
+                      steps: int):
         s = self.s
         errors = []
+        limit, why = s.max_steps, "the serve arg max_steps"
+        if info.get("max_steps") and info["max_steps"] < limit:
+            limit, why = info["max_steps"], f"what this model's {info['scheduler']} allows"
+        if steps > limit:
+            errors.append(("steps", f"{steps} steps asked for; steps must be in 1..{limit} "
+                           f"({why})", steps))
+        elif width and height and n and steps:
+            mp = width * height / 2**20
+            cost = n * steps * mp
+            if cost > s.max_cost:
+                most = math.floor(s.max_cost / (steps * mp))
+                field, msg = (n_field, f"at most {most} image(s)") if most >= 1 else (
+                    "steps", f"at most {math.floor(s.max_cost / mp)} step(s) for one image")
+                errors.append((field, f"{n} image(s) x {steps} steps x {width}x{height} "
+                               f"({cost:.0f} image-step-megapixels) is above this server's "
+                               f"max_cost of {s.max_cost:g}; {msg} at this size and step "
+                               "count", None))
         if len(prompt) > s.max_prompt_chars:
             errors.append(("prompt", f"prompt has {len(prompt)} characters; at most "
                            f"{s.max_prompt_chars} are accepted", None))
@@ -359,7 +493,8 @@ class Ingress:
 
     # ------------------------------------------------------------------ routes
     @api.post("/v1/images/generations", response_model=ImagesResponse, tags=["OpenAI-compatible"],
-              summary="Create images (OpenAI Images API)")
+              summary="Create images (OpenAI Images API)",
+              responses={k: v for k, v in ERROR_RESPONSES.items() if k != 406})
     async def images_generations(self, body: ImagesGenerationRequest, request: Request):
         """Same request and response as OpenAI's ``images.generate`` with
         ``response_format="b64_json"``. Steps and guidance are the served model's defaults;
@@ -374,10 +509,11 @@ class Ingress:
                 width, height = parse_size(body.size)
             except ValueError as e:
                 raise invalid("size", f"{e}, or 'auto'", body.size) from None
-        self._check_common(info, body.prompt, n, "n", width, height, ("size", "size"))
+        self._check_common(info, body.prompt, n, "n", width, height, ("size", "size"),
+                           info["default_steps"])
         job = GenerationRequest(body.prompt, None, None, n, width, height,
                                 info["default_steps"], info["default_guidance"])
-        result = await self._generate(job, deadline)
+        result = await self._generate(job, deadline, request)
         fmt = body.output_format or "png"
         blobs = await asyncio.to_thread(
             lambda: [encode_image(im, fmt, quality=body.output_compression)
@@ -393,7 +529,7 @@ class Ingress:
               responses={200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}},
                                "description": "JSON, or with `Accept: image/png` (jpeg, webp) "
                                "and one image, the image itself (seed in `X-Seed`)."},
-                         406: {"description": "An image Accept type with more than one image."}})
+                         **ERROR_RESPONSES})
     async def generate(self, body: GenerateRequest, request: Request):
         """Every setting explicit; the response carries each image's seed (pass it back to
         reproduce the image) and timings (queue, device, encode)."""
@@ -416,8 +552,6 @@ class Ingress:
         width = info["default_width"] if body.width is None else body.width
         height = info["default_height"] if body.height is None else body.height
         errors = []
-        if steps > self.s.max_steps:
-            errors.append(("steps", f"{steps} steps asked for; at most {self.s.max_steps}", steps))
         if guidance > self.s.max_guidance:
             errors.append(("guidance_scale", f"{guidance} is above the limit of "
                            f"{self.s.max_guidance:g}", guidance))
@@ -435,7 +569,7 @@ class Ingress:
                            None))
         try:
             self._check_common(info, body.prompt, body.num_images, "num_images", width, height,
-                               ("width", "height"))
+                               ("width", "height"), steps)
         except RequestValidationError as e:
             errors += [(err["loc"][1], err["msg"], err.get("input")) for err in e.errors()]
         if errors:
@@ -443,7 +577,7 @@ class Ingress:
                                            "input": v} for f, m, v in errors])
         job = GenerationRequest(body.prompt, body.negative_prompt, body.seed, body.num_images,
                                 width, height, steps, guidance)
-        result = await self._generate(job, deadline)
+        result = await self._generate(job, deadline, request)
         t1 = time.perf_counter()
         blobs = await asyncio.to_thread(lambda: [encode_image(im, fmt) for im in result.images])
         timings = dict(result.timings, encode_s=time.perf_counter() - t1,
@@ -472,7 +606,8 @@ class Ingress:
         return JSONResponse({"status": "warming_up", **detail}, status_code=503,
                             headers={"Retry-After": str(self.s.retry_after_s)})
 
-    @api.get("/v1/models", tags=["OpenAI-compatible"], summary="The served model")
+    @api.get("/v1/models", tags=["OpenAI-compatible"], summary="The served model",
+             responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})
     async def models(self):
         entry = {"id": self.model_id, "object": "model", "created": self.started,
                  "owned_by": "maxdiff"}
@@ -482,13 +617,21 @@ class Ingress:
                 "default_height", "size_multiple", "max_size", "dtype", "devices")}
         return {"object": "list", "data": [entry]}
 
-    @api.get("/v1/stats", tags=["operations"], summary="Recent batches per generator replica")
+    @api.get("/v1/stats", tags=["operations"], summary="Recent batches per generator replica",
+             responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})
     async def stats(self):
-        """The batches (requests and images each) of the generator replicas that served this
-        ingress replica's requests, newest last, with each replica's node."""
-        return {"replicas": {rid: {"node_id": r["node_id"], "images": r["images"],
-                                   "batches": list(r["batches"].values())}
-                             for rid, r in self._replicas.items()}}
+        """Every generator replica of this application (whichever ingress replica served its
+        requests): its node, images served, compiled programs and recent batches (newest
+        last), as each replica last reported them (after every batch) to the application's
+        stats actor; ``report_age_s`` says how long ago. Replicas that are gone are listed
+        until they have been silent for 10 minutes."""
+        try:
+            replicas = await self.board.snapshot.remote()
+        except Exception as e:  # the stats actor is gone: report, never fail
+            logger.warning("stats actor unavailable: %s", type(e).__name__)
+            self.board = StatsBoard.get(self.app_name)
+            replicas = {}
+        return {"replicas": replicas}
 
 
 # ---------------------------------------------------------------------------------- builder
@@ -505,6 +648,7 @@ def build_app(args: dict | None = None):
     if model is None:
         default_model_path()  # a clear error now rather than from every replica
     model_id = settings.model_name or (Path(model).name if model else "maxdiff-default")
+    key_hashes = security.load_key_hashes(settings.api_keys)
     actor: dict[str, Any] = {"num_cpus": settings.num_cpus}
     if settings.resource == "GPU":
         actor["num_gpus"] = settings.resource_amount
@@ -513,6 +657,9 @@ def build_app(args: dict | None = None):
     gen_options = dict(name=GENERATOR, num_replicas=settings.num_replicas,
                        max_ongoing_requests=settings.generator_max_ongoing,
                        max_queued_requests=settings.max_queued_requests,
+                       graceful_shutdown_timeout_s=settings.graceful_shutdown_s,
+                       health_check_period_s=settings.health_check_period_s,
+                       health_check_timeout_s=settings.health_check_timeout_s,
                        ray_actor_options=actor)
     if settings.max_replicas_per_node is not None:
         gen_options["max_replicas_per_node"] = settings.max_replicas_per_node
@@ -520,4 +667,4 @@ def build_app(args: dict | None = None):
     ingress = Ingress.options(num_replicas=settings.ingress_replicas,
                               max_ongoing_requests=settings.ingress_max_ongoing_requests,
                               ray_actor_options={"num_cpus": settings.ingress_num_cpus})
-    return ingress.bind(generator.bind(run_config, settings), settings, model_id)
+    return ingress.bind(generator.bind(run_config, settings), settings, model_id, key_hashes)

@@ -15,6 +15,11 @@ A request carries the seconds it has left (the ingress's deadline); a request wh
 passed by the time a device batch starts is dropped from it (``Expired``, counted in
 ``maxdiff_expired_requests``), so no work is done for a client that has stopped waiting. A device
 batch that has started runs to its end (one compiled program).
+
+Health: Ray Serve calls :meth:`Generator.check_health` every ``health_check_period_s``; it runs a
+tiny program on the replica's devices with the loaded weights and raises if that fails or
+hangs, so Ray Serve replaces the replica. After every batch a replica reports its stats to the
+application's :class:`StatsBoard` actor, which ``/v1/stats`` reads.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import os
 import time
 
 import numpy as np
@@ -54,6 +60,36 @@ def size_multiple(pipe) -> int:
     return pipe.vae_scale_factor
 
 
+@ray.remote(num_cpus=0)
+class _Board:
+    """Latest stats of each generator replica of one application."""
+
+    FORGET_S = 600.0
+
+    def __init__(self):
+        self.replicas: dict[str, tuple[float, dict]] = {}
+
+    def report(self, replica_id: str, stats: dict) -> None:
+        self.replicas[replica_id] = (time.time(), stats)
+
+    def snapshot(self) -> dict:
+        now = time.time()
+        self.replicas = {k: v for k, v in self.replicas.items() if now - v[0] < self.FORGET_S}
+        return {k: {**stats, "report_age_s": round(now - at, 1)}
+                for k, (at, stats) in self.replicas.items()}
+
+
+class StatsBoard:
+    """The stats actor of an application: one named, detached Ray actor per application name
+    (namespace ``maxdiff``), created by whichever replica asks first; redeploying the
+    application reuses it. Replicas silent for 10 minutes are forgotten."""
+
+    @staticmethod
+    def get(app_name: str):
+        return _Board.options(name=f"stats:{app_name}", namespace="maxdiff", get_if_exists=True,
+                              lifetime="detached").remote()
+
+
 class Generator:
     """Ray Serve deployment class (``build_app`` sets its options). Handle methods:
     ``generate(job) -> JobResult``, ``info() -> dict``, ``stats() -> dict``."""
@@ -67,7 +103,8 @@ class Generator:
         self.load_s = time.perf_counter() - t0
         ctx = serve.get_replica_context()
         self.replica = {"id": ctx.replica_id.unique_id,
-                        "node_id": ray.get_runtime_context().get_node_id()}
+                        "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        self._board = StatsBoard.get(ctx.app_name)
         self._batchers: dict[tuple, object] = {}
         self._device_lock = asyncio.Lock()  # FIFO: batches of different shapes take turns
         self._compiled: set[tuple] = set()  # (height, width, steps, cfg, padded batch) run so far
@@ -94,6 +131,7 @@ class Generator:
         self.warmup_s, self.warmed = self._warm_up()
         logger.info("generator ready on node %s: load %.1fs, warm-up %.1fs, %d program(s)",
                     self.replica["node_id"], self.load_s, self.warmup_s, self.pipe.num_compiled)
+        self._report()
 
     # ------------------------------------------------------------------ warm-up
     def warmup_batch_sizes(self) -> list[int]:
@@ -140,15 +178,30 @@ class Generator:
                 "default_steps": p.default_steps, "default_guidance": p.default_guidance,
                 "default_width": p.default_width, "default_height": p.default_height,
                 "size_multiple": size_multiple(p), "max_size": p.max_size,
+                "max_steps": p.max_steps,
                 "dtype": cfg.dtype if cfg else None,
                 "devices": p.mesh.size, "replica": self.replica, "warmup_s": self.warmup_s,
                 "warmed": self.warmed, "load_s": self.load_s}
 
-    def stats(self) -> dict:
+    def stats(self, recent: int | None = None) -> dict:
         """This replica's recent batches (newest last), images served and compiled programs."""
-        return {"replica": self.replica, "images": self._images_total,
-                "compiled_programs": self.pipe.num_compiled, "batches": list(self._recent),
-                "warmed": self.warmed, "warmup_s": self.warmup_s}
+        batches = list(self._recent)[-recent:] if recent else list(self._recent)
+        return {"node_id": self.replica["node_id"], "pid": self.replica["pid"],
+                "images": self._images_total, "compiled_programs": self.pipe.num_compiled,
+                "batches": batches, "warmed": self.warmed, "warmup_s": self.warmup_s}
+
+    def _report(self) -> None:
+        try:  # fire and forget: stats must never slow or fail a request
+            self._board.report.remote(self.replica["id"], self.stats(recent=32))
+        except Exception as e:
+            logger.warning("stats report failed: %s", type(e).__name__)
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: a tiny program on this replica's devices with the loaded
+        weights must finish within ``health_check_timeout_s`` (half of it here, to answer in
+        time); otherwise raising marks the replica unhealthy and Ray Serve replaces it."""
+        await asyncio.wait_for(asyncio.to_thread(self.pipe.probe),
+                               self.settings.health_check_timeout_s / 2)
 
     async def generate(self, job: GenerationRequest, timeout_s: float | None = None
                        ) -> JobResult:
@@ -222,6 +275,7 @@ class Generator:
         self._images_total += n_images
         self._m_images.inc(n_images, tags=self._tags)
         self._m_batch.observe(len(jobs), tags=self._tags)
+        self._report()
         if expired:
             self._m_expired.inc(len(expired), tags=self._tags)
         for b in buckets:

@@ -27,7 +27,7 @@ from pipelines.requests import MAX_SEED, parse_size
 RUN_CONFIG_KEYS = tuple(RunConfig.model_fields)
 # args taken as given when they come as strings (names and paths); others are parsed as YAML
 _TEXT_ARGS = ("config", "model_name", "resource", "model", "unet", "scheduler",
-              "compile_cache_dir", "dtype", "attention")
+              "compile_cache_dir", "dtype", "attention", "api_keys", "cors_origins")
 
 
 # ---------------------------------------------------------------------------------- settings
@@ -145,11 +145,31 @@ class ServeSettings(StrictConfig):
     size_multiple: int | None = Field(None, ge=1)  # sides: multiples of this and the VAE factor
     max_body_bytes: int = Field(65536, ge=1)
     max_prompt_chars: int = Field(4000, ge=1)
+    # a request's cost: images x steps x megapixels (width x height / 2**20); 400 is 4 images of
+    # 1024x1024 at 100 steps
+    max_cost: float = Field(400.0, gt=0)
+    # security (README "Security model")
+    api_keys: tuple[str, ...] | None = None  # keys or "sha256:<hex>"; a file path: one a line
+    rate_limit_per_minute: float | None = Field(None, gt=0)  # per API key (or client address)
+    cors_origins: tuple[str, ...] = ()  # origins allowed to call from a browser; () : no CORS
+    log_prompts: bool = False  # prompts appear in the logs only when true
+    # faults
+    graceful_shutdown_s: float = Field(60.0, ge=0)  # in-flight batches may finish within this
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
 
     @field_validator("warmup_shapes", mode="before")
     @classmethod
     def _shapes(cls, v):
         return tuple(WarmupShape.parse(x) for x in (_as_list(v) or ()))
+
+    @field_validator("api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _strings(cls, v):
+        if v is None or isinstance(v, (list, tuple)):
+            return v
+        text = str(v).strip()
+        return yaml_scalar(text) if text.startswith("[") else (text,) if text else ()
 
     @field_validator("warmup_batch_sizes", mode="before")
     @classmethod
@@ -249,6 +269,33 @@ class ImagesGenerationRequest(BaseModel):
         if v:
             raise ValueError("streaming is not supported; omit stream or set it to false")
         return v
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+    request_id: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error: OpenAI's ``{"error": {...}}`` shape (the openai client reads it) plus
+    ``detail`` (FastAPI's: a message, or for a 422 the list of problems)."""
+
+    error: ErrorDetail
+    detail: Any = None
+
+
+ERROR_RESPONSES: dict[int | str, dict] = {
+    code: {"model": ErrorResponse, "description": what} for code, what in (
+        (401, "API keys are on and the request has no valid `Authorization: Bearer` key."),
+        (406, "An image Accept type with more than one image."),
+        (413, "The body is larger than max_body_bytes."),
+        (429, "The key's rate limit is reached (`Retry-After` says when to retry)."),
+        (500, "An unexpected server error (the request id finds it in the log)."),
+        (503, "At capacity, warming up, or a replica was lost (`Retry-After`)."),
+        (504, "The request's deadline passed."))}
 
 
 class ImageData(BaseModel):

@@ -200,6 +200,7 @@ def test_bad_lines_are_all_reported_and_nothing_is_written(sdxl_dir, env, tmp_pa
         json.dumps({"prompt": "x", "size": "33x32"}),
         json.dumps({"prompt": "x", "stpes": 3}),
         '{"prompt": "unclosed',
+        json.dumps({"prompt": "too many steps", "steps": 1001}),
     ]) + "\n")
     out = tmp_path / "out"
     res = run(env, "generate", "--prompts", bad, "--model", sdxl_dir, "--out", out)
@@ -210,7 +211,21 @@ def test_bad_lines_are_all_reported_and_nothing_is_written(sdxl_dir, env, tmp_pa
     assert f"{bad}:5: field 'size': 33x32 is not a multiple of 2" in err
     assert f"{bad}:6: unknown field 'stpes'" in err
     assert f"{bad}:7: not valid JSON" in err
+    assert (f"{bad}:8: field 'steps': must be in 1..1000 (EulerDiscreteScheduler allows no "
+            "more), got 1001") in err
     assert f"{bad}:1" not in err
+    assert not out.exists()
+    # the run's own steps are checked against the scheduler before anything is loaded
+    res = run(env, "generate", "fine", "--steps", "2000", "--model", sdxl_dir, "--out", out)
+    assert res.returncode == 2 and "--steps: 2000 is above what EulerDiscreteScheduler allows " \
+        "(1..1000)" in res.stderr, res.stderr
+    lcm = tmp_path / "lcm.json"
+    lcm.write_text(json.dumps({"_class_name": "LCMScheduler", "beta_schedule": "scaled_linear",
+                               "beta_start": 0.00085, "beta_end": 0.012,
+                               "original_inference_steps": 50}))
+    res = run(env, "generate", "fine", "--steps", "51", "--scheduler", lcm, "--model", sdxl_dir,
+              "--out", out)
+    assert res.returncode == 2 and "LCMScheduler allows (1..50)" in res.stderr, res.stderr
     assert not out.exists()
 
 

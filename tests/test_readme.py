@@ -69,6 +69,7 @@ RUNNERS = {
     "cli": lambda lang, code: first_line(code).startswith("MODEL="),
     "jobs": lambda lang, code: first_line(code) == "# jobs.jsonl",
     "tiny": lambda lang, code: "tiny.make_sdxl_pipeline" in code,
+    "keys": lambda lang, code: "MAXDIFF_API_KEYS=" in code,
 }
 
 
@@ -190,7 +191,7 @@ class Served:
         if not _port_free(PORT):
             pytest.fail(f"port {PORT} is taken: the README's service examples need it free")
         self.log = open(cwd / f"serve-{time.monotonic_ns()}.log", "w+")
-        self.proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=ROOT, env=env(),
+        self.proc = subprocess.Popen(["bash", "-c", f"exec env {command}"], cwd=ROOT, env=env(),
                                      stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + 420
@@ -264,5 +265,28 @@ def test_serve_yaml_openai_curl_and_a_size_too_large(paths):
         t0 = time.monotonic()
         assert len(client.images.generate(prompt="a red circle", size="64x64").data) == 1
         assert time.monotonic() - t0 < 60
+    finally:
+        served.stop()
+
+
+def test_api_keys_example(paths):
+    """The security section's two lines: a hashed key file, then the service with keys on."""
+    work, subs = paths
+    keys = str(work / "keys.txt")
+    write, start = [localize(line, subs).replace("keys.txt", keys)
+                    for line in the("keys").strip().splitlines()]
+    run_bash(write, work)
+    assert open(keys).read().startswith("sha256:") and "my-secret-key" not in open(keys).read()
+    served = Served(start, work)
+    try:
+        import openai
+
+        url = f"http://localhost:{PORT}/v1"
+        ok = openai.OpenAI(base_url=url, api_key="my-secret-key", max_retries=0)
+        assert len(ok.images.generate(prompt="a red circle").data) == 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="guess", max_retries=0).images.generate(
+                prompt="a red circle")
+        assert requests.get(f"http://localhost:{PORT}/healthz").status_code == 200
     finally:
         served.stop()
