@@ -1,10 +1,16 @@
 """Prompt fidelity of a model on the shapes task, scored by a deterministic image analyser.
 
-    python -m pipelines.demo_eval [--model DIR] [--steps N] [--guidance G] [--sampler S]
+    python -m pipelines.demo_eval [--split val|test] [--model DIR] [--steps N ...]
+                                  [--guidance G ...] [--sampler S ...]
 
-48 held-out (prompt, seed) pairs (:func:`eval_set`: captions from the training templates for
-scenes drawn from a generator seed the training never uses, 16 per shape, and initial-noise
-seeds 10,000+) are generated in one batch and each image is analysed (:func:`analyse`):
+Held out, three ways: the (shape, colour, background) combinations of ``val`` and ``test``
+(:data:`maxdiff.training.shapes.SPLITS`) are never drawn in training, so no evaluation prompt
+names a combination the model was trained on; scene layouts come from a generator seed training
+never uses; initial-noise seeds are 10,000+ (val) and 20,000+ (test). Settings (sampler, steps,
+guidance) are chosen on ``val`` (:data:`N_VAL` pairs); the figures reported are ``test``
+(:data:`N_TEST` pairs, each test combination equally often), with 95 % Wilson intervals.
+
+Each image is analysed (:func:`analyse`):
 
 - background colour: the median of the 2-pixel border, nearest palette colour (RGB distance);
 - shape colour: the most frequent nearest-palette label among pixels not labelled background;
@@ -12,7 +18,9 @@ seeds 10,000+) are generated in one batch and each image is analysed (:func:`ana
   component; its fill ratio of its bounding box is ~1 for a square, ~pi/4 for a circle and
   ~1/2 for a triangle (thresholds 0.87 and 0.62); a triangle must also be upright (its top
   third at most 0.6 times as wide as its bottom third) and fill more than 0.35 of its box, so
-  a plus sign, an upside-down triangle or noise is no shape at all.
+  a plus sign, an upside-down triangle or noise is no shape at all;
+- size and position, scored only where the prompt states them: the component's half extent
+  (nearest of the named sizes' 9 / 14 / 20 px) and its box centre (nearest named position).
 
 ``--ground-truth`` scores the dataset's own rendered images instead (validates the analyser).
 """
@@ -28,10 +36,14 @@ import numpy as np
 
 from maxdiff.training import shapes
 
-EVAL_SEED = 20_261_202  # scenes; training draws from seeds 0..10
-NOISE_SEED = 10_000
-N_EVAL = 48
-THRESHOLDS = {"shape_color": 0.90, "background": 0.90, "shape": 0.75}
+EVAL_SEED = 20_261_202  # scene layouts and captions; training draws from seeds 0..10
+NOISE_SEED = {"val": 10_000, "test": 20_000}
+N_VAL = 120  # 5 per val combination
+N_TEST = 252  # 7 per test combination
+# What the shipped model must keep scoring on test (a regression floor, below its measured
+# 96.8 / 100 / 75.4 %), and what it is meant to reach (not met yet: see the model's README).
+THRESHOLDS = {"shape_color": 0.93, "background": 0.95, "shape": 0.70}
+TARGETS = {"shape_color": 0.95, "background": 0.95, "shape": 0.85}
 
 PALETTE = np.array(list(shapes.COLORS.values()), np.float32)
 NAMES = list(shapes.COLORS)
@@ -54,18 +66,23 @@ class Analysis:
     background: str
     shape: str | None
     fill: float
+    half_extent: float = 0.0  # of the shape's bounding box, pixels
+    center: tuple[float, float] = (0.0, 0.0)  # (x, y) of the bounding box
 
 
-def eval_set(n: int = N_EVAL) -> list[tuple[str, int, shapes.Scene]]:
-    """``n`` (prompt, noise seed, scene) triples; shapes cycle circle/square/triangle."""
-    rng = np.random.default_rng(EVAL_SEED)
+def eval_set(split: str = "test", n: int | None = None) -> list[tuple[str, int, shapes.Scene]]:
+    """``n`` (prompt, noise seed, scene) triples over ``split``'s combinations, each combination
+    equally often (sorted, cycled); layouts and captions random from a seed training never uses."""
+    n = n or (N_TEST if split == "test" else N_VAL)
+    combos = sorted(shapes.SPLITS[split])
+    rng = np.random.default_rng([EVAL_SEED, ("val", "test").index(split)])
     out = []
     for i in range(n):
-        scene = shapes.random_scene(rng)
-        want = shapes.SHAPES[i % len(shapes.SHAPES)]
-        scene = shapes.Scene(want, *[getattr(scene, f) for f in
-                                     ("color", "bg", "size", "pos", "cx", "cy", "r")])
-        out.append((shapes.caption(scene, rng), NOISE_SEED + i, scene))
+        shape, color, bg = combos[i % len(combos)]
+        layout = shapes.random_scene(rng, None)
+        scene = shapes.Scene(shape, color, bg, *[getattr(layout, f) for f in
+                                                 ("size", "pos", "cx", "cy", "r")])
+        out.append((shapes.caption(scene, rng), NOISE_SEED[split] + i, scene))
     return out
 
 
@@ -74,7 +91,7 @@ def _nearest(rgb: np.ndarray) -> np.ndarray:
 
 
 def analyse(image: np.ndarray) -> Analysis:
-    """Colours and shape of a uint8 (H, W, 3) image (see the module docstring)."""
+    """Colours, shape, size and position of a uint8 (H, W, 3) image (see the module docstring)."""
     from scipy import ndimage
 
     x = np.asarray(image, np.float32)
@@ -108,11 +125,36 @@ def analyse(image: np.ndarray) -> Analysis:
         shape = "triangle"
     else:  # a plus sign, an upside-down triangle, a sliver, noise: no shape of the task
         shape = None
-    return Analysis(NAMES[col], NAMES[bg], shape, fill)
+    half = (box.shape[0] + box.shape[1]) / 4
+    center = ((xs.min() + xs.max()) / 2, (ys.min() + ys.max()) / 2)
+    return Analysis(NAMES[col], NAMES[bg], shape, fill, float(half), (float(center[0]), float(center[1])))
 
 
-def score(images, scenes) -> dict:
-    """Fractions correct (shape_color, background, shape, all) over the images."""
+def named_size(half_extent: float) -> str:
+    return min(shapes.SIZES, key=lambda k: abs(shapes.SIZES[k] - half_extent))
+
+
+def named_position(center: tuple[float, float], half_extent: float) -> str:
+    def dist(pos):
+        px, py = shapes.position_center(pos, half_extent)
+        return (px - center[0]) ** 2 + (py - center[1]) ** 2
+    return min(shapes.POSITIONS, key=dist)
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of a proportion k / n."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (float(max(0.0, c - h)), float(min(1.0, c + h)))
+
+
+def score(images, scenes, prompts=None) -> dict:
+    """Fractions correct (shape_color, background, shape, all; size and position over the
+    prompts that state them) with 95 % intervals (``ci``) over the images."""
     res = [analyse(im) for im in images]
     ok = {
         "shape_color": [r.shape_color == s.color for r, s in zip(res, scenes)],
@@ -120,8 +162,16 @@ def score(images, scenes) -> dict:
         "shape": [r.shape == s.shape for r, s in zip(res, scenes)],
     }
     ok["all"] = [a and b and c for a, b, c in zip(*ok.values())]
-    out = {k: float(np.mean(v)) for k, v in ok.items()}
+    if prompts is not None:
+        ok["size"] = [named_size(r.half_extent) == s.size
+                      for r, s, p in zip(res, scenes, prompts) if s.size in p and r.shape]
+        ok["position"] = [named_position(r.center, r.half_extent) == s.pos
+                          for r, s, p in zip(res, scenes, prompts)
+                          if r.shape and (s.pos in p or (s.pos == "center" and "middle" in p))]
+    out = {k: float(np.mean(v)) if v else 0.0 for k, v in ok.items()}
     out["n"] = len(res)
+    out["n_size"], out["n_position"] = len(ok.get("size", [])), len(ok.get("position", []))
+    out["ci"] = {k: [round(b, 3) for b in wilson(sum(v), len(v))] for k, v in ok.items()}
     out["failures"] = [
         {"i": i, "want": [s.color, s.shape, s.bg], "got": [r.shape_color, r.shape, r.background],
          "fill": round(r.fill, 2)}
@@ -133,14 +183,17 @@ def passes(result: dict) -> bool:
     return all(result[k] >= v for k, v in THRESHOLDS.items())
 
 
-def generate(pipe, prompts, seeds, steps: int, guidance: float) -> np.ndarray:
-    """uint8 (N, 64, 64, 3) images, all in one batch."""
+def generate(pipe, prompts, seeds, steps: int, guidance: float, chunk: int = 128) -> np.ndarray:
+    """uint8 (N, 64, 64, 3) images, in batches of ``chunk``."""
     from pipelines.requests import ImageRequest
 
     items = [ImageRequest(prompt=p, seed=s, guidance_scale=guidance) for p, s in zip(prompts, seeds)]
-    out = pipe.generate(items, height=shapes.SIZE, width=shapes.SIZE, num_inference_steps=steps,
-                        output_type="np")
-    return np.round(out.images * 255).astype(np.uint8)
+    out = []
+    for i in range(0, len(items), chunk):
+        res = pipe.generate(items[i:i + chunk], height=shapes.SIZE, width=shapes.SIZE,
+                            num_inference_steps=steps, output_type="np")
+        out.append(np.round(res.images * 255).astype(np.uint8))
+    return np.concatenate(out)
 
 
 def load_pipeline(model: str | None = None, sampler: str | None = None):
@@ -157,12 +210,14 @@ def load_pipeline(model: str | None = None, sampler: str | None = None):
     return TextToImagePipeline.from_pretrained(path, scheduler=sched, compile_cache_dir=None)
 
 
-def evaluate(pipe, steps: int, guidance: float) -> dict:
-    pairs = eval_set()
+def evaluate(pipe, steps: int, guidance: float, split: str = "test", n: int | None = None) -> dict:
+    pairs = eval_set(split, n)
     t0 = time.perf_counter()
-    images = generate(pipe, [p for p, _, _ in pairs], [s for _, s, _ in pairs], steps, guidance)
-    res = score(images, [sc for _, _, sc in pairs])
-    res.update(steps=steps, guidance=guidance, seconds=round(time.perf_counter() - t0, 1))
+    prompts = [p for p, _, _ in pairs]
+    images = generate(pipe, prompts, [s for _, s, _ in pairs], steps, guidance)
+    res = score(images, [sc for _, _, sc in pairs], prompts)
+    res.update(split=split, steps=steps, guidance=guidance,
+               seconds=round(time.perf_counter() - t0, 1))
     return res
 
 
@@ -177,15 +232,20 @@ def main(argv=None) -> None:
     ap.add_argument("--guidance", type=float, nargs="*", default=[5.0 if demo.guidance is None else demo.guidance])
     ap.add_argument("--sampler", nargs="*", default=[None],
                     help=f"scheduler(s) to try instead of the model's: {', '.join(SAMPLERS)}")
+    ap.add_argument("--split", choices=("val", "test"), default="test",
+                    help="val: for choosing settings; test: for reporting (default)")
+    ap.add_argument("--n", type=int, default=None,
+                    help=f"pairs (default {N_VAL} on val, {N_TEST} on test)")
     ap.add_argument("--ground-truth", action="store_true",
                     help="score the dataset's rendered images (validates the analyser)")
     ap.add_argument("--verbose", action="store_true", help="list the failures")
     a = ap.parse_args(argv)
     if a.ground_truth:
-        pairs = eval_set()
-        res = score([shapes.render(sc) for _, _, sc in pairs], [sc for _, _, sc in pairs])
-        _, _, scenes = shapes.batch(7, 1000)
-        big = score([shapes.render(sc) for sc in scenes], scenes)
+        pairs = eval_set(a.split, a.n)
+        res = score([shapes.render(sc) for _, _, sc in pairs], [sc for _, _, sc in pairs],
+                    [p for p, _, _ in pairs])
+        _, caps, scenes = shapes.batch(7, 1000, None)
+        big = score([shapes.render(sc) for sc in scenes], scenes, caps)
         big.pop("failures")
         print(json.dumps({"eval_set": {k: v for k, v in res.items() if k != "failures"},
                           "random_1000": big}))
@@ -195,7 +255,7 @@ def main(argv=None) -> None:
         pipe = load_pipeline(a.model, sampler)
         for steps in a.steps:
             for g in a.guidance:
-                res = evaluate(pipe, steps, g)
+                res = evaluate(pipe, steps, g, a.split, a.n)
                 res["sampler"] = sampler or "model default"
                 res["pass"] = passes(res)
                 ok &= res["pass"]

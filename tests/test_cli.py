@@ -364,4 +364,5 @@ def test_a_regular_install_works_from_another_folder(tmp_path):
     pngs = list(out.glob("*.png"))
     assert len(pngs) == 1 and Image.open(pngs[0]).size == (64, 64)  # the model's own size
     rec = json.loads((out / "metadata.jsonl").read_text().splitlines()[0])
-    assert (rec["steps"], rec["guidance"]) == (20, 7.5)  # its maxdiff.json defaults
+    measured = json.loads((REPO / "maxdiff" / "assets" / "demo-model" / "maxdiff.json").read_text())
+    assert (rec["steps"], rec["guidance"]) == (measured["steps"], measured["guidance"])

@@ -49,12 +49,43 @@ def test_dataset_covers_shapes_colours_and_layouts():
     assert len(set(caps)) > 1000
 
 
+def test_combinations_are_split_and_training_sees_only_its_own():
+    splits = shapes.SPLITS
+    assert (len(splits["train"]), len(splits["val"]), len(splits["test"])) == (156, 24, 36)
+    assert not (splits["train"] & splits["val"] or splits["train"] & splits["test"]
+                or splits["val"] & splits["test"])
+    assert len(splits["train"] | splits["val"] | splits["test"]) == 3 * 9 * 8
+    train = splits["train"]
+    for shape, color, bg in splits["val"] | splits["test"]:  # every pair is still seen
+        assert any(t[:2] == (shape, color) for t in train)
+        assert any(t[1:] == (color, bg) for t in train)
+        assert any((t[0], t[2]) == (shape, bg) for t in train)
+    _, caps, scenes = shapes.batch(0, 3000)  # what training draws (the default split)
+    assert {(s.shape, s.color, s.bg) for s in scenes} == train
+    for split in ("val", "test"):
+        pairs = evaluate.eval_set(split)
+        assert {(sc.shape, sc.color, sc.bg) for _, _, sc in pairs} == splits[split]
+        assert not {p for p, _, _ in pairs} & set(caps)
+    assert len(evaluate.eval_set("test")) >= 200
+    with pytest.raises(ValueError, match="split"):
+        shapes.random_scene(np.random.default_rng(0), "holdout")
+
+
 def test_analyser_is_exact_on_ground_truth():
-    pairs = evaluate.eval_set()
-    res = evaluate.score([shapes.render(sc) for _, _, sc in pairs], [sc for _, _, sc in pairs])
-    assert res["all"] == 1.0, res["failures"]
-    _, _, scenes = shapes.batch(11, 300)
-    assert evaluate.score([shapes.render(sc) for sc in scenes], scenes)["all"] == 1.0
+    for split in ("val", "test"):
+        pairs = evaluate.eval_set(split)
+        res = evaluate.score([shapes.render(sc) for _, _, sc in pairs], [sc for _, _, sc in pairs],
+                             [p for p, _, _ in pairs])
+        assert res["all"] == res["size"] == res["position"] == 1.0, res["failures"]
+        assert res["n_size"] > 40 and res["n_position"] > 40
+    _, caps, scenes = shapes.batch(11, 300, None)
+    assert evaluate.score([shapes.render(sc) for sc in scenes], scenes, caps)["all"] == 1.0
+
+
+def test_wilson_interval():
+    lo, hi = evaluate.wilson(90, 100)
+    assert 0.82 < lo < 0.83 and 0.94 < hi < 0.95
+    assert evaluate.wilson(0, 10)[0] == 0.0 and evaluate.wilson(10, 10)[1] == 1.0
 
 
 def test_shipped_folder():
@@ -78,8 +109,8 @@ def test_tokenizer_is_clips(pipe):
 
 
 def test_prompt_fidelity(pipe):
-    """48 held-out (prompt, seed) pairs at the configured steps/guidance, one batch."""
-    res = evaluate.evaluate(pipe, DEMO["steps"], DEMO["guidance"])
+    """The held-out test combinations (252 pairs) at the model's measured steps/guidance."""
+    res = evaluate.evaluate(pipe, DEMO["steps"], DEMO["guidance"], "test")
     assert evaluate.passes(res), {k: res[k] for k in ("shape_color", "background", "shape", "failures")}
 
 

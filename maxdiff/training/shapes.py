@@ -7,6 +7,12 @@ left, white background"). ``sample(rng)`` is deterministic given the generator's
 ``batch(seed, n)`` is deterministic given ``seed``.
 
 Images are uint8 (H, W, 3) RGB; ``to_model(images)`` maps them to float32 [-1, 1] NHWC.
+
+Held-out combinations: the 216 (shape, colour, background) combinations are split once, per
+shape, into ``train`` (156), ``val`` (24) and ``test`` (36) (:data:`SPLITS`). Training draws only
+``train`` combinations (the default of every sampler here), so an evaluation on ``test`` shows
+the model composing a shape, a colour and a background it never saw together; every shape,
+colour and background, and every pair of them, is still seen in training.
 """
 
 from __future__ import annotations
@@ -57,6 +63,29 @@ TEMPLATES_POS = (
 )
 
 
+SPLIT_SEED = 2026_12_03
+N_VAL, N_TEST = 8, 12  # combinations per shape (of 72)
+
+
+def _split_combinations() -> dict[str, frozenset]:
+    """Each (colour, background) pair is held out for at most one shape, so the other shapes
+    still show it in training; drawn once from ``SPLIT_SEED``."""
+    rng = np.random.default_rng(SPLIT_SEED)
+    pairs = [(c, b) for c in COLOR_NAMES for b in COLOR_NAMES if c != b]
+    held = N_VAL + N_TEST
+    order = rng.permutation(len(pairs))
+    out = {"train": [], "val": [], "test": []}
+    for j, shape in enumerate(SHAPES):
+        mine = [pairs[i] for i in order[j * held:(j + 1) * held]]
+        out["test"] += [(shape, *p) for p in mine[:N_TEST]]
+        out["val"] += [(shape, *p) for p in mine[N_TEST:]]
+        out["train"] += [(shape, *p) for p in pairs if p not in mine]
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+SPLITS: dict[str, frozenset] = _split_combinations()  # name -> {(shape, colour, background)}
+
+
 @dataclass(frozen=True)
 class Scene:
     """What one image shows; ``cx, cy`` is the shape's centre in pixels, ``r`` its half extent."""
@@ -80,12 +109,18 @@ def position_center(pos: str, r: float) -> tuple[float, float]:
     return (lo if h == "left" else hi), (lo if v == "top" else hi)
 
 
-def random_scene(rng: np.random.Generator) -> Scene:
-    shape = SHAPES[rng.integers(len(SHAPES))]
-    color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
-    bg = color
-    while bg == color:
-        bg = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
+def random_scene(rng: np.random.Generator, split: str | None = "train") -> Scene:
+    """A random scene whose (shape, colour, background) is in ``split`` (None: any)."""
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {tuple(SPLITS)} or None")
+    while True:
+        shape = SHAPES[rng.integers(len(SHAPES))]
+        color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
+        bg = color
+        while bg == color:
+            bg = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
+        if split is None or (shape, color, bg) in SPLITS[split]:
+            break
     size = tuple(SIZES)[rng.integers(len(SIZES))]
     pos = POSITIONS[rng.integers(len(POSITIONS))]
     r = SIZES[size] + rng.uniform(-1.5, 1.5)
@@ -129,16 +164,16 @@ def caption(scene: Scene, rng: np.random.Generator) -> str:
     return text.replace("a orange", "an orange").replace("A orange", "An orange")
 
 
-def sample(rng: np.random.Generator) -> tuple[np.ndarray, str, Scene]:
-    """One (image uint8 (64, 64, 3), caption, scene)."""
-    scene = random_scene(rng)
+def sample(rng: np.random.Generator, split: str | None = "train") -> tuple[np.ndarray, str, Scene]:
+    """One (image uint8 (64, 64, 3), caption, scene) of a ``split`` combination."""
+    scene = random_scene(rng, split)
     return render(scene), caption(scene, rng), scene
 
 
-def batch(seed: int, n: int) -> tuple[np.ndarray, list[str], list[Scene]]:
+def batch(seed: int, n: int, split: str | None = "train") -> tuple[np.ndarray, list[str], list[Scene]]:
     """``n`` samples, deterministic in ``seed``: images (n, 64, 64, 3) uint8, captions, scenes."""
     rng = np.random.default_rng(seed)
-    out = [sample(rng) for _ in range(n)]
+    out = [sample(rng, split) for _ in range(n)]
     return np.stack([o[0] for o in out]), [o[1] for o in out], [o[2] for o in out]
 
 

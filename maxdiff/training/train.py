@@ -2,6 +2,9 @@
 
     python -m maxdiff.training.train --config configs/train-demo.yaml --out DIR
 
+Both phases draw only the training split's (shape, colour, background) combinations
+(:data:`maxdiff.training.shapes.SPLITS`); validation and test combinations stay unseen.
+
 Two phases, both jitted ``jax.value_and_grad`` + optax AdamW steps in float32:
 
 1. VAE (diffusers ``AutoencoderKL`` architecture, :mod:`maxdiff.models.vae`): L1 + L2
