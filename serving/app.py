@@ -257,6 +257,8 @@ async def _on_invalid(request: Request, exc: RequestValidationError):
 
 @api.exception_handler(ApiError)
 async def _on_api_error(request: Request, exc: ApiError):
+    if exc.status >= 500:  # the request id in the log too, to find it from a client's report
+        logger.warning("request %s answered %d: %s", _rid(request), exc.status, exc.message)
     return JSONResponse(_error_body(exc.status, exc.message, exc.kind, request_id=_rid(request)),
                         status_code=exc.status, headers=exc.headers)
 
