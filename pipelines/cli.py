@@ -232,14 +232,13 @@ def _json_file(path: Path) -> dict:
 def _step_limit(cfg) -> tuple[int, str] | None:
     """(most steps, scheduler name) of the run's scheduler, from its config alone (no weights);
     None where it cannot be read here (then loading reports the problem)."""
-    from maxdiff.schedulers import load_scheduler
-    from pipelines.requests import scheduler_step_limit
+    from maxdiff.schedulers import load_scheduler, max_inference_steps
 
     try:
         sched = load_scheduler(cfg.scheduler or Path(cfg.model) / "scheduler")
     except Exception:
         return None
-    return scheduler_step_limit(sched), type(sched).__name__
+    return max_inference_steps(sched), type(sched).__name__
 
 
 def _vae_factor(model: Path) -> int | None:

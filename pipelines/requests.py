@@ -97,20 +97,6 @@ class ShapeKey(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------- seeds
-def scheduler_step_limit(scheduler: Any) -> int:
-    """The most denoising steps a scheduler allows: its ``num_train_timesteps`` (1000 for SDXL),
-    and for LCM at most its ``original_inference_steps`` (50). ``scheduler``: a diffusers
-    ``scheduler_config.json`` dict or a scheduler object."""
-    if isinstance(scheduler, dict):
-        get, name = scheduler.get, scheduler.get("_class_name")
-    else:
-        get, name = (lambda k, d=None: getattr(scheduler, k, d)), type(scheduler).__name__
-    limit = int(get("num_train_timesteps", None) or 1000)
-    if name == "LCMScheduler":
-        limit = min(limit, int(get("original_inference_steps", None) or 50))
-    return limit
-
-
 def check_seed(seed: Any, where: str = "") -> None:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
                              or not 0 <= seed <= MAX_SEED):

@@ -31,12 +31,11 @@ from maxdiff.models.clip import load_text_encoder
 from maxdiff.models.unet import load_unet
 from maxdiff.models.vae import load_vae
 from maxdiff.schedulers import (EulerAncestralDiscreteScheduler, LCMScheduler, get_preset,
-                                load_scheduler)
+                                load_scheduler, max_inference_steps)
 from maxdiff.tokenizers import load_tokenizer, tokenize
 from maxdiff.models.vae_tiling import needs_tiling, tile_decoder, tiled_decode
 from pipelines.config import ModelDefaults, RunConfig, load_run_config
-from pipelines.requests import (MAX_SEED, ImageRequest, bucket_size, check_seed,
-                                image_seeds, scheduler_step_limit)
+from pipelines.requests import MAX_SEED, ImageRequest, bucket_size, check_seed, image_seeds
 
 DEFAULT_COMPILE_CACHE = Path(os.environ.get("MAXDIFF_COMPILE_CACHE",
                                             Path.home() / ".cache" / "maxdiff" / "jax"))
@@ -214,7 +213,7 @@ class TextToImagePipeline:
     def max_steps(self) -> int:
         """The most denoising steps the loaded scheduler allows (its ``num_train_timesteps``;
         for LCM its ``original_inference_steps``)."""
-        return scheduler_step_limit(self.scheduler)
+        return max_inference_steps(self.scheduler)
 
     def probe(self) -> float:
         """Run a tiny program on the devices with the loaded weights (health checks); raises if

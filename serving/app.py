@@ -86,9 +86,8 @@ api = FastAPI(
     version="0.1.0",
 )
 # The gate's settings live in serving.security.GATE, set by the Ingress constructor (one
-# ingress per replica process). Not a dict here: Ray Serve pickles the ingress class by value,
-# globals included, so a dict of this module would be a copy the gate never sees.
-_LIMITS = security.GATE
+# ingress per replica process). Not in a dict of this module: Ray Serve pickles the ingress
+# class by value, globals included, so such a dict would be a copy the gate never sees.
 _OPEN = ("/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc")
 
 
@@ -151,15 +150,14 @@ class _Gate:
                 denied = self._admit(headers, scope)
                 if denied is not None:
                     return await reply(*denied)
-            limit = _LIMITS["max_body_bytes"]
+            limit = security.GATE["max_body_bytes"]
             declared = headers.get(b"content-length")
-            too_big = _error_body(413, f"request body is larger than {limit} bytes",
-                                  "request_too_large", request_id=rid)
+            too_big = (413, f"request body is larger than {limit} bytes", "request_too_large")
             if declared is not None:
                 if not declared.strip().isdigit():
                     return await reply(400, "bad Content-Length header", "invalid_request_error")
                 if int(declared) > limit:
-                    return await JSONResponse(too_big, 413)(scope, receive, send_status)
+                    return await reply(*too_big)
             chunks, size = [], 0
             while True:
                 message = await receive()
@@ -168,7 +166,7 @@ class _Gate:
                 body = message.get("body", b"")
                 size += len(body)
                 if size > limit:
-                    return await JSONResponse(too_big, 413)(scope, receive, send_status)
+                    return await reply(*too_big)
                 chunks.append(body)
                 if not message.get("more_body"):
                     break
@@ -192,7 +190,7 @@ class _Gate:
     @staticmethod
     def _admit(headers: dict, scope: dict):
         """None, or (status, message, kind, headers, code) refusing the request."""
-        hashes, limiter = _LIMITS["key_hashes"], _LIMITS["limiter"]
+        hashes, limiter = security.GATE["key_hashes"], security.GATE["limiter"]
         client = None
         if hashes:
             token = security.bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
@@ -388,18 +386,15 @@ class Ingress:
         whose replica dies is made once more (Ray Serve routes it to a live replica)."""
         from ray.exceptions import RayActorError
 
-        try:
-            return await self._call_once(method, arg, deadline)
-        except RayActorError as e:
-            logger.warning("request %s: generator replica lost (%s); retrying once", rid,
-                           type(e).__name__)
-        try:
-            return await self._call_once(method, arg, deadline)
-        except RayActorError as e:
-            logger.warning("request %s: generator replica lost again (%s)", rid, type(e).__name__)
-            raise ApiError(503, "a generator replica became unavailable; retry",
-                           kind="service_unavailable",
-                           headers={"Retry-After": str(self.s.retry_after_s)}) from None
+        for attempt in ("retrying once", "again"):
+            try:
+                return await self._call_once(method, arg, deadline)
+            except RayActorError as e:
+                logger.warning("request %s: generator replica lost (%s); %s", rid,
+                               type(e).__name__, attempt)
+        raise ApiError(503, "a generator replica became unavailable; retry",
+                       kind="service_unavailable",
+                       headers={"Retry-After": str(self.s.retry_after_s)})
 
     async def _call_once(self, method: str, arg: Any, deadline: float) -> Any:
         from ray.serve.exceptions import BackPressureError

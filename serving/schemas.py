@@ -166,10 +166,7 @@ class ServeSettings(StrictConfig):
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _strings(cls, v):
-        if v is None or isinstance(v, (list, tuple)):
-            return v
-        text = str(v).strip()
-        return yaml_scalar(text) if text.startswith("[") else (text,) if text else ()
+        return _as_list(v)
 
     @field_validator("warmup_batch_sizes", mode="before")
     @classmethod

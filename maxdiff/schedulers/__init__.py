@@ -22,7 +22,7 @@ Samplers: ``euler`` (Euler), ``euler_ancestral``, ``ddim``, ``dpm_solver`` (DPM-
 with Karras sigmas "DPM++ 2M Karras"), ``lcm``. Named presets live in ``presets``.
 """
 
-from maxdiff.schedulers.common import AlphaState, Scheduler, SigmaState
+from maxdiff.schedulers.common import AlphaState, Scheduler, SigmaState, max_inference_steps
 from maxdiff.schedulers.ddim import DDIMScheduler
 from maxdiff.schedulers.dpm_solver import DPMSolverMultistepScheduler, DPMSolverState
 from maxdiff.schedulers.euler import EulerDiscreteScheduler
@@ -40,5 +40,5 @@ __all__ = [
     "AlphaState", "DDIMScheduler", "DPMSolverMultistepScheduler", "DPMSolverState",
     "EulerAncestralDiscreteScheduler", "EulerDiscreteScheduler", "LCMScheduler", "PRESETS", "Preset",
     "SCHEDULERS", "SDXL_BASE_SCHEDULER_CONFIG", "Scheduler", "SigmaState", "get_preset",
-    "load_scheduler", "read_scheduler_config", "scheduler_from_config",
+    "load_scheduler", "max_inference_steps", "read_scheduler_config", "scheduler_from_config",
 ]

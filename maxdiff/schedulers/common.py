@@ -239,6 +239,14 @@ def check_steps_offset(owner: str, steps_offset: Any) -> None:
         raise ValueError(f"{owner}: `steps_offset` must be a non-negative int, got {steps_offset!r}")
 
 
+def max_inference_steps(scheduler: Any) -> int:
+    """The most denoising steps ``scheduler.set_timesteps`` accepts: its ``num_train_timesteps``
+    (1000 for SDXL), and for LCM at most its ``original_inference_steps`` (50)."""
+    original = getattr(scheduler, "original_inference_steps", None)
+    limit = scheduler.num_train_timesteps
+    return min(limit, original) if original else limit
+
+
 def check_num_inference_steps(owner: str, num_inference_steps: Any, num_train_timesteps: int) -> int:
     """The number of denoising steps: an int in [1, num_train_timesteps]."""
     n = num_inference_steps
