@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.maxdiff-installed
 
-.PHONY: venv test test-slow demo train-demo clean
+.PHONY: venv test test-slow demo serve train-demo clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ test-slow: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m pipelines.demo
+
+# The HTTP service on the embedded model (configs/serve.yaml: port 8000 on every interface);
+# open http://127.0.0.1:8000/ for the playground. Ctrl+C stops it.
+serve: $(STAMP)
+	$(VENV)/bin/serve run configs/serve.yaml
 
 # Re-trains the embedded demo model (about an hour on 2 CPU cores) into maxdiff/assets/demo-model
 # (or DEMO_OUT=DIR), on the training split of the shape/colour/background combinations only.

@@ -31,17 +31,13 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from pipelines.requests import (MAX_SEED, ImageRequest, ShapeKey, derive_seed, encode_image,
-                                image_seeds, parse_size)
+                                image_info, image_seeds, parse_size)
 
 LINE_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "n")
 METADATA = "metadata.jsonl"
 TMP_MARK = ".maxdiff-tmp"
 LOCK = ".maxdiff.lock"  # held (flock) by the run writing to the folder
 # Settings written into each image (PNG text chunks; JSON in EXIF ImageDescription otherwise).
-IMAGE_KEYS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "scheduler",
-              "model", "unet", "dtype")
-
-
 class InputError(ValueError):
     """Bad command-line or prompt-file input. ``errors``: every problem found, one per entry,
     each naming where it is (``prompts.jsonl:3: field 'steps': ...``)."""
@@ -245,8 +241,7 @@ class ImageJob:
 
     def image_info(self) -> dict[str, str]:
         """The settings stored inside the image file (no time or path, so files reproduce)."""
-        rec = self.record()
-        return {k: str(rec[k]) for k in IMAGE_KEYS if rec.get(k) is not None}
+        return image_info(**self.record())
 
     def record(self, **extra: Any) -> dict[str, Any]:
         """This job's ``metadata.jsonl`` entry."""

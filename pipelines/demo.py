@@ -89,6 +89,8 @@ def main(argv=None) -> None:
     print(f"contact sheet: {sheet}")
     print(f"load {t1 - t0:.1f}s; first generation {t2 - t1:.1f}s (includes compilation); "
           f"again {t3 - t2:.2f}s ({(t3 - t2) / len(paths):.3f}s per image)")
+    print("try it in a browser: `make serve` starts the service on this model; then open "
+          "http://127.0.0.1:8000/ (the playground)")
 
 
 if __name__ == "__main__":

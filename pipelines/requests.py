@@ -240,6 +240,16 @@ def pad_to(items: Sequence[T], bucket: int) -> list[T]:
 
 
 # ---------------------------------------------------------------------------------- images
+IMAGE_KEYS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "scheduler",
+              "model", "unet", "dtype")
+
+
+def image_info(**settings: Any) -> dict[str, str]:
+    """The settings stored inside an image file (:data:`IMAGE_KEYS`, those given and not None;
+    no time or path, so files reproduce)."""
+    return {k: str(settings[k]) for k in IMAGE_KEYS if settings.get(k) is not None}
+
+
 def encode_image(image: Any, fmt: str = "png", info: dict[str, str] | None = None,
                  quality: int | None = None) -> bytes:
     """A PIL image or uint8 (H, W, 3) array -> PNG / JPEG / WebP bytes. ``info`` (settings) goes

@@ -13,13 +13,15 @@ Every response carries ``X-Request-Id``; every error body is ``{"error": {...}}`
 With API keys on (``api_keys`` / ``MAXDIFF_API_KEYS``) the ``/v1/`` routes need
 ``Authorization: Bearer KEY`` (401 otherwise) and ``rate_limit_per_minute`` bounds each key (429).
 
-Endpoints (OpenAPI at ``/docs``): ``POST /v1/images/generations`` (OpenAI Images API),
+Endpoints (OpenAPI at ``/docs``): ``GET /`` (the web playground, ``serving/playground.html``),
+``POST /v1/images/generations`` (OpenAI Images API),
 ``POST /v1/generate`` (native), ``GET /healthz``, ``GET /v1/models``, ``GET /v1/stats``.
 """
 
 
 import asyncio
 import base64
+import functools
 import logging
 import math
 import time
@@ -29,13 +31,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from pipelines.requests import (GenerationRequest, encode_image, image_seeds, parse_size,
-                                size_problems)
+from pipelines.requests import (GenerationRequest, encode_image, image_info, image_seeds,
+                                parse_size, size_problems)
 from serving import security
 from serving.generator import Expired, Generator, InvalidJob, StatsBoard
 from serving.schemas import (ERROR_RESPONSES, GenerateRequest, GenerateResponse,
@@ -311,6 +313,20 @@ def _wanted_image_type(accept: str | None) -> str | None:
     return None
 
 
+# the page may talk to this server only; its script and style are inline
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; connect-src 'self'; img-src 'self' "
+                "data:; script-src 'unsafe-inline'; style-src 'unsafe-inline'; base-uri 'none'; "
+                "form-action 'none'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+
+
+@functools.cache
+def _playground_html() -> str:
+    from importlib.resources import files
+
+    return files("serving").joinpath("playground.html").read_text(encoding="utf-8")
+
+
 async def _await(response):
     return await response
 
@@ -444,18 +460,38 @@ class Ingress:
         self._ready_seen = True
         return result
 
+    def _limits(self, info: dict) -> dict:
+        """What requests may ask for on this server: the serve args, tightened by the model
+        (its scheduler's step limit, its size multiple, its maxdiff.json max_size). Each value
+        comes with why (``*_why``), for error messages."""
+        s = self.s
+        steps, steps_why = s.max_steps, "the serve arg max_steps"
+        if info.get("max_steps") and info["max_steps"] < steps:
+            steps, steps_why = info["max_steps"], f"what this model's {info['scheduler']} allows"
+        multiple = math.lcm(s.size_multiple or 1, info["size_multiple"])  # config: stricter only
+        hi, size_why = s.max_size, " (the serve arg max_size)"
+        if hi is None and info.get("max_size"):
+            hi, size_why = info["max_size"], (" for this model (its maxdiff.json max_size; the "
+                                              "serve arg max_size raises it)")
+        elif hi is None:
+            hi, size_why = DEFAULT_MAX_SIZE, ""
+        return {"min_size": s.min_size or multiple, "max_size": hi, "size_multiple": multiple,
+                "max_steps": steps, "max_guidance": s.max_guidance, "max_n": s.max_n,
+                "max_prompt_chars": s.max_prompt_chars, "max_cost": s.max_cost,
+                "steps_why": steps_why, "size_why": size_why}
+
     def _check_common(self, info: dict, prompt: str, n: int, n_field: str,
                       width: int | None, height: int | None, size_fields: tuple[str, str],
                       steps: int):
         s = self.s
+        lim = self._limits(info)
         errors = []
-        limit, why = s.max_steps, "the serve arg max_steps"
-        if info.get("max_steps") and info["max_steps"] < limit:
-            limit, why = info["max_steps"], f"what this model's {info['scheduler']} allows"
+        limit = lim["max_steps"]
         if steps > limit:
             errors.append(("steps", f"{steps} steps asked for; steps must be in 1..{limit} "
-                           f"({why})", steps))
-        elif width and height and n and steps:
+                           f"({lim['steps_why']})", steps))
+        elif (width and height and n and steps and not size_problems(
+                width, height, lim["size_multiple"], s.min_size, lim["max_size"])):  # else moot
             mp = width * height / 2**20
             cost = n * steps * mp
             if cost > s.max_cost:
@@ -472,14 +508,8 @@ class Ingress:
         if n > s.max_n:
             errors.append((n_field, f"{n} images asked for; this server allows at most {s.max_n} "
                            "per request", n))
-        multiple = math.lcm(s.size_multiple or 1, info["size_multiple"])  # config: stricter only
-        hi, hint = s.max_size, " (the serve arg max_size)"
-        if hi is None and info.get("max_size"):
-            hi, hint = info["max_size"], (" for this model (its maxdiff.json max_size; the serve "
-                                          "arg max_size raises it)")
-        elif hi is None:
-            hi = DEFAULT_MAX_SIZE
-        errors += size_problems(width, height, multiple, s.min_size, hi, size_fields, hint)
+        errors += size_problems(width, height, lim["size_multiple"], s.min_size, lim["max_size"],
+                                size_fields, lim["size_why"])
         if errors:
             raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
                                            "input": v} for f, m, v in errors])
@@ -558,7 +588,7 @@ class Ingress:
                            "is chosen when the server starts (config / scheduler args)",
                            body.scheduler))
         try:
-            image_seeds(body.seed, body.num_images)
+            image_seeds(body.seed, min(body.num_images, self.s.max_n))  # more: max_n's 422
         except ValueError as e:
             errors.append(("seed", str(e), body.seed))
         if body.negative_prompt is not None and len(body.negative_prompt) > self.s.max_prompt_chars:
@@ -576,7 +606,12 @@ class Ingress:
                                 width, height, steps, guidance)
         result = await self._generate(job, deadline, request)
         t1 = time.perf_counter()
-        blobs = await asyncio.to_thread(lambda: [encode_image(im, fmt) for im in result.images])
+        meta = [image_info(prompt=body.prompt, negative_prompt=body.negative_prompt, seed=seed,
+                           steps=steps, guidance=guidance, size=f"{width}x{height}",
+                           scheduler=info["scheduler"], model=self.model_id, dtype=info["dtype"])
+                for seed in result.seeds]
+        blobs = await asyncio.to_thread(lambda: [encode_image(im, fmt, m)
+                                                 for im, m in zip(result.images, meta)])
         timings = dict(result.timings, encode_s=time.perf_counter() - t1,
                        total_s=time.perf_counter() - t0, batch_requests=result.batch["requests"],
                        batch_images=result.batch["images"])
@@ -592,6 +627,17 @@ class Ingress:
             "guidance_scale": guidance, "scheduler": info["scheduler"], "output_format": fmt,
             "timings": timings}, headers=headers)
 
+    @api.get("/", response_class=HTMLResponse, tags=["playground"],
+             summary="The web playground (a page for people)",
+             responses={404: {"description": "The playground is off (serve arg playground)."}})
+    async def playground(self):
+        """One self-contained page (nothing fetched from other hosts) that calls the public
+        endpoints above: ``GET /v1/models`` for the defaults and limits, ``POST /v1/generate``."""
+        if not self.s.playground:
+            raise ApiError(404, "the playground is off on this server (serve arg playground)",
+                           kind="not_found")
+        return HTMLResponse(_playground_html(), headers=PAGE_HEADERS)
+
     @api.get("/healthz", tags=["operations"], summary="Ready to serve?",
              responses={503: {"description": "No generator replica has finished warming up."}})
     async def healthz(self):
@@ -606,12 +652,21 @@ class Ingress:
     @api.get("/v1/models", tags=["OpenAI-compatible"], summary="The served model",
              responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})
     async def models(self):
+        """The served model; once a generator replica is ready, ``maxdiff`` adds its defaults
+        and ``limits`` (what requests may ask for: sizes, steps, guidance, images)."""
         entry = {"id": self.model_id, "object": "model", "created": self.started,
                  "owned_by": "maxdiff"}
+        if self._info is None and (await self._generator_state())[0]:
+            try:
+                await self._model_info(time.monotonic() + 10)
+            except ApiError:  # busy or restarting: the entry without details, this time
+                pass
         if self._info is not None:
             entry["maxdiff"] = {k: self._info[k] for k in (
                 "scheduler", "default_steps", "default_guidance", "default_width",
                 "default_height", "size_multiple", "max_size", "dtype", "devices")}
+            entry["maxdiff"]["limits"] = {k: v for k, v in self._limits(self._info).items()
+                                          if not k.endswith("_why")}
         return {"object": "list", "data": [entry]}
 
     @api.get("/v1/stats", tags=["operations"], summary="Recent batches per generator replica",

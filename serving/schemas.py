@@ -153,6 +153,7 @@ class ServeSettings(StrictConfig):
     rate_limit_per_minute: float | None = Field(None, gt=0)  # per API key (or client address)
     cors_origins: tuple[str, ...] = ()  # origins allowed to call from a browser; () : no CORS
     log_prompts: bool = False  # prompts appear in the logs only when true
+    playground: bool = True  # the web playground at GET / (README "Playground")
     # faults
     graceful_shutdown_s: float = Field(60.0, ge=0)  # in-flight batches may finish within this
     health_check_period_s: float = Field(10.0, gt=0)

@@ -196,7 +196,7 @@ def init_text_and_unet(cfg: TrainConfig, key) -> tuple[dict, tuple]:
 
 
 def train_unet(cfg: TrainConfig, vae_cfg: dict, vae_params: dict, vocab_dir: Path, out: Path,
-               sched_cfg: dict, log=print) -> dict:
+               sched_cfg: dict, log=print, snapshots: Path | None = None) -> dict:
     toks = _tokenizers(vocab_dir)
     pool = make_pool(cfg, vae_cfg, vae_params, toks, log)
     key = jax.random.key(cfg.seed + 4)
@@ -250,6 +250,10 @@ def train_unet(cfg: TrainConfig, vae_cfg: dict, vae_params: dict, vocab_dir: Pat
             te2_config=cfg.text_encoder_2, te2_params=ema["text_encoder_2"],
             scheduler_config=sched_cfg, vocab_dir=vocab_dir,
             metadata={"maxdiff_train_step": tag})
+        if snapshots is not None:  # the learning rate is constant after warm-up, so step-N here
+            dst = snapshots / f"step-{tag}"  # is exactly what a run with steps=N ships
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(out, dst)
 
     rng = np.random.default_rng(cfg.seed + 5)
     n = pool["latents"].shape[0]
@@ -289,6 +293,9 @@ def main(argv=None) -> None:
                     help="reuse the VAE of an earlier run's folder instead of training one")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=YAML",
                     help="override top-level config keys, e.g. max_minutes=5")
+    ap.add_argument("--snapshots", default=None, metavar="DIR",
+                    help="also keep every saved UNet checkpoint as DIR/step-N (for a training "
+                         "curve: evaluate them with pipelines.demo_eval --model DIR/step-N)")
     a = ap.parse_args(argv)
     cfg = TrainConfig.load(a.config, a.set)
     out = Path(a.out)
@@ -309,7 +316,8 @@ def main(argv=None) -> None:
     else:
         vae_cfg, vae_params = train_vae(cfg)
     t1 = time.time()
-    stats = train_unet(cfg, vae_cfg, vae_params, tmp, out, sched_cfg)
+    stats = train_unet(cfg, vae_cfg, vae_params, tmp, out, sched_cfg,
+                       snapshots=Path(a.snapshots) if a.snapshots else None)
     shutil.rmtree(tmp)
     total = time.time() - t0
     print(json.dumps({"out": str(out), "vae_s": round(t1 - t0), "unet_s": round(stats["seconds"]),
