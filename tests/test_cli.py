@@ -347,6 +347,8 @@ def test_a_regular_install_works_from_another_folder(tmp_path):
     assert inst.returncode == 0, inst.stderr[-3000:]
     assert (target / "maxdiff" / "configs" / "demo.yaml").is_file()
     assert (target / "maxdiff" / "assets" / "demo-model" / "maxdiff.json").is_file()
+    assert "<title>maxdiff playground</title>" in (target / "serving" / "playground.html"
+                                                   ).read_text()  # the service's page at /
     env = {**os.environ, "PYTHONPATH": str(target),
            "MAXDIFF_COMPILE_CACHE": str(tmp_path / "jax")}
     env.pop("MAXDIFF_DEFAULT_MODEL", None)
