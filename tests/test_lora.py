@@ -220,6 +220,60 @@ def test_kohya_file_equals_peft_file(pipe, loras):
     assert np.abs(kohya - peft).max() <= 2e-3
 
 
+def _sgm_name(module: str, layers: int = 2) -> str:
+    """A diffusers UNet module name in the original SDXL (SGM) spelling kohya uses for SDXL."""
+    resnet = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1",
+              "conv_shortcut": "skip_connection"}
+    m = re.fullmatch(r"(down|up)_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)", module)
+    if m:
+        side, b, what, l, rest = m.group(1), int(m.group(2)), m.group(3), int(m.group(4)), m.group(5)
+        i = (1 if side == "down" else 0) + b * (layers + 1) + l
+        block = "input_blocks" if side == "down" else "output_blocks"
+        if what == "resnets":
+            return f"{block}.{i}.0.{resnet.get(rest, rest)}"
+        return f"{block}.{i}.1.{rest}"
+    m = re.fullmatch(r"mid_block\.(resnets|attentions)\.(\d+)\.(.+)", module)
+    what, l, rest = m.group(1), int(m.group(2)), m.group(3)
+    if what == "attentions":
+        return f"middle_block.1.{rest}"
+    return f"middle_block.{2 * l}.{resnet.get(rest, rest)}"
+
+
+@pytest.mark.parity
+def test_kohya_sgm_names_match_diffusers(pipe, sdxl_dir, loras, tmp_path):
+    """kohya's SDXL spelling (``lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q``,
+    ``..._in_layers_2`` for conv1, ``middle_block_1``, ``output_blocks``): the same layers as
+    the PEFT file's UNet part, and the images diffusers gives for that file."""
+    tensors, _ = _read(loras["a"])
+    sgm = {}
+    for key, value in tensors.items():
+        comp, rest = key.split(".", 1)
+        if comp != "unet":
+            continue
+        module, kind = re.fullmatch(r"(.+)\.lora_([AB])\.weight", rest).groups()
+        name = "lora_unet_" + _sgm_name(module).replace(".", "_")
+        sgm[f"{name}.lora_{'down' if kind == 'A' else 'up'}.weight"] = value
+        sgm[f"{name}.alpha"] = np.array(8.0, np.float32)
+    assert any("input_blocks_4_1_transformer_blocks_0_attn1_to_q" in k for k in sgm)
+    path = tmp_path / "sgm.safetensors"
+    save_safetensors(sgm, path)
+    got = {x.path: x for x in read_lora(path, pipe.params, unet_config=pipe.unet.config)}
+    want = {x.path: x for x in read_lora(loras["a"], pipe.params) if x.component == "unet"}
+    assert got.keys() == want.keys() and len(got) == 126
+    for k, x in got.items():
+        assert x.factor == want[k].factor
+        np.testing.assert_array_equal(x.torch_delta(), want[k].torch_delta())
+    lat = _latents(5)
+    pipe.load_lora_weights(path, scale=0.7)
+    try:
+        ours = _ours(pipe, lat)
+    finally:
+        pipe.unload_lora_weights()
+    theirs = _theirs(sdxl_dir, lat, [(path, 0.7)])
+    print(f"kohya SGM names (UNet): max |ours - diffusers| = {np.abs(ours - theirs).max():.2e}")
+    assert np.abs(ours - theirs).max() <= 2e-3
+
+
 def test_unload_restores_base_bit_exactly(pipe, loras):
     lat = _latents(4)
     before = _ours(pipe, lat)
