@@ -470,7 +470,8 @@ def save_safetensors(tensors: Mapping[str, "np.ndarray | LazyTensor"], path: str
             for k in keys:
                 t = tensors[k]
                 a = t.load() if isinstance(t, LazyTensor) else t
-                a = np.ascontiguousarray(a, dtype=t.dtype)
+                # (reshaped: ascontiguousarray makes a 0-d array, e.g. a LoRA alpha, 1-d)
+                a = np.ascontiguousarray(a, dtype=t.dtype).reshape(np.shape(a))
                 if tuple(a.shape) != tuple(t.shape):
                     raise ValueError(f"tensor {k!r} loaded with shape {a.shape}, declared {t.shape}")
                 f.write(a.reshape(-1).view(np.uint8))

@@ -104,6 +104,8 @@ class TextToImagePipeline:
         self._tile_decoder = None
         self.run_config = None
         self._programs: dict[tuple, Any] = {}
+        self._base_params: dict | None = None  # the weights before any LoRA was fused
+        self._loras: list[tuple[str, str, float, list]] = []  # (name, file, scale, layers)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -207,6 +209,63 @@ class TextToImagePipeline:
         pipe.default_width = cfg.width or pipe.default_width
         pipe.run_config = cfg
         return pipe
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora_weights(self, path: str | os.PathLike, adapter_name: str | None = None,
+                          scale: float = 1.0) -> str:
+        """Fuse a LoRA adapter (a ``.safetensors`` file, or a folder holding
+        ``pytorch_lora_weights.safetensors``) into the UNet and text encoder weights: each
+        adapted weight becomes ``w + scale * alpha / r * up @ down``, computed in float32 and
+        cast back to the pipeline's dtype, as diffusers' ``load_lora_weights`` +
+        ``fuse_lora(lora_scale=scale)`` gives it. diffusers/PEFT and kohya files are read
+        (:mod:`maxdiff.lora`). Several calls stack. The compiled programs are kept (the weights
+        are an input of the program, and their shapes and dtypes do not change). The original
+        arrays are kept while an adapter is loaded, so the adapted weights take twice their
+        memory. Returns the adapter's name (``adapter_name``, or ``default_N``)."""
+        from maxdiff import lora
+
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
+                or not np.isfinite(scale):
+            raise ValueError(f"scale={scale!r}; it must be a finite number")
+        names = [n for n, *_ in self._loras]
+        if adapter_name is None:
+            k = len(names)
+            while f"default_{k}" in names:
+                k += 1
+            adapter_name = f"default_{k}"
+        elif adapter_name in names:
+            raise ValueError(f"adapter_name={adapter_name!r} is already loaded; unload it first "
+                             "or choose another name")
+        base = self._base_params if self._base_params is not None else self.params
+        layers = lora.read_lora(path, base, unet_config=self.unet.config)
+        loras = self._loras + [(adapter_name, str(lora.lora_file(path)), float(scale), layers)]
+        self.params = lora.fuse_loras(base, [(ls, s) for _, _, s, ls in loras])
+        self._base_params, self._loras = base, loras
+        return adapter_name
+
+    def unload_lora_weights(self, adapter_name: str | None = None) -> None:
+        """Remove every LoRA adapter (``adapter_name=None``: the original weights come back,
+        the very arrays loaded), or only the named one (the others are fused again onto the
+        original weights)."""
+        from maxdiff import lora
+
+        if adapter_name is not None and adapter_name not in [n for n, *_ in self._loras]:
+            raise ValueError(f"no LoRA adapter named {adapter_name!r} is loaded (loaded: "
+                             f"{[n for n, *_ in self._loras] or 'none'})")
+        if self._base_params is None:
+            return
+        keep = [x for x in self._loras if adapter_name is not None and x[0] != adapter_name]
+        if keep:
+            self.params = lora.fuse_loras(self._base_params, [(ls, s) for _, _, s, ls in keep])
+            self._loras = keep
+        else:
+            self.params, self._base_params, self._loras = self._base_params, None, []
+
+    @property
+    def lora_adapters(self) -> list[dict]:
+        """The fused LoRA adapters, in loading order: name, file, scale and layer count."""
+        return [{"name": n, "path": p, "scale": s, "layers": len(ls)}
+                for n, p, s, ls in self._loras]
 
     # ------------------------------------------------------------------ the program
     @property

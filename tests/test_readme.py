@@ -98,12 +98,16 @@ def paths(tmp_path_factory):
     sdxl_dir = work / "tiny-sdxl-f8"
     tiny.make_sdxl_pipeline(sdxl_dir, vae_config=tiny.VAE_F8)
     unet = sdxl_dir / "unet" / "diffusion_pytorch_model.safetensors"
+    lora_1 = tiny.make_sdxl_lora(sdxl_dir, work / "pixel-art-xl.safetensors", seed=1)
+    tiny.make_sdxl_lora(sdxl_dir, work / "lora-folder" / "pytorch_lora_weights.safetensors", seed=2)
     subs = [  # longest first
         ("/models/stable-diffusion-xl-base-1.0", str(sdxl_dir)),
         ("stable-diffusion-xl-base-1.0", str(sdxl_dir)),
         ("/models/sdxl_lightning_4step_unet.safetensors", str(unet)),
         ("sdxl_lightning_4step_unet.safetensors", str(unet)),
         ("/models/sdxl-base-bf16", str(work / "sdxl-base-bf16")),
+        ("/models/pixel-art-xl.safetensors", str(lora_1)),
+        ("/models/lora-folder", str(work / "lora-folder")),
         ("/models/sdxl-base", str(sdxl_dir)),
         ("/tmp/tiny-sdxl", str(work / "tiny-sdxl")),
         ("/tmp/tiny-out", str(work / "tiny-out")),

@@ -217,3 +217,27 @@ SDXL_SCHEDULER = dict(
     interpolation_type="linear",
     use_karras_sigmas=False,
 )
+
+
+def make_sdxl_lora(model: str | Path, out: str | Path, rank: int = 4, seed: int = 0) -> Path:
+    """A random LoRA for the attention projections of a tiny SDXL folder's UNet, in the
+    diffusers/PEFT key format (``unet.<module>.lora_A.weight`` / ``lora_B.weight``)."""
+    import numpy as np
+
+    from maxdiff.checkpoint import open_weights, save_safetensors
+
+    rng = np.random.default_rng(seed)
+    source = open_weights(Path(model) / "unet")
+    tensors = {}
+    for key in source.keys():
+        if key.endswith((".to_q.weight", ".to_v.weight")):
+            n_out, n_in = source.files[source.file_of(key)].shape(key)
+            module = key[: -len(".weight")]
+            tensors[f"unet.{module}.lora_A.weight"] = (
+                rng.standard_normal((rank, n_in)) / n_in**0.5).astype(np.float32)
+            tensors[f"unet.{module}.lora_B.weight"] = (
+                rng.standard_normal((n_out, rank)) * 0.3 / rank**0.5).astype(np.float32)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_safetensors(tensors, out)
+    return out
