@@ -207,6 +207,7 @@ class RunSettings:
     negative_prompt: str | None = None
     num_images: int = 1
     format: str = "png"
+    lora: str | None = None  # the fused LoRA adapters, "PATH:SCALE, ..." (None: none)
 
 
 @dataclass(frozen=True)
@@ -250,15 +251,16 @@ class ImageJob:
                     prompt=self.prompt, negative_prompt=self.negative_prompt, seed=self.seed,
                     run_seed=s.run_seed, steps=self.steps, guidance=self.guidance,
                     size=f"{self.width}x{self.height}", width=self.width, height=self.height,
-                    scheduler=s.scheduler, model=s.model, unet=s.unet, dtype=s.dtype,
-                    format=s.format, file=self.file, id=self.id, **extra)
+                    scheduler=s.scheduler, model=s.model, unet=s.unet, lora=s.lora,
+                    dtype=s.dtype, format=s.format, file=self.file, id=self.id, **extra)
 
 
 def identity(line: int, image: int, prompt: str, negative_prompt: str | None, seed: int,
              steps: int, guidance: float, width: int, height: int, s: RunSettings) -> dict:
     return dict(line=line, image=image, prompt=prompt, negative_prompt=negative_prompt, seed=seed,
                 steps=steps, guidance=float(guidance), width=width, height=height,
-                scheduler=s.scheduler, model=s.model, unet=s.unet, dtype=s.dtype, format=s.format)
+                scheduler=s.scheduler, model=s.model, unet=s.unet, dtype=s.dtype, format=s.format,
+                **({"lora": s.lora} if s.lora else {}))  # (ids of runs without LoRA unchanged)
 
 
 def job_id(ident: dict) -> str:

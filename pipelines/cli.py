@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preset (lightning-1step/2step/4step/8step) or a scheduler config "
                         "file/folder")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
+    g.add_argument("--lora", action="append", metavar="PATH[:SCALE]",
+                   help="LoRA adapter fused into the weights (diffusers/PEFT or kohya "
+                        ".safetensors; scale default 1); repeatable, applied in order")
     g.add_argument("--devices", type=_int_at_least(1), metavar="N",
                    help="use the first N local devices (default: all)")
 
@@ -196,7 +199,7 @@ def _run_config(args, **extra: Any):
 
     cfg = load_run_config(args.config, args.set)
     flags = dict(model=args.model, unet=args.unet, scheduler=args.scheduler, dtype=args.dtype,
-                 devices=args.devices, **extra)
+                 devices=args.devices, loras=getattr(args, "lora", None) or None, **extra)
     flags = {k: v for k, v in flags.items() if v is not None}
     if flags:
         cfg = cfg.replace(**flags)
@@ -204,7 +207,14 @@ def _run_config(args, **extra: Any):
     unet = str(Path(cfg.unet).resolve()) if cfg.unet else None
     if unet and not Path(unet).is_file():
         raise InputError([f"unet {cfg.unet}: no such file (--unet / config key 'unet')"])
-    return cfg.replace(model=str(model), unet=unet)
+    loras = []
+    for spec in cfg.loras:
+        path = Path(spec.path).expanduser()
+        if not path.exists():
+            raise InputError([f"lora {spec.path}: no such file or folder (--lora PATH[:SCALE] / "
+                              "config key 'loras')"])
+        loras.append(spec.replace(path=str(path.resolve())))
+    return cfg.replace(model=str(model), unet=unet, loras=tuple(loras))
 
 
 def _model_dir(model: str | None) -> Path:
@@ -296,7 +306,8 @@ def cmd_generate(args) -> int:
             dtype=str(resolve_dtype(cfg.dtype)), steps=pipe.default_steps,
             guidance=float(pipe.default_guidance), width=pipe.default_width,
             height=pipe.default_height, run_seed=run_seed, negative_prompt=args.negative,
-            num_images=args.num_images, format=args.format)
+            num_images=args.num_images, format=args.format,
+            lora=", ".join(f"{x.path}:{x.scale:g}" for x in cfg.loras) or None)
         jobs = plan_jobs(lines, settings)
     done = out.done(records)
     todo = [j for j in jobs if j.id not in done]

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Literal, Sequence
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from maxdiff.config import StrictConfig, config_names, load_config, validate
 
@@ -27,6 +27,32 @@ MODEL_DEFAULTS_FILE = "maxdiff.json"
 NOT_RUN_CONFIGS = ("serve", "train-")  # configs/ also holds the service's and training's
 Attention = Literal["auto", "chunked", "xla", "dot_product"]
 DType = Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
+
+
+class LoraSpec(StrictConfig):
+    """A LoRA adapter fused at load: ``path`` (a ``.safetensors`` file, or a folder holding
+    ``pytorch_lora_weights.safetensors``), ``scale``, optional ``name``. Written
+    ``"PATH[:SCALE]"`` on command lines and in serve args."""
+
+    path: str
+    scale: float = 1.0
+    name: str | None = None
+
+    @classmethod
+    def parse(cls, value) -> "LoraSpec | dict":
+        """``"PATH"``, ``"PATH:SCALE"`` (the last ``:`` followed by a number) or a mapping."""
+        if not isinstance(value, str):
+            return value
+        path, sep, tail = value.rpartition(":")
+        if sep and path:
+            try:
+                return cls(path=path, scale=float(tail))
+            except ValueError:
+                pass
+        return cls(path=value)
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.scale:g}" + (f" ({self.name})" if self.name else "")
 
 
 class RunConfig(StrictConfig):
@@ -45,6 +71,16 @@ class RunConfig(StrictConfig):
     devices: int | None = Field(None, ge=1)  # mesh size: first N local devices; None for all
     compile_cache_dir: str | None = None  # None: ~/.cache/maxdiff/jax ("" turns it off)
     vae_tiling: bool = False  # decode images larger than the VAE's sample_size tile by tile
+    loras: tuple[LoraSpec, ...] = ()  # LoRA adapters fused at load, in order ("PATH[:SCALE]")
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _loras(cls, v):
+        if v is None:
+            return ()
+        if isinstance(v, (str, dict)):
+            v = [v]
+        return tuple(LoraSpec.parse(x) for x in v)
 
     def pipeline_kwargs(self) -> dict:
         """Keyword arguments for ``TextToImagePipeline.from_pretrained``."""

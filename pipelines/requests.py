@@ -241,7 +241,7 @@ def pad_to(items: Sequence[T], bucket: int) -> list[T]:
 
 # ---------------------------------------------------------------------------------- images
 IMAGE_KEYS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "scheduler",
-              "model", "unet", "dtype")
+              "model", "unet", "lora", "dtype")
 
 
 def image_info(**settings: Any) -> dict[str, str]:

@@ -198,7 +198,7 @@ class TextToImagePipeline:
                     ) -> "TextToImagePipeline":
         """Load from a run config (a :class:`pipelines.config.RunConfig`, a YAML path or a name
         in ``configs/``) with optional ``key=value`` overrides. The config's steps, guidance and
-        size become this pipeline's defaults."""
+        size become this pipeline's defaults; its ``loras`` are fused in order."""
         cfg = config if isinstance(config, RunConfig) else load_run_config(config, overrides)
         pipe = cls.from_pretrained(**cfg.pipeline_kwargs())
         if cfg.steps is not None:
@@ -207,6 +207,8 @@ class TextToImagePipeline:
             pipe.default_guidance = cfg.guidance
         pipe.default_height = cfg.height or pipe.default_height
         pipe.default_width = cfg.width or pipe.default_width
+        for spec in cfg.loras:
+            pipe.load_lora_weights(spec.path, adapter_name=spec.name, scale=spec.scale)
         pipe.run_config = cfg
         return pipe
 

@@ -201,6 +201,12 @@ class ServeSettings(StrictConfig):
     def from_args(cls, args: dict | None) -> "ServeSettings":
         """Parse ``build_app`` args; values may be strings (``serve run ... key=value``)."""
         args = parse_overrides(args)
+        if "lora" in args:  # lora=PATH[:SCALE][,PATH[:SCALE]...]: the run config's loras
+            if "loras" in args:
+                raise ValueError("give the serve arg lora or loras, not both")
+            args["loras"] = args.pop("lora")
+        if isinstance(args.get("loras"), str):
+            args["loras"] = _as_list(args["loras"])
         run = {k: args.pop(k) for k in list(args) if k in RUN_CONFIG_KEYS}
         for values in (args, run):  # "8" -> 8, "null" -> None, "[a, b]" -> a list; paths stay
             for k, v in values.items():

@@ -392,3 +392,56 @@ def test_pickles_and_bad_arguments_are_refused(pipe, loras, tmp_path):
     with pytest.raises(ValueError, match="no LoRA adapter named 'x'"):
         pipe.unload_lora_weights("x")
     assert pipe.lora_adapters == []
+
+
+# ------------------------------------------------------------------------------- CLI, configs
+def test_cli_run_config_and_serve_arg(pipe, sdxl_dir, loras, tmp_path):
+    """``maxdiff generate --lora PATH:SCALE`` (repeatable) gives the Python API's fused images;
+    the images and metadata record the adapters; ``loras:`` in a run config and the serve arg
+    ``lora=`` parse to the same specs; a missing file is exit 2 naming it."""
+    import json
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    from pipelines.config import LoraSpec, load_run_config
+    from serving.schemas import ServeSettings
+
+    a, b = str(loras["a"]), str(loras["b"])
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "pipelines.cli", "generate", "a red circle", "--model",
+           str(sdxl_dir), "--steps", "2", "--guidance", "0", "--size", f"{SIZE}x{SIZE}",
+           "--seed", "5", "--quiet", "--lora", f"{a}:0.7", "--lora", b, "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rec = json.loads((out / "metadata.jsonl").read_text().splitlines()[0])
+    assert rec["lora"] == f"{a}:0.7, {b}:1"
+    png = Image.open(out / rec["file"])
+    assert png.text["lora"] == rec["lora"]
+    pipe.load_lora_weights(a, scale=0.7)
+    pipe.load_lora_weights(b)
+    try:
+        ours = np.asarray(pipe("a red circle", num_inference_steps=2, guidance_scale=0.0,
+                               height=SIZE, width=SIZE, seed=rec["seed"]).images[0])
+    finally:
+        pipe.unload_lora_weights()
+    base = np.asarray(pipe("a red circle", num_inference_steps=2, guidance_scale=0.0,
+                           height=SIZE, width=SIZE, seed=rec["seed"]).images[0])
+    cli = np.asarray(png.convert("RGB"))
+    assert np.abs(cli.astype(int) - ours).max() <= 1 and np.abs(cli.astype(int) - base).max() > 8
+
+    missing = subprocess.run(cmd[:-4] + ["--lora", str(tmp_path / "nope.safetensors"), "--out",
+                                         str(tmp_path / "o2")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "nope.safetensors: no such file" in missing.stderr
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"loras:\n  - {a}:0.7\n  - {{path: {b}, scale: 1.5, name: style}}\n")
+    want = (LoraSpec(path=a, scale=0.7), LoraSpec(path=b, scale=1.5, name="style"))
+    assert load_run_config(str(cfg)).loras == want
+    served = ServeSettings.from_args({"lora": f"{a}:0.7,{b}", "model": str(sdxl_dir)})
+    assert served.run_overrides["loras"] == [f"{a}:0.7", b]
+    assert load_run_config(None, served.run_overrides).loras == (LoraSpec(path=a, scale=0.7),
+                                                                LoraSpec(path=b))
+    with pytest.raises(ValueError, match="scale"):
+        load_run_config(None, {"loras": [{"path": a, "scale": "x"}]})
