@@ -21,6 +21,14 @@ the VAE posterior sample; ``masked_image_latents_noise`` for the masked image of
 inpainting UNet) may be given in diffusers' layout (N, C, H/f, W/f) to reproduce diffusers'
 generator draws; otherwise they come from each image's seed (deterministic per seed and
 independent of the batch).
+
+Known differences from diffusers (none affects SDXL base with one image per prompt):
+inpainting encodes images with the VAE's full latent normalisation (``latents_mean`` /
+``latents_std`` when the config has them, as diffusers' img2img and every decode do; diffusers'
+inpainting multiplies by ``scaling_factor`` only); with ``num_images_per_prompt > 1`` and one
+image per prompt, prompt i's images all start from image i (diffusers tiles the image batch)
+and each gets its own posterior draw (diffusers draws once per input image); the negative time
+ids use the negative crop coordinates (diffusers' img2img uses the positive ones).
 """
 
 from __future__ import annotations
