@@ -1,15 +1,18 @@
-"""maxdiff pipelines: the Python API (``TextToImagePipeline``), requests, run configs and the CLI.
+"""maxdiff pipelines: the Python API (``TextToImagePipeline``, ``ImageToImagePipeline``,
+``InpaintPipeline``), requests, run configs and the CLI.
 
-Importing the package is light: ``TextToImagePipeline`` (and with it JAX) loads on first use, so
+Importing the package is light: the pipelines (and with them JAX) load on first use, so
 the HTTP ingress can import ``pipelines.requests`` and ``pipelines.config`` without JAX.
 """
 
 from typing import TYPE_CHECKING
 
-__all__ = ["TextToImagePipeline", "ImageRequest", "PipelineOutput", "GenerationRequest"]
+__all__ = ["TextToImagePipeline", "ImageToImagePipeline", "InpaintPipeline", "ImageRequest",
+           "PipelineOutput", "GenerationRequest"]
 
 if TYPE_CHECKING:
     from pipelines.requests import GenerationRequest, ImageRequest
+    from pipelines.edit import ImageToImagePipeline, InpaintPipeline
     from pipelines.text_to_image import PipelineOutput, TextToImagePipeline
 
 
@@ -18,6 +21,10 @@ def __getattr__(name):
         from pipelines import text_to_image
 
         return getattr(text_to_image, name)
+    if name in ("ImageToImagePipeline", "InpaintPipeline"):
+        from pipelines import edit
+
+        return getattr(edit, name)
     if name in ("ImageRequest", "GenerationRequest"):
         from pipelines import requests
 

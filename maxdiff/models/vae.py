@@ -294,7 +294,7 @@ class AutoencoderKL(nn.Module):
 
     Methods (call with ``module.apply({"params": p}, ..., method="name")``):
     ``encode(x) -> DiagonalGaussian``, ``decode(z) -> image``,
-    ``latents_to_image(latents)``, ``image_to_latents(x, key=None)``, and
+    ``latents_to_image(latents)``, ``image_to_latents(x, key=None, noise=None)``, and
     ``__call__(x, key=None)`` = encode, sample (or mode without a key), decode.
     """
 
@@ -364,16 +364,26 @@ class AutoencoderKL(nn.Module):
             return z * std / cfg.scaling_factor + mean
         return z / cfg.scaling_factor + (cfg.shift_factor or 0.0)
 
-    def image_to_latents(self, images: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    def image_to_latents(self, images: jax.Array, key: jax.Array | None = None,
+                         noise: jax.Array | None = None) -> jax.Array:
         """Images (B, H, W, 3) in [-1, 1] -> diffusion-space latents (B, H/f, W/f, C), float32.
 
         The inverse of :meth:`latents_to_image` (diffusers' img2img pipelines): a posterior
-        sample drawn with ``key`` (its mean when ``key`` is None), then
+        sample ``mean + std * noise`` (``noise``: standard normal, shaped like the latents;
+        else drawn with ``key``; the posterior mean when both are None), then
         ``(z - mean) * scaling_factor / std`` or ``(z - shift_factor) * scaling_factor``.
         """
-        cfg = self.config
         posterior = self.encode(images)
-        z = posterior.mode() if key is None else posterior.sample(key)
+        if noise is not None:
+            z = posterior.mean + posterior.std * noise.astype(posterior.mean.dtype)
+        else:
+            z = posterior.mode() if key is None else posterior.sample(key)
+        return self.scale_latents(z)
+
+    def scale_latents(self, z: jax.Array) -> jax.Array:
+        """VAE latents -> diffusion-space latents (float32): the inverse of
+        :meth:`unscale_latents`."""
+        cfg = self.config
         z = z.astype(jnp.float32)
         mean, std = self._moments()
         if mean is not None:

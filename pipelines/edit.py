@@ -1,0 +1,542 @@
+"""SDXL image-to-image and inpainting: one compiled program per shape, parity with diffusers.
+
+``ImageToImagePipeline`` is diffusers' ``StableDiffusionXLImg2ImgPipeline`` and
+``InpaintPipeline`` its ``StableDiffusionXLInpaintPipeline``; both load like
+:class:`pipelines.TextToImagePipeline` (``from_pretrained``) or share an already loaded
+pipeline's weights (``from_pipe``). Calling one tokenizes and preprocesses the images on the
+host, then runs ONE jitted program:
+
+    text encoders -> VAE encode (posterior sample) -> add noise at the strength's start step ->
+    while-loop over the remaining scheduler steps (UNet, CFG; inpainting: the 4-channel latent
+    blend or the 9-channel [latents, mask, masked-image latents] input) -> VAE decode -> pixels
+
+The strength's start step (diffusers' ``t_start = steps - min(int(steps * strength), steps)``)
+and the "pure noise" switch of inpainting at ``strength == 1`` are traced inputs: a new
+strength, prompt, seed, guidance, image or mask never recompiles. Programs are cached per
+(kind, padded batch, latent height, latent width, steps, CFG on/off, which noises are given,
+output kind, tiled decode); :attr:`num_compiled` counts them.
+
+Noise: ``noise`` (the add-noise noise) and ``image_latents_noise`` (the standard normal draw of
+the VAE posterior sample; ``masked_image_latents_noise`` for the masked image of a 9-channel
+inpainting UNet) may be given in diffusers' layout (N, C, H/f, W/f) to reproduce diffusers'
+generator draws; otherwise they come from each image's seed (deterministic per seed and
+independent of the batch).
+
+Known differences from diffusers (none affects SDXL base with one image per prompt):
+inpainting encodes images with the VAE's full latent normalisation (``latents_mean`` /
+``latents_std`` when the config has them, as diffusers' img2img and every decode do; diffusers'
+inpainting multiplies by ``scaling_factor`` only); with ``num_images_per_prompt > 1`` and one
+image per prompt, prompt i's images all start from image i (diffusers tiles the image batch)
+and each gets its own posterior draw (diffusers draws once per input image); the negative time
+ids use the negative crop coordinates (diffusers' img2img uses the positive ones).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxdiff import mesh as meshlib
+from maxdiff.models.vae_tiling import needs_tiling
+from maxdiff.schedulers import EulerAncestralDiscreteScheduler, LCMScheduler
+from maxdiff.tokenizers import tokenize
+from pipelines.requests import MAX_SEED, ImageRequest, bucket_size
+from pipelines.text_to_image import PipelineOutput, TextToImagePipeline, _as_list, _to_pixels
+
+__all__ = ["ImageToImagePipeline", "InpaintPipeline", "start_step"]
+
+
+def start_step(num_inference_steps: int, strength: float) -> int:
+    """diffusers' ``get_timesteps``: the index of the first of the ``num_inference_steps``
+    scheduler steps that is run, ``steps - min(int(steps * strength), steps)``."""
+    init = min(int(num_inference_steps * strength), num_inference_steps)
+    return max(num_inference_steps - init, 0)
+
+
+def _check_strength(strength, steps: int) -> int:
+    if (isinstance(strength, bool) or not isinstance(strength, (int, float, np.floating))
+            or not np.isfinite(strength) or not 0.0 < strength <= 1.0):
+        raise ValueError(f"strength={strength!r}; it must be a number in (0, 1] "
+                         "(1 repaints everything, small values stay close to the image)")
+    t_start = start_step(steps, float(strength))
+    if t_start >= steps:
+        raise ValueError(f"strength={strength} with num_inference_steps={steps} leaves no "
+                         f"denoising step (int({steps} * {strength}) = 0); raise strength or "
+                         "num_inference_steps")
+    return t_start
+
+
+# ---------------------------------------------------------------------- host preprocessing
+def _is_image(x) -> bool:
+    from PIL import Image
+
+    return isinstance(x, (Image.Image, np.ndarray))
+
+
+def _image_list(x, name: str) -> list:
+    if _is_image(x):
+        return [x]
+    if isinstance(x, (list, tuple)) and x and all(_is_image(i) for i in x):
+        return list(x)
+    raise ValueError(f"{name} must be a PIL image, a float array (H, W, 3) in [0, 1], or a "
+                     f"non-empty list of them; got {type(x).__name__}")
+
+
+def _size(x) -> tuple[int, int]:
+    """(width, height) of a PIL image or an (H, W[, C]) array."""
+    if isinstance(x, np.ndarray):
+        return int(x.shape[1]), int(x.shape[0])
+    return x.size
+
+
+def _nearest(a: np.ndarray, height: int, width: int) -> np.ndarray:
+    """torch.nn.functional.interpolate(mode="nearest") on an (H, W, C) array."""
+    h, w = a.shape[:2]
+    if (h, w) == (height, width):
+        return a
+    rows = np.minimum(np.floor(np.arange(height) * np.float32(h / height)).astype(int), h - 1)
+    cols = np.minimum(np.floor(np.arange(width) * np.float32(w / width)).astype(int), w - 1)
+    return a[rows][:, cols]
+
+
+def _float_array(a: np.ndarray, name: str, channels: tuple[int, ...]) -> np.ndarray:
+    a = np.asarray(a)
+    if a.ndim == 2 and 1 in channels:
+        a = a[..., None]
+    if a.ndim != 3 or a.shape[-1] not in channels:
+        want = "(H, W, 3)" if channels == (3,) else "(H, W) or (H, W, 1)"
+        raise ValueError(f"{name} array has shape {a.shape}; give {want}")
+    if not np.issubdtype(a.dtype, np.floating):
+        raise ValueError(f"{name} array has dtype {a.dtype}; give floats in [0, 1] (or a PIL image)")
+    a = a.astype(np.float32)
+    if a.size and (not np.isfinite(a).all() or a.min() < 0 or a.max() > 1):
+        raise ValueError(f"{name} array has values in [{a.min()}, {a.max()}]; give floats in [0, 1]")
+    return a
+
+
+def preprocess_image(img, height: int, width: int, name: str = "image") -> np.ndarray:
+    """diffusers' ``VaeImageProcessor.preprocess`` for one image: PIL images are resized with
+    Lanczos, arrays with nearest neighbour, to (height, width); returns float32 (H, W, 3) in
+    [-1, 1]."""
+    from PIL import Image
+
+    if isinstance(img, Image.Image):
+        if img.size != (width, height):
+            img = img.resize((width, height), resample=Image.LANCZOS)
+        a = np.asarray(img.convert("RGB")).astype(np.float32) / 255.0
+    else:
+        a = _nearest(_float_array(img, name, (3,)), height, width)
+    return a * 2.0 - 1.0
+
+
+def preprocess_mask(mask, height: int, width: int) -> np.ndarray:
+    """diffusers' mask processor: grayscale, resized to (height, width) (Lanczos for PIL,
+    nearest for arrays), binarised at 0.5. Returns float32 (H, W, 1) of 0 (keep) / 1 (repaint)."""
+    from PIL import Image
+
+    if isinstance(mask, Image.Image):
+        if mask.size != (width, height):
+            mask = mask.resize((width, height), resample=Image.LANCZOS)
+        a = np.asarray(mask.convert("L")).astype(np.float32)[..., None] / 255.0
+    else:
+        a = _nearest(_float_array(mask, "mask_image", (1,)), height, width)
+    return (a >= 0.5).astype(np.float32)
+
+
+def _noise_array(x, name: str, want: tuple[int, ...], f: int) -> np.ndarray | None:
+    if x is None:
+        return None
+    a = np.asarray(x, np.float32)
+    if a.shape != want:
+        raise ValueError(f"{name} has shape {a.shape}; it must be {want} (N, C, H/{f}, W/{f})")
+    return a.transpose(0, 2, 3, 1)
+
+
+# ---------------------------------------------------------------------- the pipelines
+class _EditPipeline(TextToImagePipeline):
+    """What image-to-image and inpainting share: loading, sharing weights, the program."""
+
+    kind = "img2img"
+    default_strength = 0.3
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        # the UNet of an inpainting model takes 9 channels; the latents have the VAE's
+        self.latent_channels = self.vae.config.latent_channels
+
+    @classmethod
+    def from_pipe(cls, pipe: TextToImagePipeline):
+        """A pipeline of this kind over ``pipe``'s loaded models: the same parameter arrays
+        (no copy), tokenizers, scheduler and defaults; compiled programs are not shared."""
+        new = cls.__new__(cls)
+        new.__dict__.update(pipe.__dict__)
+        new.latent_channels = pipe.vae.config.latent_channels
+        new._programs = {}
+        return new
+
+    @property
+    def unet_channels(self) -> int:
+        return self.unet.config.in_channels
+
+    def _mode(self) -> str:
+        return self.kind
+
+    # ------------------------------------------------------------------ the program
+    def _build(self, mode: str, batch: int, lh: int, lw: int, steps: int, cfg: bool,
+               given_noise: bool, given_post: bool, given_masked_post: bool, as_uint8: bool,
+               tiled: bool = False):
+        te1, te2, unet, vae, sched = (self.text_encoder, self.text_encoder_2, self.unet, self.vae,
+                                      self.scheduler)
+        channels = self.latent_channels
+        stochastic = isinstance(sched, (EulerAncestralDiscreteScheduler, LCMScheduler))
+        shape = (lh, lw, channels)
+
+        def encode(p, ids1, ids2):
+            o1 = te1.apply({"params": p["text_encoder"]}, ids1)
+            o2 = te2.apply({"params": p["text_encoder_2"]}, ids2)
+            emb = jnp.concatenate([o1.hidden_states[-2], o2.hidden_states[-2]], axis=-1)
+            return emb, o2.text_embeds
+
+        def to_latents(p, images, eps):
+            return vae.apply({"params": p["vae"]}, images, None, eps, method=vae.image_to_latents)
+
+        def program(p, ids, neg_ids, zero_negative, seeds, images, masks, masked_images, noise,
+                    post_noise, masked_post_noise, guidance, rescale, time_ids, neg_time_ids,
+                    sched_state, t_start, pure_noise):
+            emb, pooled = encode(p, ids[0], ids[1])
+            keys = jax.vmap(jax.random.key)(seeds)
+            k_noise, k_post, k_masked, k_steps = jax.vmap(
+                lambda k: tuple(jax.random.split(k, 4)))(keys)
+            draw = lambda ks: jax.vmap(lambda k: jax.random.normal(k, shape))(ks)
+            if noise is None:
+                noise = draw(k_noise)
+            if post_noise is None:
+                post_noise = draw(k_post)
+            image_latents = to_latents(p, images, post_noise)
+            latents = sched.add_noise(sched_state, image_latents, noise, t_start)
+            if mode != "img2img":  # diffusers' inpainting starts from pure noise at strength 1
+                latents = jnp.where(pure_noise, noise * sched.init_noise_sigma(sched_state),
+                                    latents)
+            extra = None
+            if mode == "inpaint9":
+                if masked_post_noise is None:
+                    masked_post_noise = draw(k_masked)
+                masked_latents = to_latents(p, masked_images, masked_post_noise)
+                extra = jnp.concatenate([masks, masked_latents], axis=-1)
+            if cfg:
+                nemb, npooled = encode(p, neg_ids[0], neg_ids[1])
+                nemb = jnp.where(zero_negative[:, None, None], 0.0, nemb)
+                npooled = jnp.where(zero_negative[:, None], 0.0, npooled)
+                emb = jnp.concatenate([nemb, emb])
+                pooled = jnp.concatenate([npooled, pooled])
+                time_ids = jnp.concatenate([neg_time_ids, time_ids])
+            g = guidance[:, None, None, None]
+            r = rescale[:, None, None, None]
+
+            def body(i, carry):
+                x, state = carry
+                xin = sched.scale_model_input(state, x, i)
+                if extra is not None:
+                    xin = jnp.concatenate([xin, extra], axis=-1)
+                t = sched.timestep_for_model(state, i)
+                if cfg:
+                    xin = jnp.concatenate([xin, xin])
+                out = unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids)
+                out = out.astype(jnp.float32)
+                if cfg:
+                    uncond, text = jnp.split(out, 2)
+                    out = uncond + g * (text - uncond)
+                    std_text = jnp.std(text, axis=(1, 2, 3), keepdims=True, ddof=1)
+                    std_cfg = jnp.std(out, axis=(1, 2, 3), keepdims=True, ddof=1)
+                    out = jnp.where(r > 0, r * out * (std_text / std_cfg) + (1 - r) * out, out)
+                step_noise = None
+                if stochastic:
+                    step_noise = jax.vmap(lambda k: jax.random.normal(
+                        jax.random.fold_in(k, i), shape))(k_steps)
+                state, x = sched.step(state, out, x, i, noise=step_noise)
+                if mode == "inpaint4":
+                    # keep the unmasked part: the image noised to the next step's level
+                    nxt = jnp.minimum(i + 1, steps - 1)
+                    proper = jnp.where(i < steps - 1,
+                                       sched.add_noise(state, image_latents, noise, nxt),
+                                       image_latents)
+                    x = (1 - masks) * proper + masks * x
+                return x, state
+
+            latents, _ = jax.lax.fori_loop(t_start, steps, body, (latents, sched_state))
+            if tiled:
+                return vae.apply({"params": p["vae"]}, latents, method=vae.unscale_latents)
+            img = vae.apply({"params": p["vae"]}, latents, method=vae.latents_to_image)
+            return _to_pixels(img, as_uint8)
+
+        return program
+
+    # ------------------------------------------------------------------ calling
+    def _call(self, prompt, image, mask_image, *, strength, prompt_2, negative_prompt,
+              negative_prompt_2, num_inference_steps, guidance_scale, guidance_rescale, height,
+              width, num_images_per_prompt, seed, noise, image_latents_noise,
+              masked_image_latents_noise, output_type, original_size, crops_coords_top_left,
+              target_size) -> PipelineOutput:
+        prompts = _as_list(prompt, "prompt")
+        if not prompts:
+            raise ValueError("prompt is empty: give a prompt string or a non-empty list of prompts")
+        n_prompts = len(prompts)
+        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt={num_images_per_prompt!r}; it must be an "
+                             "integer >= 1")
+        lists = {"prompt_2": _as_list(prompt_2, "prompt_2") or prompts,
+                 "negative_prompt": _as_list(negative_prompt, "negative_prompt"),
+                 "negative_prompt_2": _as_list(negative_prompt_2, "negative_prompt_2")}
+        if image is None:
+            raise ValueError("image is required: the picture to start from")
+        lists["image"] = _image_list(image, "image")
+        if self.kind == "inpaint":
+            if mask_image is None:
+                raise ValueError("mask_image is required: white (>= 0.5) marks what to repaint")
+            lists["mask_image"] = _image_list(mask_image, "mask_image")
+        for name, lst in lists.items():
+            if lst is not None and len(lst) == 1 and n_prompts > 1:
+                lists[name] = lst * n_prompts
+            if lists[name] is not None and len(lists[name]) != n_prompts:
+                raise ValueError(f"{name} has {len(lst)} entries but prompt has {n_prompts}; "
+                                 "give one per prompt (or a single one)")
+        n = n_prompts * num_images_per_prompt
+        seeds = self._seeds(seed, n)
+        guidance = self.default_guidance if guidance_scale is None else guidance_scale
+        items, images, masks = [], [], []
+        for k in range(n):
+            i = k // num_images_per_prompt
+            pick = lambda name: None if lists[name] is None else lists[name][i]
+            items.append(ImageRequest(
+                prompt=prompts[i], prompt_2=pick("prompt_2"),
+                negative_prompt=pick("negative_prompt"), negative_prompt_2=pick("negative_prompt_2"),
+                seed=seeds[k], guidance_scale=guidance, guidance_rescale=guidance_rescale,
+                original_size=original_size, crops_coords_top_left=tuple(crops_coords_top_left),
+                target_size=target_size))
+            images.append(pick("image"))
+            masks.append(pick("mask_image") if self.kind == "inpaint" else None)
+        return self.generate(items, images, masks if self.kind == "inpaint" else None,
+                             strength=strength, height=height, width=width,
+                             num_inference_steps=num_inference_steps, noise=noise,
+                             image_latents_noise=image_latents_noise,
+                             masked_image_latents_noise=masked_image_latents_noise,
+                             output_type=output_type)
+
+    def generate(self, items: Sequence[ImageRequest], images: Sequence[Any] | None = None,
+                 masks: Sequence[Any] | None = None, *, strength: float | None = None,
+                 height: int | None = None, width: int | None = None,
+                 num_inference_steps: int | None = None, noise: np.ndarray | None = None,
+                 image_latents_noise: np.ndarray | None = None,
+                 masked_image_latents_noise: np.ndarray | None = None,
+                 output_type: str = "pil", latents: Any = None) -> PipelineOutput:
+        """One output image per :class:`ImageRequest`, from ``images[k]`` (and ``masks[k]``
+        for inpainting), in one device batch padded to a bucket. Items share the size, the
+        step count and the strength. ``height``/``width`` default to the first image's size
+        rounded down to a multiple of the VAE scale factor; every image (and mask) is resized
+        to it as diffusers does."""
+        t0 = time.perf_counter()
+        if latents is not None:
+            raise ValueError("latents= is not used here: pass noise= (the add-noise noise) and "
+                             "image_latents_noise= (the VAE posterior noise)")
+        items = list(items)
+        if not items:
+            raise ValueError("items is empty: give at least one ImageRequest")
+        n = len(items)
+        if images is None or len(images) != n:
+            raise ValueError(f"give one image per item: {n} item(s), "
+                             f"{0 if images is None else len(images)} image(s)")
+        inpaint = self.kind == "inpaint"
+        if inpaint and (masks is None or len(masks) != n):
+            raise ValueError(f"give one mask_image per item: {n} item(s), "
+                             f"{0 if masks is None else len(masks)} mask(s)")
+        steps = self.default_steps if num_inference_steps is None else num_inference_steps
+        strength = self.default_strength if strength is None else strength
+        f = self.vae_scale_factor
+        for k, img in enumerate(images):
+            if not _is_image(img):
+                raise ValueError(f"image {k} is a {type(img).__name__}; give a PIL image or a "
+                                 "float array (H, W, 3) in [0, 1]")
+            if inpaint:
+                if not _is_image(masks[k]):
+                    raise ValueError(f"mask_image {k} is a {type(masks[k]).__name__}; give a "
+                                     "PIL image or a float array (H, W) in [0, 1]")
+                (iw, ih), (mw, mh) = _size(img), _size(masks[k])
+                if (iw, ih) != (mw, mh):
+                    raise ValueError(f"mask_image is {mw}x{mh} but image is {iw}x{ih} "
+                                     f"(width x height); give a mask of the image's size")
+        w0, h0 = _size(images[0])
+        height = h0 - h0 % f if height is None else height
+        width = w0 - w0 % f if width is None else width
+        self._check(steps, height, width, output_type)
+        t_start = _check_strength(strength, steps)
+        for k, it in enumerate(items):
+            it.validate(k)
+        lh, lw = height // f, width // f
+        mode = ("inpaint9" if self.unet_channels > self.latent_channels else "inpaint4") \
+            if inpaint else "img2img"
+        if inpaint and mode == "inpaint9" and self.unet_channels != 2 * self.latent_channels + 1:
+            raise ValueError(f"this UNet takes {self.unet_channels} input channels; inpainting "
+                             f"needs {self.latent_channels} (latent blending) or "
+                             f"{2 * self.latent_channels + 1} (latents, mask, masked image)")
+        if mode == "img2img" and self.unet_channels != self.latent_channels:
+            raise ValueError(f"this UNet takes {self.unet_channels} input channels (an "
+                             "inpainting UNet); use InpaintPipeline")
+        want = (n, self.latent_channels, lh, lw)
+        noise = _noise_array(noise, "noise", want, f)
+        post = _noise_array(image_latents_noise, "image_latents_noise", want, f)
+        masked_post = _noise_array(masked_image_latents_noise, "masked_image_latents_noise",
+                                   want, f)
+        if mode != "inpaint9":
+            masked_post = None
+
+        cache: dict[int, np.ndarray] = {}
+
+        def prep(obj, fn, *a):
+            if id(obj) not in cache:
+                cache[id(obj)] = fn(obj, *a)
+            return cache[id(obj)]
+
+        pix = np.stack([prep(img, preprocess_image, height, width) for img in images])
+        mask_lat = masked_pix = None
+        if inpaint:
+            mask_px = np.stack([prep(m, preprocess_mask, height, width) for m in masks])
+            mask_lat = mask_px[:, ::f, ::f]  # torch's nearest downsampling by the factor f
+            if mode == "inpaint9":
+                masked_pix = pix * (mask_px < 0.5)
+
+        seeds = [it.seed if it.seed is not None else secrets.randbelow(MAX_SEED + 1) for it in items]
+        cfg = any(it.guidance_scale > 1.0 for it in items)
+        ids = np.stack([tokenize(self.tokenizer, [it.prompt for it in items]),
+                        tokenize(self.tokenizer_2, [it.prompt_2 or it.prompt for it in items])])
+        negs = [it.negative_prompt or "" for it in items]
+        neg_ids = np.stack([tokenize(self.tokenizer, negs),
+                            tokenize(self.tokenizer_2, [it.negative_prompt_2 or neg
+                                                        for it, neg in zip(items, negs)])])
+        zero_negative = np.array([it.negative_prompt is None and self.force_zeros_for_empty_prompt
+                                  for it in items])
+        time_ids = np.array([it.time_ids(height, width) for it in items], np.float32)
+        neg_time_ids = np.array([it.negative_time_ids(height, width) for it in items], np.float32)
+        guidance = np.array([it.guidance_scale if it.guidance_scale > 1.0 else 1.0
+                             for it in items], np.float32)
+        rescale = np.array([it.guidance_rescale for it in items], np.float32)
+
+        bucket = bucket_size(n, self.mesh.size)
+
+        def pad(a, axis=0):
+            if a is None or bucket == n:
+                return a
+            last = np.take(a, [-1], axis=axis)
+            return np.concatenate([a, np.repeat(last, bucket - n, axis=axis)], axis=axis)
+
+        batch = meshlib.batch_sharded(self.mesh)
+        batch_1 = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, meshlib.DATA))
+        put = lambda a, sh=batch: None if a is None else jax.device_put(pad(a, 1 if sh is batch_1 else 0), sh)
+        args = (put(ids, batch_1), put(neg_ids, batch_1), put(zero_negative),
+                put(np.asarray(seeds, np.uint32)), put(pix), put(mask_lat), put(masked_pix),
+                put(noise), put(post), put(masked_post), put(guidance), put(rescale),
+                put(time_ids), put(neg_time_ids))
+        rep = meshlib.replicated(self.mesh)
+        state = self.scheduler.set_timesteps(steps, (bucket, lh, lw, self.latent_channels))
+        state = jax.device_put(state, rep)
+        scalars = jax.device_put((np.int32(t_start), np.bool_(inpaint and strength == 1.0)), rep)
+        as_uint8 = output_type != "np"
+        tiled = bool(self.vae_tiling) and needs_tiling(self.vae.config, lh, lw)
+        program = self._program((mode, bucket, lh, lw, steps, cfg, noise is not None,
+                                 post is not None, masked_post is not None, as_uint8, tiled))
+        t1 = time.perf_counter()
+        out = program(self.params, *args, state, *scalars)
+        if tiled:
+            out = self._decode_tiled(out, as_uint8)
+        out_images = np.asarray(jax.device_get(out))[:n]
+        t2 = time.perf_counter()
+        if output_type == "pil":
+            from PIL import Image
+
+            out_images = [Image.fromarray(im) for im in out_images]
+        return PipelineOutput(out_images, [int(s) for s in seeds],
+                              {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket,
+                               "denoising_steps": steps - t_start})
+
+
+class ImageToImagePipeline(_EditPipeline):
+    """SDXL image-to-image in JAX (diffusers' ``StableDiffusionXLImg2ImgPipeline``). Build with
+    :meth:`from_pretrained` or :meth:`from_pipe`; call with ``prompt``, ``image`` and
+    ``strength``."""
+
+    kind = "img2img"
+    default_strength = 0.3
+
+    def __call__(self, prompt: str | list[str], image: Any = None, strength: float = 0.3,
+                 num_inference_steps: int | None = None, guidance_scale: float | None = None,
+                 negative_prompt: str | list[str] | None = None, *,
+                 prompt_2: str | list[str] | None = None,
+                 negative_prompt_2: str | list[str] | None = None,
+                 guidance_rescale: float = 0.0, height: int | None = None,
+                 width: int | None = None, num_images_per_prompt: int = 1,
+                 seed: int | Sequence[int] | None = None, noise: np.ndarray | None = None,
+                 image_latents_noise: np.ndarray | None = None, output_type: str = "pil",
+                 original_size: tuple[int, int] | None = None,
+                 crops_coords_top_left: tuple[int, int] = (0, 0),
+                 target_size: tuple[int, int] | None = None) -> PipelineOutput:
+        """Repaint ``image`` (a PIL image or float (H, W, 3) array in [0, 1], or one per
+        prompt) following ``prompt``. ``strength`` in (0, 1]: the run starts at step
+        ``steps - int(steps * strength)`` of ``num_inference_steps`` from the image's latents
+        noised to that step's level (diffusers' rule), so ``int(steps * strength)`` UNet steps
+        run. ``height``/``width``: default the image's size (rounded down to a multiple of the
+        VAE scale factor). ``noise`` / ``image_latents_noise``: the add-noise noise and the VAE
+        posterior's standard normal draw, (N, C, H/f, W/f); by default drawn from the seeds.
+        The other arguments mean what they mean for :class:`TextToImagePipeline`."""
+        return self._call(prompt, image, None, strength=strength, prompt_2=prompt_2,
+                          negative_prompt=negative_prompt, negative_prompt_2=negative_prompt_2,
+                          num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                          guidance_rescale=guidance_rescale, height=height, width=width,
+                          num_images_per_prompt=num_images_per_prompt, seed=seed, noise=noise,
+                          image_latents_noise=image_latents_noise,
+                          masked_image_latents_noise=None, output_type=output_type,
+                          original_size=original_size, crops_coords_top_left=crops_coords_top_left,
+                          target_size=target_size)
+
+
+class InpaintPipeline(_EditPipeline):
+    """SDXL inpainting in JAX (diffusers' ``StableDiffusionXLInpaintPipeline``): with a
+    4-channel UNet the unmasked latents are reset to the (noised) image after every step; with
+    a 9-channel inpainting UNet the mask and the masked image's latents are extra UNet
+    inputs."""
+
+    kind = "inpaint"
+    default_strength = 0.9999
+
+    def __call__(self, prompt: str | list[str], image: Any = None, mask_image: Any = None,
+                 strength: float = 0.9999, num_inference_steps: int | None = None,
+                 guidance_scale: float | None = None,
+                 negative_prompt: str | list[str] | None = None, *,
+                 prompt_2: str | list[str] | None = None,
+                 negative_prompt_2: str | list[str] | None = None,
+                 guidance_rescale: float = 0.0, height: int | None = None,
+                 width: int | None = None, num_images_per_prompt: int = 1,
+                 seed: int | Sequence[int] | None = None, noise: np.ndarray | None = None,
+                 image_latents_noise: np.ndarray | None = None,
+                 masked_image_latents_noise: np.ndarray | None = None,
+                 output_type: str = "pil", original_size: tuple[int, int] | None = None,
+                 crops_coords_top_left: tuple[int, int] = (0, 0),
+                 target_size: tuple[int, int] | None = None) -> PipelineOutput:
+        """Repaint the white part of ``mask_image`` (PIL image or float (H, W) array in
+        [0, 1], binarised at 0.5, the image's size) in ``image``. ``strength`` as for
+        :class:`ImageToImagePipeline`, default 0.9999; at exactly 1 the latents start from pure
+        noise (diffusers). ``masked_image_latents_noise``: the posterior draw for the masked
+        image (9-channel UNets only). ``height``/``width`` default to the image's size (diffusers
+        defaults to the model's size)."""
+        return self._call(prompt, image, mask_image, strength=strength, prompt_2=prompt_2,
+                          negative_prompt=negative_prompt, negative_prompt_2=negative_prompt_2,
+                          num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                          guidance_rescale=guidance_rescale, height=height, width=width,
+                          num_images_per_prompt=num_images_per_prompt, seed=seed, noise=noise,
+                          image_latents_noise=image_latents_noise,
+                          masked_image_latents_noise=masked_image_latents_noise,
+                          output_type=output_type, original_size=original_size,
+                          crops_coords_top_left=crops_coords_top_left, target_size=target_size)
