@@ -163,3 +163,40 @@ def test_analyser_rejects_wrong_images():
     assert evaluate.score([noise], [want])["all"] == 0.0
     for other in (_scene(color="green"), _scene(bg="white"), _scene(shape="circle")):
         assert evaluate.score([right], [other])["all"] == 0.0
+
+
+def test_analyser_tells_shapes_by_their_corners():
+    """No task shape: rotated triangles, a diamond, hollow shapes, a bar, a flat ellipse, a
+    half disc, a star. A square with concave sides (as the demo model draws them; the fill-only
+    rule called it a circle) is still a square; a wobbly disc still a circle."""
+    blue, red = np.array(shapes.COLORS["blue"], np.uint8), np.array(shapes.COLORS["red"], np.uint8)
+    yy, xx = np.mgrid[:64, :64] - 32
+    tri = shapes.render(_scene())
+
+    def draw(mask):
+        im = np.tile(blue, (64, 64, 1))
+        im[mask] = red
+        return im
+
+    square = (abs(yy) <= 16) & (abs(xx) <= 16)
+    angle, radius = np.arctan2(yy, xx), np.hypot(yy, xx)
+    none = {
+        "left triangle": np.rot90(tri).copy(), "right triangle": np.rot90(tri, 3).copy(),
+        "diamond": draw(abs(yy) + abs(xx) <= 18),
+        "hollow square": draw(square & ~((abs(yy) <= 12) & (abs(xx) <= 12))),
+        "ring": draw((radius <= 16) & (radius >= 12)),
+        "bar": draw((abs(yy) <= 2) & (abs(xx) <= 24)),
+        "flat ellipse": draw((xx / 20) ** 2 + (yy / 8) ** 2 <= 1),
+        "half disc": draw((yy >= 0) & (radius <= 16)),
+        "star": draw(radius <= 10 + 7 * np.cos(5 * angle)),
+    }
+    for name, image in none.items():
+        r = evaluate.analyse(image)
+        assert r.shape_color == "red" and r.shape is None, (name, r)
+    # concave sides: each side bowed in by 3 px at its middle
+    bow = 3 * np.cos(np.pi * np.clip(np.abs(np.stack([xx, yy])) / 16, 0, 1) / 2)
+    pillow = draw((abs(yy) <= 16 - bow[0]) & (abs(xx) <= 16 - bow[1]))
+    r = evaluate.analyse(pillow)
+    assert r.shape == "square" and r.shape_fill_rule == "circle", r
+    wobbly = draw(radius <= 15 + 1.5 * np.sin(3 * angle))
+    assert evaluate.analyse(wobbly).shape == "circle"
