@@ -11,7 +11,14 @@
         out.write(job, image, ...)             # atomic image file, then one fsynced metadata line
 
 A job's identity is everything that decides its pixels (line index, image index, prompt,
-negative prompt, seed, steps, guidance, size, scheduler, model, dtype) plus the file format.
+negative prompt, seed, steps, guidance, size, scheduler, model, dtype; for an edit the image's
+and mask's contents (SHA-256) and the strength) plus the file format.
+
+Editing: a line with ``image`` (and ``mask``: white = repaint, or transparent = repaint in a mask
+with an alpha channel; ``strength``) is image-to-image (inpainting with a mask); its size
+defaults to the image's (rounded down to the VAE factor). Paths in a JSONL file are relative to
+the file's folder. Images and masks are checked (readable, same size, strength in (0, 1]) before
+anything loads.
 Per-image seeds come from a hash of (run seed, line index, image index), so adding, removing or
 reordering *later* lines never changes an earlier image, and a run seed makes the run reproducible.
 Sizes, seeds, shape keys, batch planning and image encoding are the ones every way in shares
@@ -30,10 +37,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
-from pipelines.requests import (MAX_SEED, ImageRequest, ShapeKey, derive_seed, encode_image,
-                                image_info, image_seeds, parse_size)
+from pipelines.requests import (MAX_SEED, EditKey, ImageRequest, ShapeKey, check_strength,
+                                decode_image, derive_seed, encode_image, image_info, image_seeds,
+                                parse_size, repaint_mask)
 
-LINE_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "n")
+LINE_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "n", "image",
+               "mask", "strength")
 METADATA = "metadata.jsonl"
 TMP_MARK = ".maxdiff-tmp"
 LOCK = ".maxdiff.lock"  # held (flock) by the run writing to the folder
@@ -61,6 +70,9 @@ class PromptLine:
     guidance: float | None = None
     size: tuple[int, int] | None = None  # (width, height) in pixels
     n: int | None = None  # images of this prompt
+    image: str | None = None  # absolute path of the image to edit (None: text-to-image)
+    mask: str | None = None  # absolute path of its inpainting mask
+    strength: float | None = None  # None: the edit pipeline's default
 
 
 def check_size(size: tuple[int, int], factor: int | None) -> None:
@@ -101,12 +113,78 @@ _CHECKS = {
     "guidance": lambda v: _number(v, 0),
     "size": parse_size,
     "n": lambda v: _int(v, 1, 10_000),
+    "image": lambda v: _text(v, empty_ok=False),
+    "mask": lambda v: None if v is None else _text(v, empty_ok=False),
+    "strength": lambda v: None if v is None else _strength(v),
 }
 
 
+def _strength(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+        raise ValueError(f"must be a number in (0, 1], got {v!r}")
+    return float(v)
+
+
+def edit_size(path: str, factor: int | None) -> tuple[int, int]:
+    """An edit's default size: the image's, rounded down to a multiple of ``factor``."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        w, h = im.size
+    f = factor or 1
+    return w - w % f, h - h % f
+
+
+def load_edit_inputs(image: str, mask: str | None):
+    """(RGB PIL image, mask as a grayscale PIL image with 255 = repaint, or None)."""
+    from PIL import Image
+
+    rgb, _ = decode_image(Path(image).read_bytes(), "image")
+    if mask is None:
+        return Image.fromarray(rgb), None
+    return Image.fromarray(rgb), Image.fromarray(repaint_mask(*decode_image(
+        Path(mask).read_bytes(), "mask")), mode="L")
+
+
+def check_edit_files(image: str | None, mask: str | None, strength: float | None,
+                     base: Path | None = None, names: tuple[str, str] = ("image", "mask")
+                     ) -> tuple[str | None, str | None, list[str]]:
+    """Resolve ``image``/``mask`` against ``base`` and check them: readable images, the mask of
+    the image's size, a mask only with an image. Returns (image path, mask path, problems)."""
+    errors: list[str] = []
+    paths = []
+    sizes = []
+    for value, name in zip((image, mask), names):
+        if value is None:
+            paths.append(None)
+            sizes.append(None)
+            continue
+        p = Path(value).expanduser()
+        if base is not None and not p.is_absolute():
+            p = base / p
+        paths.append(str(p.resolve()))
+        try:
+            rgb, _ = decode_image(p.read_bytes(), name)
+            sizes.append(rgb.shape[1::-1])
+        except OSError as e:
+            errors.append(f"{name} {value}: cannot read it ({e.strerror or e})")
+            sizes.append(None)
+        except ValueError as e:
+            errors.append(f"{name} {value}: {e}")
+            sizes.append(None)
+    if mask is not None and image is None:
+        errors.append(f"{names[1]} {mask}: a mask needs an image to edit ({names[0]})")
+    if strength is not None and image is None:
+        errors.append(f"strength {strength}: only used with an image to edit ({names[0]})")
+    if sizes[0] and sizes[1] and sizes[0] != sizes[1]:
+        errors.append(f"{names[1]} {mask} is {sizes[1][0]}x{sizes[1][1]} but {names[0]} "
+                      f"{image} is {sizes[0][0]}x{sizes[0][1]}; give a mask of the image's size")
+    return paths[0], paths[1], errors
+
+
 def _jsonl_line(text: str, where: str, index: int, factor: int | None,
-                errors: list[str], steps_limit: tuple[int, str] | None = None
-                ) -> PromptLine | None:
+                errors: list[str], steps_limit: tuple[int, str] | None = None,
+                base: Path | None = None) -> PromptLine | None:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -138,28 +216,59 @@ def _jsonl_line(text: str, where: str, index: int, factor: int | None,
                 errors.append(f"{where}: field {key!r}: {e}")
     if len(errors) > before:
         return None
+    if "image" in values or "mask" in values or "strength" in values:
+        image, mask, problems = check_edit_files(
+            values.get("image"), values.get("mask"), values.get("strength"), base,
+            ("field 'image'", "field 'mask'"))
+        errors += [f"{where}: {p}" for p in problems]
+        if problems:
+            return None
+        values["image"], values["mask"] = image, mask
+        if image is not None and "size" not in values:
+            values["size"] = edit_size(image, factor)
     return PromptLine(index=index, where=where, **values)
 
 
 def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = None, *,
                  factor: int | None = None, file_text: str | None = None,
-                 steps_limit: tuple[int, str] | None = None) -> list[PromptLine]:
+                 steps_limit: tuple[int, str] | None = None, image: str | None = None,
+                 mask: str | None = None, strength: float | None = None,
+                 size: tuple[int, int] | None = None, steps: int | None = None
+                 ) -> list[PromptLine]:
     """All prompts of a run: the command-line ones first, then the file's.
 
     A ``.jsonl``/``.ndjson`` file (or one whose first entry starts with ``{``) holds one JSON
     object per line: ``prompt`` and any of ``negative_prompt``, ``seed``, ``steps``,
-    ``guidance``, ``size``, ``n``. Any other file is one prompt per line. Both skip blank lines
+    ``guidance``, ``size``, ``n``, ``image``, ``mask``, ``strength`` (paths relative to the
+    file's folder). Any other file is one prompt per line. ``image``/``mask``/``strength`` (the
+    CLI's --image, --mask, --strength) apply to every line that has no ``image`` of its own;
+    ``size`` (--size) is an edit line's size when it has none (else the image's). ``steps``:
+    the run's step count where known before loading, to check each edit's strength against. Both skip blank lines
     and lines starting with ``#``. ``file="-"`` reads stdin (or ``file_text``). Sizes must be
     multiples of ``factor``; steps at most ``steps_limit`` = (limit, scheduler name). Raises
     :class:`InputError` listing every bad line.
     """
     errors: list[str] = []
     lines: list[PromptLine] = []
+    edit: dict[str, Any] = {}
+    if image is not None or mask is not None or strength is not None:
+        image, mask, problems = check_edit_files(image, mask, strength, None,
+                                                 ("--image", "--mask"))
+        errors += problems
+        if strength is not None:
+            try:
+                _strength(strength)
+            except ValueError as e:
+                errors.append(f"--strength: {e}")
+        if image is not None and not problems:
+            edit = dict(image=image, mask=mask, strength=strength,
+                        size=size or edit_size(image, factor))
     for i, p in enumerate(prompts, 1):
         if not p.strip():
             errors.append(f"prompt argument {i}: the prompt is empty")
         else:
-            lines.append(PromptLine(index=len(lines), where=f"prompt argument {i}", prompt=p))
+            lines.append(PromptLine(index=len(lines), where=f"prompt argument {i}", prompt=p,
+                                    **edit))
     if file is not None:
         name = str(file)
         if file_text is None:
@@ -176,18 +285,36 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
         for no, text in entries:
             where = f"{name}:{no}"
             if jsonl:
-                line = _jsonl_line(text, where, len(lines), factor, errors, steps_limit)
+                base = Path.cwd() if name == "<stdin>" else Path(file).parent
+                line = _jsonl_line(text, where, len(lines), factor, errors, steps_limit, base)
                 if line is not None:
+                    if line.image is None and line.size is None and edit:
+                        line = PromptLine(**{**line.__dict__, **edit})
+                    elif line.image is None and edit:
+                        line = PromptLine(**{**line.__dict__, **edit, "size": line.size})
                     lines.append(line)
             else:
-                lines.append(PromptLine(index=len(lines), where=where, prompt=text))
+                lines.append(PromptLine(index=len(lines), where=where, prompt=text, **edit))
         if not entries:
             errors.append(f"--prompts {name}: no prompts in it (blank lines and # comments only)")
+    for line in lines:
+        if line.image is not None and (line.steps or steps):
+            try:
+                check_strength(edit_strength(line), line.steps or steps)
+            except ValueError as e:
+                errors.append(f"{line.where}: {e}")
     if errors:
         raise InputError(errors)
     if not lines:
         raise InputError(["no prompts: give PROMPT arguments or --prompts FILE"])
     return lines
+
+
+def edit_strength(line: PromptLine) -> float:
+    """An edit line's strength: its own, else the Python API's default for its kind."""
+    if line.strength is not None:
+        return line.strength
+    return INPAINT_STRENGTH if line.mask else IMG2IMG_STRENGTH
 
 
 # ---------------------------------------------------------------------------------- planning
@@ -226,10 +353,14 @@ class ImageJob:
     settings: RunSettings
     id: str  # hash of everything that decides the file's content
     file: str
+    strength: float | None = None  # an edit's strength (None: text-to-image)
 
     @property
-    def shape(self) -> ShapeKey:
-        """What selects the compiled program."""
+    def shape(self) -> ShapeKey | EditKey:
+        """What selects the compiled program (and, for an edit, the strength)."""
+        if self.line.image is not None:
+            return EditKey("inpaint" if self.line.mask else "img2img", self.height, self.width,
+                           self.steps, self.guidance > 1.0, self.strength)
         return ShapeKey.of(self.height, self.width, self.steps, self.guidance)
 
     def request(self) -> ImageRequest:
@@ -247,12 +378,16 @@ class ImageJob:
     def record(self, **extra: Any) -> dict[str, Any]:
         """This job's ``metadata.jsonl`` entry."""
         s = self.settings
+        edit = {}
+        if self.line.image is not None:
+            edit = dict(mode=self.shape.kind, input_image=self.line.image,
+                        mask=self.line.mask, strength=self.strength)
         return dict(line=self.line.index, image=self.image, source=self.line.where,
                     prompt=self.prompt, negative_prompt=self.negative_prompt, seed=self.seed,
                     run_seed=s.run_seed, steps=self.steps, guidance=self.guidance,
                     size=f"{self.width}x{self.height}", width=self.width, height=self.height,
                     scheduler=s.scheduler, model=s.model, unet=s.unet, lora=s.lora,
-                    dtype=s.dtype, format=s.format, file=self.file, id=self.id, **extra)
+                    dtype=s.dtype, format=s.format, **edit, file=self.file, id=self.id, **extra)
 
 
 def identity(line: int, image: int, prompt: str, negative_prompt: str | None, seed: int,
@@ -261,6 +396,14 @@ def identity(line: int, image: int, prompt: str, negative_prompt: str | None, se
                 steps=steps, guidance=float(guidance), width=width, height=height,
                 scheduler=s.scheduler, model=s.model, unet=s.unet, dtype=s.dtype, format=s.format,
                 **({"lora": s.lora} if s.lora else {}))  # (ids of runs without LoRA unchanged)
+
+
+IMG2IMG_STRENGTH = 0.3  # ImageToImagePipeline's default
+INPAINT_STRENGTH = 0.9999  # InpaintPipeline's default
+
+
+def _sha256(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def job_id(ident: dict) -> str:
@@ -292,13 +435,23 @@ def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[ImageJob]:
             seeds = image_seeds(line.seed, n)
         except ValueError as e:
             raise InputError([f"{line.where}: field 'seed': {e}"]) from None
+        strength, edit = None, {}
+        if line.image is not None:
+            strength = edit_strength(line)
+            try:
+                check_strength(strength, steps)
+            except ValueError as e:
+                raise InputError([f"{line.where}: {e}"]) from None
+            edit = dict(strength=strength, image_sha256=_sha256(line.image),
+                        mask_sha256=line.mask and _sha256(line.mask))
         for k, seed in enumerate(seeds):
             if seed is None:
                 seed = derive_seed(s.run_seed, line.index, k)
-            jid = job_id(identity(line.index, k, line.prompt, neg, seed, steps, guidance, w, h, s))
+            jid = job_id({**identity(line.index, k, line.prompt, neg, seed, steps, guidance, w,
+                                     h, s), **edit})
             name = f"{line.index:0{wl}d}-{k:0{wi}d}-{slug(line.prompt)}-{jid[:8]}.{s.format}"
             jobs.append(ImageJob(line, k, line.prompt, neg, seed, steps, float(guidance), w, h, s,
-                            jid, name))
+                            jid, name, strength))
     return jobs
 
 

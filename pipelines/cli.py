@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.batch import (METADATA, TMP_MARK, InputError, OutputDir, RunSettings, check_size,
-                             plan_jobs, read_prompts)
-from pipelines.requests import FORMATS, MAX_SEED, pad_to, parse_size, plan_batches
+                             load_edit_inputs, plan_jobs, read_prompts)
+from pipelines.requests import FORMATS, MAX_SEED, EditKey, pad_to, parse_size, plan_batches
 
 PROG = "maxdiff"
 
@@ -38,11 +38,15 @@ examples:
   maxdiff generate --prompts prompts.txt --num-images 4 --batch-size 8 --size 1024x768
   maxdiff generate --prompts jobs.jsonl --config sdxl-lightning-4step \\
       --set model=/models/sdxl-base --set unet=/models/sdxl_lightning_4step_unet.safetensors
+  maxdiff generate "a watercolor fox" --image fox.png --strength 0.6
+  maxdiff generate "a red hat" --image fox.png --mask hat-mask.png   # inpaint the white part
 
 prompt files: one prompt per line, or (.jsonl) one JSON object per line with "prompt" and any
-of "negative_prompt", "seed", "steps", "guidance", "size" ("WxH"), "n" (images of that line):
+of "negative_prompt", "seed", "steps", "guidance", "size" ("WxH"), "n" (images of that line),
+"image", "mask", "strength" (an edit; paths relative to the JSONL file's folder):
   {"prompt": "a red fox", "seed": 7, "n": 2}
   {"prompt": "a lighthouse", "negative_prompt": "blurry", "size": "1024x768", "steps": 20}
+  {"prompt": "a red hat", "image": "fox.png", "mask": "hat-mask.png", "strength": 0.9}
 Blank lines and lines starting with # are skipped. Every line is checked before anything is
 generated; a bad line stops the run with exit status 2 and its file:line and field.
 
@@ -137,6 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch-size", type=_int_at_least(1), default=4, metavar="B",
                      help="images per device batch (default 4; padded up to a power of two "
                           "times the device count)")
+    gen.add_argument("--image", metavar="FILE",
+                     help="edit this image (PNG/JPEG/WebP) instead of starting from noise: "
+                          "image-to-image, or inpainting with --mask; the size defaults to "
+                          "the image's")
+    gen.add_argument("--mask", metavar="FILE",
+                     help="inpainting mask of the image's size: white = repaint, black = keep "
+                          "(a mask with transparent pixels: transparent = repaint)")
+    gen.add_argument("--strength", type=float, metavar="S",
+                     help="edit strength in (0, 1]: int(steps * S) denoising steps run "
+                          "(default 0.3, 0.9999 with --mask)")
     gen.add_argument("--out", default="out", metavar="DIR", help="output folder (default out/)")
     gen.add_argument("--format", choices=sorted(FORMATS), default="png")
     gen.add_argument("--quiet", action="store_true", help="no progress bar, plain log lines only")
@@ -282,7 +296,10 @@ def cmd_generate(args) -> int:
             errors.append(f"{'--steps' if args.steps else 'config steps'}: {cfg.steps} is above "
                           f"what {steps_limit[1]} allows (1..{steps_limit[0]})")
         try:
-            lines = read_prompts(args.prompt, args.prompts, factor=factor, steps_limit=steps_limit)
+            lines = read_prompts(args.prompt, args.prompts, factor=factor,
+                                 steps_limit=steps_limit, image=args.image, mask=args.mask,
+                                 strength=args.strength, size=args.size,
+                                 steps=cfg.steps if cfg else None)
         except InputError as e:
             errors += e.errors
         if errors:
@@ -318,19 +335,36 @@ def cmd_generate(args) -> int:
     bar = tqdm(total=len(todo), unit="img", file=sys.stderr, disable=args.quiet,
                dynamic_ncols=True, smoothing=0.1)
     t_start, shape, written = time.perf_counter(), None, 0
+    edit_pipes: dict = {}
     try:
         for batch_shape, group, bucket in plan_batches(todo, lambda j: j.shape, args.batch_size,
                                                        pipe.mesh.size):
-            h, w, steps, cfg_on = batch_shape
+            edit = isinstance(batch_shape, EditKey)
+            h, w, steps, cfg_on = batch_shape[1:5] if edit else batch_shape
             if batch_shape != shape:
                 shape = batch_shape
                 desc = f"{w}x{h}, {steps} step(s), guidance {'on' if cfg_on else 'off'}"
+                if edit:
+                    desc = f"{batch_shape.kind} (strength {batch_shape.strength:g}) {desc}"
                 bar.set_postfix_str(desc)
                 if args.quiet:
                     n = sum(j.shape == shape for j in todo)
                     _log(f"{desc}: {n} image(s), device batch {bucket} (first batch compiles)")
             items = pad_to([j.request() for j in group], bucket)  # one program per group
-            result = pipe.generate(items, height=h, width=w, num_inference_steps=steps)
+            if edit:
+                if batch_shape.kind not in edit_pipes:
+                    from pipelines.edit import ImageToImagePipeline, InpaintPipeline
+
+                    cls = InpaintPipeline if batch_shape.kind == "inpaint" else ImageToImagePipeline
+                    edit_pipes[batch_shape.kind] = cls.from_pipe(pipe)
+                inputs = [load_edit_inputs(j.line.image, j.line.mask)
+                          for j in pad_to(group, bucket)]
+                result = edit_pipes[batch_shape.kind].generate(
+                    items, [im for im, _ in inputs],
+                    [m for _, m in inputs] if batch_shape.kind == "inpaint" else None,
+                    strength=batch_shape.strength, height=h, width=w, num_inference_steps=steps)
+            else:
+                result = pipe.generate(items, height=h, width=w, num_inference_steps=steps)
             batch_s = result.timings["prepare_s"] + result.timings["generate_s"]
             seconds = round(batch_s / len(group), 4)
             for job, image in zip(group, result.images):

@@ -13,6 +13,9 @@ JAX-free (NumPy and Pillow only), so the HTTP ingress imports it without loading
 - :func:`bucket_size`, :func:`plan_batches`, :func:`pad_to`: cut images into device batches,
   padded so that every batch of a shape runs one compiled program.
 - :func:`encode_image` / :func:`read_image_info`: PNG/JPEG/WebP bytes carrying the settings.
+- Editing (image-to-image, inpainting): :func:`decode_image` (bytes -> uint8 RGB + alpha),
+  :func:`repaint_mask` (a mask file's pixels -> uint8 255 = repaint), :func:`check_strength`,
+  :class:`EditRequest` and its :class:`EditKey`.
 """
 
 from __future__ import annotations
@@ -241,7 +244,7 @@ def pad_to(items: Sequence[T], bucket: int) -> list[T]:
 
 # ---------------------------------------------------------------------------------- images
 IMAGE_KEYS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "scheduler",
-              "model", "unet", "lora", "dtype")
+              "model", "unet", "lora", "dtype", "mode", "strength")
 
 
 def image_info(**settings: Any) -> dict[str, str]:
@@ -291,3 +294,127 @@ def read_image_info(path: str | os.PathLike) -> dict[str, str]:
             return dict(im.text)
         desc = im.getexif().get(0x010E)
         return json.loads(desc) if desc else {}
+
+
+# ---------------------------------------------------------------------------------- editing
+MAX_INPUT_SIDE = 8192  # pixels per side of an image to edit (decoded before any resize)
+EDIT_STRENGTH = 0.75  # the service's image-to-image strength when a request gives none
+INPAINT_STRENGTH = 0.9999  # its inpainting strength (diffusers' default)
+
+
+def decode_image(data: bytes, name: str = "image") -> tuple[np.ndarray, np.ndarray | None]:
+    """PNG / JPEG / WebP bytes -> (uint8 (H, W, 3) RGB, uint8 (H, W) alpha or None when the
+    file has no transparency channel). ValueError naming ``name`` when the bytes are not such
+    an image or it has a side above :data:`MAX_INPUT_SIDE`."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise ValueError(f"{name} is empty")
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.format not in ("PNG", "JPEG", "WEBP"):
+                raise ValueError(f"{name} is a {im.format} image; give PNG, JPEG or WebP")
+            w, h = im.size
+            if max(w, h) > MAX_INPUT_SIDE:
+                raise ValueError(f"{name} is {w}x{h}; sides of at most {MAX_INPUT_SIDE} pixels "
+                                 "are accepted")
+            im.load()
+            alpha = None
+            if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+                rgba = im.convert("RGBA")
+                alpha = np.asarray(rgba)[..., 3].copy()
+                rgb = np.asarray(rgba.convert("RGB"))
+            else:
+                rgb = np.asarray(im.convert("RGB"))
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
+        raise ValueError(f"{name} could not be decoded as a PNG, JPEG or WebP image "
+                         f"({type(e).__name__})") from None
+    return np.ascontiguousarray(rgb, np.uint8), alpha
+
+
+def repaint_mask(rgb: np.ndarray, alpha: np.ndarray | None, transparent: bool | None = None
+                 ) -> np.ndarray:
+    """A mask file's decoded pixels -> uint8 (H, W): 255 where to repaint, 0 where to keep.
+
+    ``transparent=True`` (OpenAI's convention): fully transparent pixels (alpha 0) are
+    repainted (a mask without an alpha channel falls back to white = repaint).
+    ``transparent=None`` (automatic, the native API): a mask with an alpha channel that has a
+    pixel below 255 uses the transparent rule; any other mask is grayscale, white (>= 128 after
+    conversion to gray) = repaint. ``transparent=False``: always white = repaint."""
+    use_alpha = alpha is not None and (transparent or (transparent is None and
+                                                       bool((alpha < 255).any())))
+    if use_alpha:
+        return np.where(alpha == 0, 255, 0).astype(np.uint8)
+    from PIL import Image
+
+    gray = np.asarray(Image.fromarray(rgb).convert("L"))
+    return np.where(gray >= 128, 255, 0).astype(np.uint8)
+
+
+def check_strength(strength: Any, steps: int) -> None:
+    """``strength`` in (0, 1] leaving at least one of ``steps`` denoising steps (the edit
+    pipelines run ``int(steps * strength)`` of them); ValueError otherwise."""
+    if (isinstance(strength, bool) or not isinstance(strength, (int, float, np.floating))
+            or not np.isfinite(strength) or not 0.0 < strength <= 1.0):
+        raise ValueError(f"strength={strength!r}; it must be a number in (0, 1] (1 repaints "
+                         "everything, small values stay close to the image)")
+    if min(int(steps * strength), steps) < 1:
+        raise ValueError(f"strength={strength} with {steps} step(s) leaves no denoising step "
+                         f"(int({steps} * {strength}) = 0); raise strength or steps")
+
+
+class EditKey(NamedTuple):
+    """What one batch of edit jobs shares: the compiled program (kind, size, steps, CFG on/off)
+    and the strength (a traced input: a new strength never recompiles, but a device batch runs
+    one)."""
+
+    kind: str  # "img2img" or "inpaint"
+    height: int
+    width: int
+    steps: int
+    cfg: bool
+    strength: float
+
+    @property
+    def program(self) -> tuple:
+        return self[:5]
+
+    def __str__(self) -> str:
+        return (f"{self.kind}:{self.width}x{self.height}:{self.steps}:"
+                f"{'cfg' if self.cfg else 'nocfg'}:s{self.strength:g}")
+
+
+@dataclass(frozen=True, eq=False)
+class EditRequest(GenerationRequest):
+    """A :class:`GenerationRequest` that starts from ``image`` (uint8 (H, W, 3)) and, for
+    inpainting, ``mask`` (uint8 (H, W), 255 = repaint, the image's size); ``strength`` as for
+    :class:`pipelines.edit.ImageToImagePipeline`. What the service's ``edit`` queues."""
+
+    strength: float = EDIT_STRENGTH
+    image: np.ndarray | None = None
+    mask: np.ndarray | None = None
+
+    @property
+    def kind(self) -> str:
+        return "img2img" if self.mask is None else "inpaint"
+
+    @property
+    def key(self) -> EditKey:  # type: ignore[override]
+        return EditKey(self.kind, self.height, self.width, self.steps,
+                       cfg_on(self.guidance_scale), float(self.strength))
+
+    def validate(self) -> None:
+        super().validate()
+        check_strength(self.strength, self.steps)
+        img = self.image
+        if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 3 \
+                or img.shape[-1] != 3:
+            raise ValueError("image must be a uint8 (H, W, 3) array")
+        if self.mask is not None:
+            m = self.mask
+            if not isinstance(m, np.ndarray) or m.dtype != np.uint8 or m.ndim != 2:
+                raise ValueError("mask must be a uint8 (H, W) array")
+            if m.shape != img.shape[:2]:
+                raise ValueError(f"mask is {m.shape[1]}x{m.shape[0]} but image is "
+                                 f"{img.shape[1]}x{img.shape[0]} (width x height); give a mask "
+                                 "of the image's size")

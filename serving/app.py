@@ -4,7 +4,7 @@
     serve run configs/serve.yaml
 
 The ingress validates every request (422 with the offending field, 413 for bodies over
-``max_body_bytes``), turns it into a :class:`pipelines.requests.GenerationRequest`, sends it to a generator
+``max_body_bytes``, or ``max_image_bytes`` on the edit routes), turns it into a :class:`pipelines.requests.GenerationRequest`, sends it to a generator
 replica through a deployment handle and encodes the images it gets back. A full generator queue
 (``max_queued_requests``) is a 503 with ``Retry-After``; a request past its deadline
 (``request_timeout_s``, or a shorter ``X-Request-Timeout`` header) is a 504. A request whose
@@ -15,7 +15,8 @@ With API keys on (``api_keys`` / ``MAXDIFF_API_KEYS``) the ``/v1/`` routes need
 
 Endpoints (OpenAPI at ``/docs``): ``GET /`` (the web playground, ``serving/playground.html``),
 ``POST /v1/images/generations`` (OpenAI Images API),
-``POST /v1/generate`` (native), ``GET /healthz``, ``GET /v1/models``, ``GET /v1/stats``.
+``POST /v1/images/edits`` (OpenAI Images API edits, multipart), ``POST /v1/generate`` (native),
+``POST /v1/edit`` (native image-to-image and inpainting, JSON), ``GET /healthz``, ``GET /v1/models``, ``GET /v1/stats``.
 """
 
 
@@ -29,18 +30,20 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from pipelines.requests import (GenerationRequest, encode_image, image_info, image_seeds,
-                                parse_size, size_problems)
+from pipelines.requests import (EDIT_STRENGTH, INPAINT_STRENGTH, EditRequest, GenerationRequest,
+                                check_strength, decode_image, encode_image, image_info,
+                                image_seeds, parse_size, repaint_mask, size_problems)
 from serving import security
 from serving.generator import Expired, Generator, InvalidJob, StatsBoard
-from serving.schemas import (ERROR_RESPONSES, GenerateRequest, GenerateResponse,
+from serving.schemas import (ERROR_RESPONSES, EditRequest as EditBody, EditResponse,
+                             GenerateRequest, GenerateResponse, ImageFormat,
                              ImagesGenerationRequest, ImagesResponse, JobResult, ServeSettings)
 
 logger = logging.getLogger("ray.serve")
@@ -49,6 +52,7 @@ DEFAULT_MAX_SIZE = 2048  # pixels per side when neither the serve args nor the m
 GENERATOR = "Generator"
 INGRESS = "Ingress"
 TIMEOUT_HEADER = "X-Request-Timeout"
+EDIT_ROUTES = ("/v1/images/edits", "/v1/edit")  # body limit: max_image_bytes, not max_body_bytes
 
 
 class ApiError(Exception):
@@ -96,12 +100,13 @@ _OPEN = ("/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"
 class _Gate:
     """ASGI middleware: give every request an id (``X-Request-Id``, the client's if plain);
     check API keys and per-key rate limits on the ``/v1/`` routes (401, 429); refuse bodies over
-    ``max_body_bytes`` (declared Content-Length or bytes actually received, chunked uploads
-    included) with a 413; answer an exception that escaped the app with a 500 error body (the
+    ``max_body_bytes`` (``max_image_bytes`` on the edit routes; declared Content-Length or bytes
+    actually received, chunked uploads included) with a 413; answer an exception that escaped the app with a 500 error body (the
     traceback goes to the log, never to the client); count requests per route and status in
     Prometheus metrics."""
 
-    ROUTES = ("/v1/images/generations", "/v1/generate", "/healthz", "/v1/models", "/v1/stats")
+    ROUTES = ("/v1/images/generations", "/v1/images/edits", "/v1/generate", "/v1/edit",
+              "/healthz", "/v1/models", "/v1/stats")
 
     def __init__(self, app):
         self.app = app
@@ -152,9 +157,11 @@ class _Gate:
                 denied = self._admit(headers, scope)
                 if denied is not None:
                     return await reply(*denied)
-            limit = security.GATE["max_body_bytes"]
+            arg = "max_image_bytes" if path.endswith(EDIT_ROUTES) else "max_body_bytes"
+            limit = security.GATE[arg]
             declared = headers.get(b"content-length")
-            too_big = (413, f"request body is larger than {limit} bytes", "request_too_large")
+            too_big = (413, f"request body is larger than {limit} bytes (the serve arg {arg})",
+                       "request_too_large")
             if declared is not None:
                 if not declared.strip().isdigit():
                     return await reply(400, "bad Content-Length header", "invalid_request_error")
@@ -280,6 +287,13 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException):
     same error body as every other error."""
     rid = _rid(request)
     status, kind = exc.status_code, "invalid_request_error"
+    if status == 400 and "parsing the body" in str(exc.detail) and request.headers.get(
+            "content-type", "").lower().startswith("multipart/"):
+        body = _error_body(422, "the multipart/form-data body could not be parsed", kind,
+                           request_id=rid)
+        body["detail"] = [{"type": "multipart_invalid", "loc": ["body"],
+                           "msg": "the multipart/form-data body could not be parsed"}]
+        return JSONResponse(body, status_code=422)
     if status == 400 and "parsing the body" in str(exc.detail):  # e.g. not UTF-8
         body = _error_body(422, "the body is not valid JSON (it could not be decoded)", kind,
                            request_id=rid)
@@ -327,6 +341,19 @@ def _playground_html() -> str:
     return files("serving").joinpath("playground.html").read_text(encoding="utf-8")
 
 
+def _b64(value: str) -> bytes:
+    """Base64 text (optionally a ``data:...;base64,`` URL) -> bytes; ValueError if it is not."""
+    text = value.strip()
+    if text.startswith("data:"):
+        head, _, text = text.partition(",")
+        if not head.endswith(";base64"):
+            raise ValueError("is a data URL without ;base64")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (ValueError, TypeError):
+        raise ValueError("is not valid base64 (give a base64 PNG, JPEG or WebP file)") from None
+
+
 async def _await(response):
     return await response
 
@@ -343,7 +370,8 @@ class Ingress:
         self.model_id = model_id
         self.started = int(time.time())
         security.GATE.update(
-            max_body_bytes=settings.max_body_bytes, key_hashes=key_hashes,
+            max_body_bytes=settings.max_body_bytes, max_image_bytes=settings.max_image_bytes,
+            key_hashes=key_hashes,
             limiter=(security.RateLimiter(settings.rate_limit_per_minute)
                      if settings.rate_limit_per_minute else None))
         if settings.cors_origins:
@@ -453,10 +481,12 @@ class Ingress:
 
     async def _generate(self, job: GenerationRequest, deadline: float, request: Request
                         ) -> JobResult:
+        """Run ``job`` on a generator replica: ``generate``, or ``edit`` for an EditRequest."""
         rid = _rid(request)
         if self.s.log_prompts:
             logger.info("request %s: prompt=%r negative=%r", rid, job.prompt, job.negative_prompt)
-        result: JobResult = await self._call("generate", job, deadline, rid)
+        method = "edit" if isinstance(job, EditRequest) else "generate"
+        result: JobResult = await self._call(method, job, deadline, rid)
         self._ready_seen = True
         return result
 
@@ -517,6 +547,66 @@ class Ingress:
     def _headers(self, result: JobResult) -> dict:
         return {"X-Maxdiff-Replica": result.replica["id"],
                 "X-Maxdiff-Node": result.replica["node_id"]}
+
+    async def _edit_job(self, info: dict, *, prompt: str, negative_prompt: str | None,
+                        image: bytes | None, mask: bytes | None, transparent_mask: bool | None,
+                        strength: float | None, seed: int | None, n: int, n_field: str,
+                        width: int | None, height: int | None, size_fields: tuple[str, str],
+                        steps: int, guidance: float, errors: list | None = None) -> EditRequest:
+        """Decode the image (and mask) and check an edit request: every problem is a 422 naming
+        its field. ``transparent_mask``: see :func:`pipelines.requests.repaint_mask`. Width and
+        height default to the image's size rounded down to the size multiple."""
+        errors = list(errors or [])
+
+        def decode(data: bytes | None, field: str):
+            if data is None:
+                return None
+            try:
+                return decode_image(data, field)
+            except ValueError as e:
+                errors.append((field, str(e), None))
+                return None
+
+        if image is None:
+            errors.append(("image", "an image to edit is required", None))
+        img, msk = await asyncio.to_thread(lambda: (decode(image, "image"), decode(mask, "mask")))
+        repaint = None
+        if img is not None and msk is not None:
+            (ih, iw), (mh, mw) = img[0].shape[:2], msk[0].shape[:2]
+            if (ih, iw) != (mh, mw):
+                errors.append(("mask", f"mask is {mw}x{mh} but image is {iw}x{ih} (width x "
+                               "height); give a mask of the image's size", None))
+            else:
+                repaint = repaint_mask(*msk, transparent=transparent_mask)
+        if errors and img is None:  # no image: sizes and costs cannot be checked
+            raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
+                                           "input": v} for f, m, v in errors])
+        multiple = self._limits(info)["size_multiple"]
+        ih, iw = img[0].shape[:2]
+        width = iw - iw % multiple if width is None else width
+        height = ih - ih % multiple if height is None else height
+        if strength is None:
+            strength = INPAINT_STRENGTH if mask is not None else EDIT_STRENGTH
+        try:
+            check_strength(strength, steps)
+        except ValueError as e:
+            errors.append(("strength", str(e), strength))
+        try:
+            image_seeds(seed, min(n, self.s.max_n))  # more: max_n's 422
+        except ValueError as e:
+            errors.append(("seed", str(e), seed))
+        if negative_prompt is not None and len(negative_prompt) > self.s.max_prompt_chars:
+            errors.append(("negative_prompt", f"at most {self.s.max_prompt_chars} characters",
+                           None))
+        try:
+            self._check_common(info, prompt, n, n_field, width, height, size_fields, steps)
+        except RequestValidationError as e:
+            errors += [(err["loc"][1], err["msg"], err.get("input")) for err in e.errors()]
+        if errors:
+            raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
+                                           "input": v} for f, m, v in errors])
+        return EditRequest(prompt, negative_prompt, seed, n, width, height, steps, guidance,
+                           strength=float(strength), image=img[0], mask=repaint)
 
     # ------------------------------------------------------------------ routes
     @api.post("/v1/images/generations", response_model=ImagesResponse, tags=["OpenAI-compatible"],
@@ -626,6 +716,129 @@ class Ingress:
             "seeds": result.seeds, "width": width, "height": height, "steps": steps,
             "guidance_scale": guidance, "scheduler": info["scheduler"], "output_format": fmt,
             "timings": timings}, headers=headers)
+
+    @api.post("/v1/images/edits", response_model=ImagesResponse, tags=["OpenAI-compatible"],
+              summary="Edit an image (OpenAI Images API)",
+              responses={k: v for k, v in ERROR_RESPONSES.items() if k != 406})
+    async def images_edits(
+            self, request: Request,
+            prompt: str = Form(min_length=1, description="What the edited image should show."),
+            image: UploadFile | None = File(None, description="The image to edit (PNG, JPEG "
+                                            "or WebP). The openai client sends one file as "
+                                            "`image`, a list as `image[]`."),
+            image_list: list[UploadFile] | None = File(None, alias="image[]", description=
+                                                       "Images to edit; the first is used."),
+            mask: UploadFile | None = File(None, description="PNG of the image's size whose "
+                                           "fully transparent pixels (alpha 0) mark what to "
+                                           "repaint (OpenAI's convention; a mask without alpha: "
+                                           "white = repaint). Omitted: image-to-image."),
+            n: int | None = Form(1, ge=1, description="How many images (up to max_n)."),
+            size: str | None = Form("auto", description="'WIDTHxHEIGHT' or 'auto' (the "
+                                    "image's size, rounded down to the size multiple)."),
+            response_format: str | None = Form("b64_json",
+                                               description="Only 'b64_json' is supported."),
+            output_format: ImageFormat | None = Form(None, description="png (default), jpeg "
+                                                     "or webp."),
+            output_compression: int | None = Form(None, ge=0, le=100,
+                                                  description="jpeg/webp quality, 0-100."),
+            stream: bool | None = Form(None, description="Streaming is not supported.")):
+        """Same request and response as OpenAI's ``images.edit`` with ``b64_json``: with a
+        ``mask``, inpainting (strength 0.9999); without, image-to-image (strength
+        0.75). Steps and guidance are the served model's defaults, seeds random (use
+        ``/v1/edit`` for control). ``model``, ``user``, ``quality``, ``background``,
+        ``input_fidelity`` and other OpenAI fields are accepted and ignored."""
+        deadline = self._deadline(request)
+        errors = []
+        if response_format not in (None, "b64_json"):
+            errors.append(("response_format", "only 'b64_json' is supported: this server "
+                           "returns images inline and does not host them at URLs",
+                           response_format))
+        if stream:
+            errors.append(("stream", "streaming is not supported; omit stream or set it to "
+                           "false", stream))
+        width = height = None
+        if size not in (None, "auto"):
+            try:
+                width, height = parse_size(size)
+            except ValueError as e:
+                errors.append(("size", f"{e}, or 'auto'", size))
+        upload = image if image is not None else (image_list[0] if image_list else None)
+        info = await self._model_info(deadline)
+        steps = info["default_steps"]
+        job = await self._edit_job(
+            info, prompt=prompt, negative_prompt=None,
+            image=None if upload is None else await upload.read(),
+            mask=None if mask is None else await mask.read(), transparent_mask=True,
+            strength=None, seed=None, n=1 if n is None else n, n_field="n", width=width,
+            height=height, size_fields=("size", "size"), steps=steps,
+            guidance=info["default_guidance"], errors=errors)
+        result = await self._generate(job, deadline, request)
+        fmt = output_format or "png"
+        blobs = await asyncio.to_thread(
+            lambda: [encode_image(im, fmt, quality=output_compression) for im in result.images])
+        return JSONResponse({"created": int(time.time()), "output_format": fmt,
+                             "size": f"{job.width}x{job.height}",
+                             "data": [{"b64_json": base64.b64encode(b).decode(),
+                                       "revised_prompt": None} for b in blobs]},
+                            headers=self._headers(result))
+
+    @api.post("/v1/edit", response_model=EditResponse, tags=["native"],
+              summary="Edit an image (image-to-image, inpainting) with explicit settings",
+              responses={k: v for k, v in ERROR_RESPONSES.items() if k != 406})
+    async def edit(self, body: EditBody, request: Request):
+        """Image-to-image, or inpainting with a ``mask`` (white = repaint; a mask with
+        transparency: transparent = repaint). Every setting explicit; the response carries each
+        image's seed and timings like ``/v1/generate``."""
+        t0 = time.perf_counter()
+        deadline = self._deadline(request)
+        info = await self._model_info(deadline)
+        steps = info["default_steps"] if body.steps is None else body.steps
+        guidance = info["default_guidance"] if body.guidance_scale is None else body.guidance_scale
+        errors = []
+        if guidance > self.s.max_guidance:
+            errors.append(("guidance_scale", f"{guidance} is above the limit of "
+                           f"{self.s.max_guidance:g}", guidance))
+        raw = {}
+        for field in ("image", "mask"):
+            value = getattr(body, field)
+            if value is None:
+                continue
+            try:
+                raw[field] = _b64(value)
+            except ValueError as e:
+                errors.append((field, f"{field} {e}", None))
+        if "image" not in raw and not any(f == "image" for f, _, _ in errors):
+            errors.append(("image", "an image to edit is required", None))
+        if any(f in ("image", "mask") for f, _, _ in errors):
+            raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
+                                           "input": v} for f, m, v in errors])
+        job = await self._edit_job(
+            info, prompt=body.prompt, negative_prompt=body.negative_prompt, image=raw["image"],
+            mask=raw.get("mask"), transparent_mask=None, strength=body.strength, seed=body.seed,
+            n=body.num_images, n_field="num_images", width=body.width, height=body.height,
+            size_fields=("width", "height"), steps=steps, guidance=guidance, errors=errors)
+        result = await self._generate(job, deadline, request)
+        t1 = time.perf_counter()
+        size = f"{job.width}x{job.height}"
+        meta = [image_info(prompt=body.prompt, negative_prompt=body.negative_prompt, seed=seed,
+                           steps=steps, guidance=guidance, size=size,
+                           scheduler=info["scheduler"], model=self.model_id, dtype=info["dtype"])
+                | {"mode": job.kind, "strength": f"{job.strength:g}"}
+                for seed in result.seeds]
+        fmt = body.output_format
+        blobs = await asyncio.to_thread(lambda: [encode_image(im, fmt, m)
+                                                 for im, m in zip(result.images, meta)])
+        timings = dict(result.timings, encode_s=time.perf_counter() - t1,
+                       total_s=time.perf_counter() - t0, batch_requests=result.batch["requests"],
+                       batch_images=result.batch["images"])
+        return JSONResponse({
+            "created": int(time.time()), "model": self.model_id,
+            "images": [{"b64_json": base64.b64encode(b).decode(), "seed": s}
+                       for b, s in zip(blobs, result.seeds)],
+            "seeds": result.seeds, "mode": job.kind, "strength": job.strength,
+            "width": job.width, "height": job.height, "steps": steps,
+            "guidance_scale": guidance, "scheduler": info["scheduler"], "output_format": fmt,
+            "timings": timings}, headers=self._headers(result))
 
     @api.get("/", response_class=HTMLResponse, tags=["playground"],
              summary="The web playground (a page for people)",

@@ -16,6 +16,12 @@ passed by the time a device batch starts is dropped from it (``Expired``, counte
 ``maxdiff_expired_requests``), so no work is done for a client that has stopped waiting. A device
 batch that has started runs to its end (one compiled program).
 
+Edits (``edit(job)``, an :class:`pipelines.requests.EditRequest`): image-to-image and inpainting
+with ``ImageToImagePipeline.from_pipe`` / ``InpaintPipeline.from_pipe`` over the loaded weights
+(made once, on the first edit), batched per :class:`pipelines.requests.EditKey` (kind, size,
+steps, CFG on/off, strength) under the same device lock, deadlines and stats. Edit programs are
+not warmed up: the first edit of a shape compiles (without holding the device lock).
+
 Health: Ray Serve calls :meth:`Generator.check_health` every ``health_check_period_s``; it runs a
 tiny program on the replica's devices with the loaded weights and raises if that fails or
 hangs, so Ray Serve replaces the replica. After every batch a replica reports its stats to the
@@ -37,7 +43,8 @@ import ray
 from ray import serve
 from ray.serve import metrics
 
-from pipelines.requests import GenerationRequest, ShapeKey, bucket_size, pad_to, plan_batches
+from pipelines.requests import (EditKey, EditRequest, GenerationRequest, ShapeKey, bucket_size,
+                                pad_to, plan_batches)
 from serving.schemas import JobResult, ServeSettings, WarmupShape
 
 logger = logging.getLogger("ray.serve")
@@ -92,7 +99,8 @@ class StatsBoard:
 
 class Generator:
     """Ray Serve deployment class (``build_app`` sets its options). Handle methods:
-    ``generate(job) -> JobResult``, ``info() -> dict``, ``stats() -> dict``."""
+    ``generate(job) -> JobResult``, ``edit(job) -> JobResult``, ``info() -> dict``,
+    ``stats() -> dict``."""
 
     def __init__(self, run_config, settings: ServeSettings):
         from pipelines import TextToImagePipeline
@@ -106,6 +114,7 @@ class Generator:
                         "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
         self._board = StatsBoard.get(ctx.app_name)
         self._batchers: dict[tuple, object] = {}
+        self._edit_pipes: dict[str, object] = {}  # kind -> pipeline sharing self.pipe's weights
         self._device_lock = asyncio.Lock()  # FIFO: batches of different shapes take turns
         self._compiled: set[tuple] = set()  # (height, width, steps, cfg, padded batch) run so far
         self._batch_ids = itertools.count(1)
@@ -187,7 +196,8 @@ class Generator:
         """This replica's recent batches (newest last), images served and compiled programs."""
         batches = list(self._recent)[-recent:] if recent else list(self._recent)
         return {"node_id": self.replica["node_id"], "pid": self.replica["pid"],
-                "images": self._images_total, "compiled_programs": self.pipe.num_compiled,
+                "images": self._images_total, "compiled_programs": self.pipe.num_compiled + sum(
+                    p.num_compiled for p in self._edit_pipes.values()),
                 "batches": batches, "warmed": self.warmed, "warmup_s": self.warmup_s}
 
     def _report(self) -> None:
@@ -213,12 +223,59 @@ class Generator:
             job.validate()
         except ValueError as e:
             raise InvalidJob(str(e)) from None
+        return await self._queue(job, timeout_s)
+
+    async def edit(self, job: EditRequest, timeout_s: float | None = None) -> JobResult:
+        """Like :meth:`generate` for an image-to-image (no mask) or inpainting job; edit jobs
+        are batched with the jobs of their :class:`EditKey`."""
+        try:
+            if not isinstance(job, EditRequest):
+                raise ValueError(f"edit takes an EditRequest, got {type(job).__name__}")
+            self.pipe._check(job.steps, job.height, job.width, "pil")
+            job.validate()
+        except ValueError as e:
+            raise InvalidJob(str(e)) from None
+        return await self._queue(job, timeout_s)
+
+    async def _queue(self, job: GenerationRequest, timeout_s: float | None) -> JobResult:
         now = time.perf_counter()
         result = await self._batcher(job.key)(
             (job, now, None if timeout_s is None else now + timeout_s))
         if isinstance(result, Exception):
             raise result
         return result
+
+    def _edit_pipe(self, kind: str):
+        pipe = self._edit_pipes.get(kind)
+        if pipe is None:
+            from pipelines.edit import ImageToImagePipeline, InpaintPipeline
+
+            cls = InpaintPipeline if kind == "inpaint" else ImageToImagePipeline
+            pipe = self._edit_pipes[kind] = cls.from_pipe(self.pipe)
+        return pipe
+
+    def _items(self, job: GenerationRequest) -> list:
+        """What one device batch entry is: an ImageRequest, or for an edit (ImageRequest,
+        image, mask) with the image and mask as PIL images (resized by the pipeline as
+        diffusers does when the size differs)."""
+        if not isinstance(job, EditRequest):
+            return job.images()
+        from PIL import Image
+
+        image = Image.fromarray(job.image)
+        mask = None if job.mask is None else Image.fromarray(job.mask, mode="L")
+        return [(item, image, mask) for item in job.images()]
+
+    def _device_batch(self, key: tuple, items: list):
+        """Run one padded device batch of ``key``'s items (blocking)."""
+        if isinstance(key, EditKey):
+            pipe = self._edit_pipe(key.kind)
+            return pipe.generate([r for r, _, _ in items], [im for _, im, _ in items],
+                                 [m for _, _, m in items] if key.kind == "inpaint" else None,
+                                 strength=key.strength, height=key.height, width=key.width,
+                                 num_inference_steps=key.steps)
+        return self.pipe.generate(items, height=key.height, width=key.width,
+                                  num_inference_steps=key.steps)
 
     # ------------------------------------------------------------------ batching
     def _batcher(self, key: tuple):
@@ -232,11 +289,11 @@ class Generator:
             self._batchers[key] = fn
         return fn
 
-    async def _run_batch(self, key: ShapeKey, queued: list[tuple]) -> list:
+    async def _run_batch(self, key: ShapeKey | EditKey, queued: list[tuple]) -> list:
         """Run one batch of same-key jobs as device batches of at most ``batch_images``
         images; jobs whose deadline has passed when a device batch starts are dropped."""
         jobs = [q[0] for q in queued]
-        images = [(j, item) for j, job in enumerate(jobs) for item in job.images()]
+        images = [(j, item) for j, job in enumerate(jobs) for item in self._items(job)]
         done: dict[int, list] = {j: [] for j in range(len(jobs))}  # (image, seed) per job
         expired: set[int] = set()
         buckets: list[int] = []
@@ -251,7 +308,7 @@ class Generator:
             if not part:
                 continue
             bucket = bucket_size(len(part), self.pipe.mesh.size)  # every one is warmed up
-            program = (*key, bucket)
+            program = (*(key.program if isinstance(key, EditKey) else key), bucket)
             # A program not compiled yet compiles (seconds to minutes) without holding the
             # devices, so batches of compiled shapes keep running meanwhile.
             lock = self._device_lock if program in self._compiled else contextlib.nullcontext()
@@ -259,8 +316,7 @@ class Generator:
                 if started is None:
                     started = time.perf_counter()
                 out = await asyncio.to_thread(
-                    self.pipe.generate, pad_to([item for _, item in part], bucket),
-                    height=key.height, width=key.width, num_inference_steps=key.steps)
+                    self._device_batch, key, pad_to([item for _, item in part], bucket))
             self._compiled.add(program)
             for (j, _), image, seed in zip(part, out.images, out.seeds):
                 done[j].append((np.asarray(image), seed))

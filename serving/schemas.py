@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from maxdiff.config import StrictConfig, parse_overrides, validate, yaml_scalar
 from pipelines.config import RunConfig
-from pipelines.requests import MAX_SEED, parse_size
+from pipelines.requests import EDIT_STRENGTH, INPAINT_STRENGTH, MAX_SEED, parse_size
 
 # build_app args that go to the run config; the rest are ServeSettings.
 RUN_CONFIG_KEYS = tuple(RunConfig.model_fields)
@@ -143,7 +143,10 @@ class ServeSettings(StrictConfig):
     min_size: int | None = Field(None, ge=1)  # pixels per side; None: size_multiple
     max_size: int | None = Field(None, ge=1)  # None: the model's max_size (maxdiff.json), or 2048
     size_multiple: int | None = Field(None, ge=1)  # sides: multiples of this and the VAE factor
-    max_body_bytes: int = Field(65536, ge=1)
+    max_body_bytes: int = Field(65536, ge=1)  # every route but the edit routes (below)
+    # the body limit of POST /v1/images/edits and /v1/edit instead (they carry images; base64
+    # in JSON is 4/3 of the file size); 20 MiB
+    max_image_bytes: int = Field(20 * 2**20, ge=1)
     max_prompt_chars: int = Field(4000, ge=1)
     # a request's cost: images x steps x megapixels (width x height / 2**20); 400 is 4 images of
     # 1024x1024 at 100 steps
@@ -295,7 +298,7 @@ ERROR_RESPONSES: dict[int | str, dict] = {
     code: {"model": ErrorResponse, "description": what} for code, what in (
         (401, "API keys are on and the request has no valid `Authorization: Bearer` key."),
         (406, "An image Accept type with more than one image."),
-        (413, "The body is larger than max_body_bytes."),
+        (413, "The body is larger than max_body_bytes (max_image_bytes on the edit routes)."),
         (429, "The key's rate limit is reached (`Retry-After` says when to retry)."),
         (500, "An unexpected server error (the request id finds it in the log)."),
         (503, "At capacity, warming up, or a replica was lost (`Retry-After`)."),
@@ -333,6 +336,51 @@ class GenerateRequest(BaseModel):
     output_format: ImageFormat = "png"
 
 
+class EditRequest(BaseModel):
+    """Native editing: image-to-image, or inpainting with a mask. Every setting explicit,
+    seeds reported, unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    prompt: str = Field(min_length=1)
+    negative_prompt: str | None = None
+    image: str = Field(min_length=1, description="The image to edit: base64 PNG, JPEG or WebP "
+                       "(a `data:image/...;base64,` prefix is allowed).")
+    mask: str | None = Field(None, description="Inpainting mask, base64 PNG/JPEG/WebP of the "
+                             "image's size: white = repaint, black = keep; a mask with "
+                             "transparent pixels (alpha < 255 somewhere) is read the OpenAI way "
+                             "instead: fully transparent = repaint. Omitted: image-to-image.")
+    strength: float | None = Field(None, gt=0, le=1, description="In (0, 1]: how far from the image to go "
+                                   "(int(steps * strength) denoising steps run). Default: "
+                                   f"{EDIT_STRENGTH} without a mask, {INPAINT_STRENGTH} with "
+                                   "one.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED,
+                             description="Image k gets seed + k; omitted: random (reported).")
+    steps: int | None = Field(None, ge=1, description="Default: the model's / run config's.")
+    guidance_scale: float | None = Field(None, ge=0, description="<= 1 turns CFG off.")
+    width: int | None = Field(None, ge=1, description="Default: the image's width (rounded "
+                              "down to the model's size multiple); the image is resized to it.")
+    height: int | None = Field(None, ge=1, description="Default: the image's height.")
+    num_images: int = Field(1, ge=1)
+    output_format: ImageFormat = "png"
+
+
+class EditResponse(BaseModel):
+    created: int
+    model: str
+    images: list["GeneratedImage"]
+    seeds: list[int]
+    mode: Literal["img2img", "inpaint"]
+    strength: float
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    scheduler: str
+    output_format: str
+    timings: dict[str, float]
+
+
 class GeneratedImage(BaseModel):
     b64_json: str
     seed: int
@@ -350,6 +398,9 @@ class GenerateResponse(BaseModel):
     scheduler: str
     output_format: str
     timings: dict[str, float]
+
+
+EditResponse.model_rebuild()
 
 
 # ---------------------------------------------------------------------------------- jobs

@@ -21,7 +21,8 @@ from pathlib import Path
 
 ENV_KEYS = "MAXDIFF_API_KEYS"
 # What the ingress's ASGI gate enforces in this process (set by the Ingress constructor).
-GATE: dict = {"max_body_bytes": 65536, "key_hashes": None, "limiter": None}
+GATE: dict = {"max_body_bytes": 65536, "max_image_bytes": 20 * 2**20, "key_hashes": None,
+              "limiter": None}
 _HASHED = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 

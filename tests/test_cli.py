@@ -245,6 +245,96 @@ def test_usage_errors_exit_2_with_a_clear_message(sdxl_dir, env, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+# ---------------------------------------------------------------------------------- editing
+def _edit_files(d: Path) -> dict[str, Path]:
+    """A 32x32 picture, a white = repaint mask (left half) and a 16x16 mask, in ``d/in``."""
+    (d / "in").mkdir()
+    rng = np.random.default_rng(0)
+    white = np.zeros((32, 32), np.uint8)
+    white[:, :16] = 255
+    files = {"image": (rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), "photo.png"),
+             "mask": (white, "mask.png"), "small": (white[:16, :16], "small.png")}
+    out = {}
+    for k, (a, name) in files.items():
+        Image.fromarray(a).save(d / "in" / name)
+        out[k] = d / "in" / name
+    return out
+
+
+def test_image_and_mask_edits(sdxl_dir, env, tmp_path):
+    """--image (image-to-image), --image with --mask (inpainting) and JSONL lines with image,
+    mask and strength (paths relative to the file): images of the input's size, metadata with
+    the mode, input paths and strength; a rerun skips them all."""
+    f = _edit_files(tmp_path)
+    jobs = tmp_path / "in" / "jobs.jsonl"
+    jobs.write_text("\n".join([
+        json.dumps({"prompt": "a red hat", "image": "photo.png", "mask": "mask.png",
+                    "strength": 1.0, "seed": 3}),
+        json.dumps({"prompt": "a cat"}),
+    ]) + "\n")
+    out = tmp_path / "out"
+    args = ["generate", "a watercolor", "--image", f["image"], "--strength", "0.5", "--prompts",
+            jobs, "--model", sdxl_dir, "--steps", "2", "--batch-size", "2", "--seed", "5",
+            "--out", out]
+    res = run(env, *args, timeout=300)
+    assert res.returncode == 0, res.stderr
+    meta = metadata(out)
+    assert len(meta) == 3 and len(images(out)) == 3
+    by_prompt = {m["prompt"]: m for m in meta}
+    edit = by_prompt["a watercolor"]
+    assert (edit["mode"], edit["strength"], edit["input_image"], edit["mask"]) == (
+        "img2img", 0.5, str(f["image"].resolve()), None)
+    inpaint = by_prompt["a red hat"]
+    assert (inpaint["mode"], inpaint["strength"], inpaint["seed"]) == ("inpaint", 1.0, 3)
+    assert inpaint["mask"] == str(f["mask"].resolve())
+    # a line without an image of its own takes --image and --strength
+    assert (by_prompt["a cat"]["mode"], by_prompt["a cat"]["strength"]) == ("img2img", 0.5)
+    for m in meta:
+        assert Image.open(out / m["file"]).size == (32, 32)
+        info = requests.read_image_info(out / m["file"])
+        assert info["mode"] == m["mode"] and float(info["strength"]) == m["strength"]
+    a, b = (np.asarray(Image.open(out / by_prompt[p]["file"]), int) for p in ("a watercolor",
+                                                                               "a cat"))
+    assert not np.array_equal(a, b)
+    res = run(env, *args, timeout=300)  # resume: nothing new
+    assert res.returncode == 0 and "0 to generate" in res.stderr, res.stderr
+    assert len(metadata(out)) == 3
+
+
+def test_edit_errors_exit_2_before_loading(sdxl_dir, env, tmp_path):
+    f = _edit_files(tmp_path)
+    out = tmp_path / "out"
+    cases = [
+        (["--image", tmp_path / "nope.png"], f"--image {tmp_path / 'nope.png'}: cannot read it"),
+        (["--image", f["image"], "--mask", f["small"]],
+         f"--mask {f['small']} is 16x16 but --image {f['image']} is 32x32"),
+        (["--image", f["image"], "--strength", "1.5"], "--strength: must be a number in (0, 1]"),
+        (["--mask", f["mask"]], "a mask needs an image to edit (--image)"),
+        (["--image", f["image"], "--strength", "0.3", "--steps", "1"],
+         "prompt argument 1: strength=0.3 with 1 step(s) leaves no denoising step"),
+    ]
+    for extra, message in cases:
+        res = run(env, "generate", "a cat", "--model", sdxl_dir, "--out", out, *extra)
+        assert res.returncode == 2 and message in res.stderr, (extra, res.stderr)
+        assert "loaded" not in res.stderr and not out.exists()
+    jobs = tmp_path / "in" / "jobs.jsonl"
+    jobs.write_text("\n".join([
+        json.dumps({"prompt": "x", "image": "photo.png", "mask": "small.png"}),
+        json.dumps({"prompt": "x", "image": "missing.png"}),
+        json.dumps({"prompt": "x", "image": "photo.png", "strength": 0}),
+        json.dumps({"prompt": "x", "mask": "mask.png"}),
+    ]) + "\n")
+    res = run(env, "generate", "--prompts", jobs, "--model", sdxl_dir, "--out", out)
+    assert res.returncode == 2, res.stderr
+    err = res.stderr
+    assert f"{jobs}:1: field 'mask' mask.png".replace("mask.png", "small.png") in err
+    assert "is 16x16 but field 'image' photo.png is 32x32" in err
+    assert f"{jobs}:2: field 'image' missing.png: cannot read it" in err
+    assert f"{jobs}:3: field 'strength': must be a number in (0, 1], got 0" in err
+    assert f"{jobs}:4: field 'mask' mask.png: a mask needs an image to edit" in err
+    assert "loaded" not in err and not out.exists()
+
+
 # ---------------------------------------------------------------------------------- convert, info
 def test_convert_roundtrip_and_info(converted, text_run, sdxl_dir, env, tmp_path):
     import torch

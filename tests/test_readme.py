@@ -169,6 +169,8 @@ def test_cli_examples(paths):
     run_bash(localize(the("cli"), subs), work)
     assert len(list((work / "out" / "demo").glob("*.png"))) == 4
     assert len(list((work / "out" / "shapes").glob("*.png"))) == 1
+    edit = [json.loads(line) for line in (work / "out" / "edit" / "metadata.jsonl").open()]
+    assert [(r["mode"], r["strength"], r["size"]) for r in edit] == [("img2img", 0.6, "128x96")]
     assert len(list((work / "out" / "run1").glob("*.webp"))) == 2
     run2 = [json.loads(line) for line in (work / "out" / "run2" / "metadata.jsonl").open()]
     assert len(run2) == 4 and {r["steps"] for r in run2} == {4}
@@ -242,6 +244,8 @@ def test_serve_run_with_a_model_folder_and_curl(paths):
 
         im = Image.open(work / "cat.png")
         assert im.format == "PNG" and im.size == (128, 128)  # the tiny model's native size
+        assert Image.open(work / "dog.png").size == (128, 128)  # /v1/edit keeps the size
+        assert json.loads((work / "edit.json").read_text())["size"] == "128x128"
     finally:
         served.stop()
 
@@ -254,7 +258,7 @@ def test_serve_yaml_openai_curl_and_a_size_too_large(paths):
     served = Served(_serve_lines(subs)[1], work)
     try:
         res = run_python(the("openai"), work)
-        assert res.stdout.split() == ["2", "64x64"]
+        assert res.stdout.split() == ["2", "64x64", "64x64"]
         run_bash(the("curl"), work)
         import openai
 

@@ -102,3 +102,43 @@ def test_encode_image_carries_settings(tmp_path):
     assert len(small) < len(encode_image(pixels, "jpeg"))
     with pytest.raises(ValueError, match="format 'gif'"):
         encode_image(pixels, "gif")
+
+
+def test_decode_image_and_repaint_masks():
+    from pipelines.requests import EditRequest, check_strength, decode_image, repaint_mask
+
+    pixels = np.random.default_rng(0).integers(0, 256, (8, 16, 3), np.uint8)
+    rgb, alpha = decode_image(encode_image(pixels))
+    assert np.array_equal(rgb, pixels) and alpha is None
+    for bad in (b"", b"not an image", encode_image(pixels)[:40]):
+        with pytest.raises(ValueError, match="mask"):
+            decode_image(bad, "mask")
+    gif = io.BytesIO()
+    Image.fromarray(pixels).save(gif, "GIF")
+    with pytest.raises(ValueError, match="GIF image; give PNG, JPEG or WebP"):
+        decode_image(gif.getvalue())
+    # white = repaint; transparent = repaint (OpenAI), automatic by the alpha channel
+    white = np.zeros((8, 16), np.uint8)
+    white[:, :5] = 255
+    gray_rgb, a = decode_image(encode_image(np.dstack([white] * 3)))
+    assert a is None and np.array_equal(repaint_mask(gray_rgb, a), white)
+    rgba = io.BytesIO()
+    Image.fromarray(np.dstack([np.zeros((8, 16, 3), np.uint8), 255 - white])).save(rgba, "PNG")
+    rgb, a = decode_image(rgba.getvalue())
+    assert np.array_equal(repaint_mask(rgb, a), white)
+    assert np.array_equal(repaint_mask(rgb, a, transparent=True), white)
+    assert not repaint_mask(rgb, a, transparent=False).any()  # black pixels: keep
+    opaque = np.full((8, 16), 255, np.uint8)  # an opaque RGBA mask: white = repaint, or
+    assert np.array_equal(repaint_mask(np.dstack([white] * 3), opaque), white)
+    assert not repaint_mask(np.dstack([white] * 3), opaque, transparent=True).any()  # OpenAI
+    check_strength(0.5, 2)
+    for s, msg in ((0, r"\(0, 1\]"), (1.5, r"\(0, 1\]"), (True, r"\(0, 1\]"),
+                   (0.25, "leaves no denoising step")):
+        with pytest.raises(ValueError, match=msg):
+            check_strength(s, 2)
+    job = EditRequest("x", None, 1, 1, 16, 8, 2, 0.0, strength=0.5, image=pixels, mask=white)
+    job.validate()
+    assert str(job.key) == "inpaint:16x8:2:nocfg:s0.5" and job.key.program == (
+        "inpaint", 8, 16, 2, False)
+    with pytest.raises(ValueError, match="mask is 5x8 but image is 16x8"):
+        EditRequest("x", None, 1, 1, 16, 8, 2, 0.0, image=pixels, mask=white[:, :5]).validate()

@@ -34,7 +34,7 @@ MAIN_ARGS = dict(
     steps=STEPS, guidance=0.0, max_batch_size=4, batch_wait_timeout_s=0.5,
     warmup_shapes=[f"{SIZE}x{SIZE}:{STEPS}:0"], max_queued_requests=2, max_n=4, max_steps=8,
     min_size=16, max_size=64, request_timeout_s=120, num_cpus=1, ingress_num_cpus=0,
-    model_name="tiny-sdxl", max_cost=0.02,
+    model_name="tiny-sdxl", max_cost=0.02, max_image_bytes=2**20,
 )
 
 
@@ -451,7 +451,167 @@ def test_burst_beyond_the_queue_is_503_with_retry_after(main_app):
 def test_openapi_docs(main_app):
     assert "swagger" in requests.get(f"{main_app.url}/docs").text.lower()
     paths = requests.get(f"{main_app.url}/openapi.json").json()["paths"]
-    assert {"/v1/images/generations", "/v1/generate", "/healthz", "/v1/models"} <= set(paths)
+    assert {"/v1/images/generations", "/v1/images/edits", "/v1/generate", "/v1/edit",
+            "/healthz", "/v1/models"} <= set(paths)
+
+
+# ---------------------------------------------------------------------------------- edits
+def _encode(a: np.ndarray, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, fmt)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def edit_files(tmp_path_factory):
+    """A 32x32 picture, a white = repaint mask (left half) and the same mask the OpenAI way (an
+    RGBA PNG, left half fully transparent), as files and arrays."""
+    d = tmp_path_factory.mktemp("edit")
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+    white = np.zeros((SIZE, SIZE), np.uint8)
+    white[:, :SIZE // 2] = 255
+    rgba = np.dstack([np.full((SIZE, SIZE, 3), 90, np.uint8), 255 - white])
+    files = {"image": _encode(image), "mask": _encode(white), "openai_mask": _encode(rgba),
+             "small_mask": _encode(white[:16, :16])}
+    for name, data in files.items():
+        (d / f"{name}.png").write_bytes(data)
+    return types.SimpleNamespace(dir=d, image=image, mask=white, **{
+        f"{k}_png": d / f"{k}.png" for k in files})
+
+
+def _edit(url, timeout=120, **body):
+    return requests.post(f"{url}/v1/edit", json={"prompt": "a red circle", **body},
+                         timeout=timeout)
+
+
+def _b64file(path) -> str:
+    return base64.b64encode(Path(path).read_bytes()).decode()
+
+
+def test_openai_client_edits(main_app, edit_files):
+    """``client.images.edit`` with a mask (inpainting) and without (image-to-image)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{main_app.url}/v1", api_key="unused", max_retries=0)
+    with open(edit_files.image_png, "rb") as image, open(edit_files.openai_mask_png, "rb") as mask:
+        out = client.images.edit(image=image, mask=mask, prompt="a blue square",
+                                 size=f"{SIZE}x{SIZE}", model="tiny-sdxl", user="test",
+                                 input_fidelity="high", quality="high")
+    assert len(out.data) == 1 and out.size == f"{SIZE}x{SIZE}"
+    inpainted = _png(out.data[0].b64_json)
+    assert inpainted.shape == (SIZE, SIZE, 3)
+    with open(edit_files.image_png, "rb") as image:  # no size: the image's
+        out = client.images.edit(image=[image], prompt="a blue square")
+    assert _png(out.data[0].b64_json).shape == (SIZE, SIZE, 3) and out.size == f"{SIZE}x{SIZE}"
+    with open(edit_files.image_png, "rb") as image:
+        with pytest.raises(openai.UnprocessableEntityError, match="b64_json"):
+            client.images.edit(image=image, prompt="x", response_format="url")
+    shapes = {b["shape"] for rep in requests.get(f"{main_app.url}/v1/stats").json()[
+        "replicas"].values() for b in rep["batches"]}
+    assert {f"inpaint:{SIZE}x{SIZE}:{STEPS}:nocfg:s0.9999",
+            f"img2img:{SIZE}x{SIZE}:{STEPS}:nocfg:s0.75"} <= shapes, shapes
+
+
+def test_native_edit_equals_python_api(main_app, pipe, edit_files):
+    """/v1/edit with a seed: the Python API's ImageToImagePipeline / InpaintPipeline pixels
+    (within one level), and the mask's two conventions give the same image."""
+    from pipelines import ImageToImagePipeline, InpaintPipeline
+
+    image = Image.fromarray(edit_files.image)
+    kw = dict(seed=21, num_inference_steps=STEPS, guidance_scale=0.0)
+    r = _edit(main_app.url, prompt="a photo of a cat", image=_b64file(edit_files.image_png),
+              seed=21, steps=STEPS, guidance_scale=0.0, strength=0.75)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["mode"], body["strength"], body["seeds"]) == ("img2img", 0.75, [21])
+    assert (body["width"], body["height"]) == (SIZE, SIZE) and "generate_s" in body["timings"]
+    ours = ImageToImagePipeline.from_pipe(pipe)("a photo of a cat", image=image, strength=0.75,
+                                                **kw).images[0]
+    got = _png(body["images"][0]["b64_json"]).astype(int)
+    assert np.abs(got - np.asarray(ours, int)).max() <= 1
+    assert np.abs(got - edit_files.image.astype(int)).max() > 0
+
+    inpainted = []
+    for mask in (edit_files.mask_png, edit_files.openai_mask_png):
+        r = _edit(main_app.url, prompt="a photo of a cat", image=_b64file(edit_files.image_png),
+                  mask=_b64file(mask), seed=21, steps=STEPS, guidance_scale=0.0)
+        assert r.status_code == 200, r.text
+        assert (r.json()["mode"], r.json()["strength"]) == ("inpaint", 0.9999)
+        inpainted.append(_png(r.json()["images"][0]["b64_json"]).astype(int))
+    np.testing.assert_array_equal(inpainted[0], inpainted[1])
+    ours = InpaintPipeline.from_pipe(pipe)("a photo of a cat", image=image,
+                                           mask_image=Image.fromarray(edit_files.mask),
+                                           strength=0.9999, **kw).images[0]
+    assert np.abs(inpainted[0] - np.asarray(ours, int)).max() <= 1
+
+
+EDIT_ERRORS = [
+    (dict(mask="small_mask"), "mask", "mask is 16x16 but image is 32x32"),
+    (dict(image=base64.b64encode(b"not an image").decode()), "image", "could not be decoded"),
+    (dict(image="%%%"), "image", "not valid base64"),
+    (dict(image=None), "image", "required"),
+    (dict(strength=1.5), "strength", "less than or equal to 1"),
+    (dict(strength=0.25), "strength", "leaves no denoising step"),
+    (dict(width=128, height=128), "width", "between 16 and 64"),
+    (dict(num_images=5), "num_images", "at most 4"),
+    (dict(width=64, height=64, num_images=4), "num_images", "max_cost"),
+    (dict(seed=-1), "seed", "greater than or equal to 0"),
+]
+
+
+@pytest.mark.parametrize("change,field,message", EDIT_ERRORS,
+                         ids=[f"{f}-{i}" for i, (_, f, _) in enumerate(EDIT_ERRORS)])
+def test_invalid_edits_are_422_naming_the_field(main_app, edit_files, change, field, message):
+    body = {"image": _b64file(edit_files.image_png), "steps": STEPS}
+    for k, v in change.items():
+        if v is None:
+            body.pop(k)
+        elif k in ("image", "mask") and v in ("small_mask", "mask"):
+            body[k] = _b64file(getattr(edit_files, f"{v}_png"))
+        else:
+            body[k] = v
+    r = _edit(main_app.url, timeout=30, **body)
+    assert r.status_code == 422, r.text
+    err = r.json()
+    assert err["error"]["param"] == field or any(field in d["loc"] for d in err["detail"]), err
+    assert message in err["error"]["message"], err
+
+
+def test_invalid_openai_edits_are_422(main_app, edit_files):
+    url = f"{main_app.url}/v1/images/edits"
+    image = ("image.png", edit_files.image_png.read_bytes(), "image/png")
+    cases = [
+        ({"image": image, "mask": ("m.png", edit_files.small_mask_png.read_bytes())}, {},
+         "mask", "mask is 16x16 but image is 32x32"),
+        ({"image": ("x.png", b"GIF89a not really")}, {}, "image", "could not be decoded"),
+        ({}, {"prompt": "x"}, "image", "required"),
+        ({"image": image}, {}, "prompt", "Field required"),
+        ({"image": image}, {"size": "4096x4096"}, "size", "out of range"),
+        ({"image": image}, {"n": "9"}, "n", "at most 4"),
+        ({"image": image}, {"n": "two"}, "n", "integer"),
+    ]
+    for files, data, field, message in cases:
+        data = {"prompt": "x", **data} if field != "prompt" else data
+        r = requests.post(url, files=files or {"unused": ("", b"")}, data=data, timeout=30)
+        assert r.status_code == 422, (field, r.text)
+        err = r.json()
+        assert any(field in d["loc"] for d in err["detail"]), err
+        assert message in err["error"]["message"], err
+
+
+def test_edit_bodies_have_their_own_limit(main_app, edit_files):
+    """An image far over max_body_bytes (64 KiB) passes the gate of the edit routes (then its
+    size is refused: 422); over max_image_bytes (1 MiB here) it is a 413."""
+    rng = np.random.default_rng(1)
+    big = _encode(rng.integers(0, 256, (200, 200, 3), dtype=np.uint8))
+    assert len(big) > 65536
+    r = _edit(main_app.url, timeout=30, image=base64.b64encode(big).decode())
+    assert r.status_code == 422 and "between 16 and 64" in r.text, r.text
+    r = _edit(main_app.url, timeout=30, image="A" * (2**20 + 10))
+    assert r.status_code == 413 and "max_image_bytes" in r.text, r.text
+    r = requests.post(f"{main_app.url}/v1/generate", json={"prompt": "x" * 70_000})
+    assert r.status_code == 413 and "max_body_bytes" in r.text
 
 
 # ---------------------------------------------------------------------------------- hosts
