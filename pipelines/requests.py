@@ -132,7 +132,9 @@ class ImageRequest:
 
     ``seed`` None draws a random one (reported in the output). ``negative_size``:
     (original_size, crops_coords_top_left, target_size) for the negative branch; None uses the
-    positive ones, as diffusers does.
+    positive ones, as diffusers does. ``adapter``: the name of a LoRA adapter added with
+    ``TextToImagePipeline.add_adapter`` that this image uses (None: the base model); images with
+    different adapters share a batch.
     """
 
     prompt: str
@@ -146,10 +148,11 @@ class ImageRequest:
     crops_coords_top_left: tuple[int, int] = (0, 0)
     target_size: tuple[int, int] | None = None
     negative_size: tuple | None = None
+    adapter: str | None = None
 
     def validate(self, index: int = 0) -> None:
         where = f"item {index}: " if index else ""
-        for name in ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2"):
+        for name in ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2", "adapter"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 raise ValueError(f"{where}{name} must be a string, got {type(v).__name__}")
@@ -187,16 +190,18 @@ class GenerationRequest:
     height: int
     steps: int
     guidance_scale: float
+    adapter: str | None = None  # a LoRA adapter the server added (add_adapter); not in the key
 
     @property
     def key(self) -> ShapeKey:
-        """Requests with equal keys can share a device batch (one compiled program)."""
+        """Requests with equal keys can share a device batch (one compiled program); the
+        adapter is not part of it (images with different adapters share a batch)."""
         return ShapeKey.of(self.height, self.width, self.steps, self.guidance_scale)
 
     def images(self) -> list[ImageRequest]:
         """One :class:`ImageRequest` per image, seeds ``seed + k``."""
         return [ImageRequest(self.prompt, negative_prompt=self.negative_prompt, seed=s,
-                             guidance_scale=self.guidance_scale)
+                             guidance_scale=self.guidance_scale, adapter=self.adapter)
                 for s in image_seeds(self.seed, self.n)]
 
     def validate(self) -> None:
@@ -244,7 +249,7 @@ def pad_to(items: Sequence[T], bucket: int) -> list[T]:
 
 # ---------------------------------------------------------------------------------- images
 IMAGE_KEYS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "scheduler",
-              "model", "unet", "lora", "dtype", "mode", "strength")
+              "model", "unet", "lora", "adapter", "dtype", "mode", "strength")
 
 
 def image_info(**settings: Any) -> dict[str, str]:

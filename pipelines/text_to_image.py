@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiff import checkpoint, mesh as meshlib
+from maxdiff import adapters as adapterlib, checkpoint, mesh as meshlib
 from maxdiff.models.clip import load_text_encoder
 from maxdiff.models.unet import load_unet
 from maxdiff.models.vae import load_vae
@@ -106,6 +106,9 @@ class TextToImagePipeline:
         self._programs: dict[tuple, Any] = {}
         self._base_params: dict | None = None  # the weights before any LoRA was fused
         self._loras: list[tuple[str, str, float, list]] = []  # (name, file, scale, layers)
+        # per-image adapters (add_adapter), unfused: (name, file, scale, layers), index order
+        self._adapters: list[tuple[str, str, float, list]] = []
+        self._adapter_tables = None  # maxdiff.adapters.AdapterTables, None without adapters
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -263,6 +266,62 @@ class TextToImagePipeline:
         else:
             self.params, self._base_params, self._loras = self._base_params, None, []
 
+    def add_adapter(self, name: str, path: str | os.PathLike, scale: float = 1.0) -> int:
+        """Preload a LoRA adapter *unfused*, for images that ask for it by ``name``
+        (``ImageRequest(adapter=name)``); the weights stay as they are. Only its low-rank factors
+        are kept (memory about the file's size, never a copy of the model), stacked with the
+        other adapters' into zero-padded per-layer tables (:mod:`maxdiff.adapters`). In the
+        compiled program each adapted projection (UNet linear and conv layers, both text
+        encoders' linear layers) adds each image's own ``scale * alpha / r * up @ down`` update
+        (index 0 = no adapter); the index is a traced input, so images with different adapters
+        and none share one device batch and one program. Adding an adapter changes the tables'
+        shapes: programs compiled before are compiled again on their next use (add adapters
+        before warming up). Returns the adapter's index (1, 2, ...)."""
+        from maxdiff import lora
+
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"adapter name {name!r}; give a non-empty string")
+        if name in [n for n, *_ in self._adapters]:
+            raise ValueError(f"an adapter named {name!r} is already added (added: "
+                             f"{', '.join(n for n, *_ in self._adapters)})")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
+                or not np.isfinite(scale):
+            raise ValueError(f"scale={scale!r}; it must be a finite number")
+        base = self._base_params if self._base_params is not None else self.params
+        layers = lora.read_lora(path, base, unet_config=self.unet.config)
+        entries = self._adapters + [(name, str(lora.lora_file(path)), float(scale), layers)]
+        dtype = jax.tree_util.tree_leaves(base["unet"])[0].dtype
+        tables = adapterlib.build_tables([(n, ls, s) for n, _, s, ls in entries], dtype=dtype,
+                                         put=lambda a: jax.device_put(
+                                             a, meshlib.replicated(self.mesh)))
+        self._adapters, self._adapter_tables = entries, tables
+        return len(entries)
+
+    def remove_adapters(self) -> None:
+        """Drop every adapter added with :meth:`add_adapter` (the no-adapter programs run
+        again)."""
+        self._adapters, self._adapter_tables = [], None
+
+    @property
+    def adapters(self) -> list[dict]:
+        """The adapters added with :meth:`add_adapter`, in index order (1, 2, ...): name,
+        file, scale, layers adapted and largest rank."""
+        return [{"name": n, "path": p, "scale": s, "layers": len(ls),
+                 "rank": max(x.rank for x in ls)} for n, p, s, ls in self._adapters]
+
+    def _adapter_index(self, items) -> np.ndarray | None:
+        """Each item's adapter index (0: none), or None when no adapter is added."""
+        names = {n: k for k, (n, *_) in enumerate(self._adapters, start=1)}
+        out = []
+        for k, it in enumerate(items):
+            a = getattr(it, "adapter", None)
+            if a is not None and a not in names:
+                where = f"item {k}: " if k else ""
+                raise ValueError(f"{where}adapter={a!r} is not added; added adapters: "
+                                 f"{', '.join(names) or 'none (see add_adapter)'}")
+            out.append(0 if a is None else names[a])
+        return None if self._adapter_tables is None else np.asarray(out, np.int32)
+
     @property
     def lora_adapters(self) -> list[dict]:
         """The fused LoRA adapters, in loading order: name, file, scale and layer count."""
@@ -304,28 +363,36 @@ class TextToImagePipeline:
         channels = self.latent_channels
         stochastic = isinstance(sched, (EulerAncestralDiscreteScheduler, LCMScheduler))
 
-        def encode(p, ids1, ids2):
-            o1 = te1.apply({"params": p["text_encoder"]}, ids1)
-            o2 = te2.apply({"params": p["text_encoder_2"]}, ids2)
+        def encode(p, ids1, ids2, ad=None, aidx=None):
+            ad = ad or {}
+            with adapterlib.applied(ad.get("text_encoder"), aidx):
+                o1 = te1.apply({"params": p["text_encoder"]}, ids1)
+            with adapterlib.applied(ad.get("text_encoder_2"), aidx):
+                o2 = te2.apply({"params": p["text_encoder_2"]}, ids2)
             emb = jnp.concatenate([o1.hidden_states[-2], o2.hidden_states[-2]], axis=-1)
             return emb, o2.text_embeds
 
         def program(p, ids, neg_ids, zero_negative, seeds, latents, guidance, rescale, time_ids,
-                    neg_time_ids, sched_state):
-            emb, pooled = encode(p, ids[0], ids[1])
+                    neg_time_ids, sched_state, ad=None, aidx=None):
+            # ad / aidx: the adapter tables and each image's adapter index (add_adapter); None
+            # without adapters, which traces exactly the program without them
+            emb, pooled = encode(p, ids[0], ids[1], ad, aidx)
+            uidx = aidx
             keys = jax.vmap(jax.random.key)(seeds)
             init_keys, step_keys = jax.vmap(lambda k: tuple(jax.random.split(k)))(keys)
             if latents is None:
                 latents = jax.vmap(lambda k: jax.random.normal(k, (lh, lw, channels)))(init_keys)
             latents = latents.astype(jnp.float32) * sched.init_noise_sigma(sched_state)
             if cfg:
-                nemb, npooled = encode(p, neg_ids[0], neg_ids[1])
+                nemb, npooled = encode(p, neg_ids[0], neg_ids[1], ad, aidx)
                 z = zero_negative[:, None, None]
                 nemb = jnp.where(z, 0.0, nemb)
                 npooled = jnp.where(zero_negative[:, None], 0.0, npooled)
                 emb = jnp.concatenate([nemb, emb])
                 pooled = jnp.concatenate([npooled, pooled])
                 time_ids = jnp.concatenate([neg_time_ids, time_ids])
+                if aidx is not None:  # the uncond half uses each image's adapter too
+                    uidx = jnp.concatenate([aidx, aidx])
             g = guidance[:, None, None, None]
             r = rescale[:, None, None, None]
 
@@ -335,7 +402,8 @@ class TextToImagePipeline:
                 t = sched.timestep_for_model(state, i)
                 if cfg:
                     xin = jnp.concatenate([xin, xin])
-                out = unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids)
+                with adapterlib.applied((ad or {}).get("unet"), uidx):
+                    out = unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids)
                 out = out.astype(jnp.float32)
                 if cfg:
                     uncond, text = jnp.split(out, 2)
@@ -468,6 +536,7 @@ class TextToImagePipeline:
         guidance = np.array([it.guidance_scale if it.guidance_scale > 1.0 else 1.0
                              for it in items], np.float32)
         rescale = np.array([it.guidance_rescale for it in items], np.float32)
+        adapter_idx = self._adapter_index(items)
 
         bucket = bucket_size(n, self.mesh.size)
 
@@ -492,7 +561,11 @@ class TextToImagePipeline:
         program = self._program((bucket, lh, lw, steps, cfg, latents is not None, as_uint8,
                                  tiled))
         t1 = time.perf_counter()
-        out = program(self.params, *args, state)
+        if adapter_idx is None:
+            out = program(self.params, *args, state)
+        else:
+            out = program(self.params, *args, state, self._adapter_tables.as_tree(),
+                          put(pad(adapter_idx)))
         if tiled:
             out = self._decode_tiled(out, as_uint8)
         images = np.asarray(jax.device_get(out))[:n]
