@@ -544,6 +544,32 @@ class Ingress:
             raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
                                            "input": v} for f, m, v in errors])
 
+    @staticmethod
+    def _adapter_problem(info: dict, name: str | None, field: str):
+        """None, or (field, message, value) when ``name`` is no adapter the replicas loaded."""
+        loaded = [a["name"] for a in info.get("adapters") or []]
+        if name is None or name in loaded:
+            return None
+        have = (f"loaded adapters: {', '.join(loaded)}" if loaded else
+                "this server loaded no adapters (serve arg adapters)")
+        return field, f"unknown adapter {name!r}; {have}", name
+
+    def _openai_adapter(self, info: dict, body: ImagesGenerationRequest) -> str | None:
+        """The adapter an OpenAI request asks for: ``lora``, or ``model: "<base>:<adapter>"``."""
+        from_model = None
+        if body.model and ":" in body.model:
+            from_model = body.model.rpartition(":")[2]
+            problem = self._adapter_problem(info, from_model, "model")
+            if problem is not None:
+                raise invalid(*problem)
+        problem = self._adapter_problem(info, body.lora, "lora")
+        if problem is not None:
+            raise invalid(*problem)
+        if from_model is not None and body.lora is not None and body.lora != from_model:
+            raise invalid("lora", f"lora={body.lora!r} but model names adapter {from_model!r}; "
+                          "give one", body.lora)
+        return body.lora or from_model
+
     def _headers(self, result: JobResult) -> dict:
         return {"X-Maxdiff-Replica": result.replica["id"],
                 "X-Maxdiff-Node": result.replica["node_id"]}
@@ -628,8 +654,9 @@ class Ingress:
                 raise invalid("size", f"{e}, or 'auto'", body.size) from None
         self._check_common(info, body.prompt, n, "n", width, height, ("size", "size"),
                            info["default_steps"])
+        adapter = self._openai_adapter(info, body)
         job = GenerationRequest(body.prompt, None, None, n, width, height,
-                                info["default_steps"], info["default_guidance"])
+                                info["default_steps"], info["default_guidance"], adapter)
         result = await self._generate(job, deadline, request)
         fmt = body.output_format or "png"
         blobs = await asyncio.to_thread(
@@ -684,6 +711,8 @@ class Ingress:
         if body.negative_prompt is not None and len(body.negative_prompt) > self.s.max_prompt_chars:
             errors.append(("negative_prompt", f"at most {self.s.max_prompt_chars} characters",
                            None))
+        if (problem := self._adapter_problem(info, body.lora, "lora")) is not None:
+            errors.append(problem)
         try:
             self._check_common(info, body.prompt, body.num_images, "num_images", width, height,
                                ("width", "height"), steps)
@@ -693,18 +722,19 @@ class Ingress:
             raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
                                            "input": v} for f, m, v in errors])
         job = GenerationRequest(body.prompt, body.negative_prompt, body.seed, body.num_images,
-                                width, height, steps, guidance)
+                                width, height, steps, guidance, body.lora)
         result = await self._generate(job, deadline, request)
         t1 = time.perf_counter()
         meta = [image_info(prompt=body.prompt, negative_prompt=body.negative_prompt, seed=seed,
                            steps=steps, guidance=guidance, size=f"{width}x{height}",
-                           scheduler=info["scheduler"], model=self.model_id, dtype=info["dtype"])
+                           scheduler=info["scheduler"], model=self.model_id, dtype=info["dtype"],
+                           adapter=body.lora)
                 for seed in result.seeds]
         blobs = await asyncio.to_thread(lambda: [encode_image(im, fmt, m)
                                                  for im, m in zip(result.images, meta)])
         timings = dict(result.timings, encode_s=time.perf_counter() - t1,
                        total_s=time.perf_counter() - t0, batch_requests=result.batch["requests"],
-                       batch_images=result.batch["images"])
+                       batch_images=result.batch["images"], batch_id=result.batch["id"])
         headers = self._headers(result)
         if wanted is not None:
             headers["X-Seed"] = str(result.seeds[0])
@@ -715,7 +745,7 @@ class Ingress:
                        for b, s in zip(blobs, result.seeds)],
             "seeds": result.seeds, "width": width, "height": height, "steps": steps,
             "guidance_scale": guidance, "scheduler": info["scheduler"], "output_format": fmt,
-            "timings": timings}, headers=headers)
+            "timings": timings, "lora": body.lora}, headers=headers)
 
     @api.post("/v1/images/edits", response_model=ImagesResponse, tags=["OpenAI-compatible"],
               summary="Edit an image (OpenAI Images API)",
@@ -865,8 +895,10 @@ class Ingress:
     @api.get("/v1/models", tags=["OpenAI-compatible"], summary="The served model",
              responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})
     async def models(self):
-        """The served model; once a generator replica is ready, ``maxdiff`` adds its defaults
-        and ``limits`` (what requests may ask for: sizes, steps, guidance, images)."""
+        """The served model; once a generator replica is ready, ``maxdiff`` adds its defaults,
+        ``limits`` (what requests may ask for: sizes, steps, guidance, images) and ``adapters``
+        (the LoRA adapters loaded, serve arg adapters), and every adapter is listed as a model
+        ``<model>:<adapter>`` too (the OpenAI route's ``model`` picks it)."""
         entry = {"id": self.model_id, "object": "model", "created": self.started,
                  "owned_by": "maxdiff"}
         if self._info is None and (await self._generator_state())[0]:
@@ -880,7 +912,12 @@ class Ingress:
                 "default_height", "size_multiple", "max_size", "dtype", "devices")}
             entry["maxdiff"]["limits"] = {k: v for k, v in self._limits(self._info).items()
                                           if not k.endswith("_why")}
-        return {"object": "list", "data": [entry]}
+            entry["maxdiff"]["adapters"] = self._info.get("adapters") or []
+        extra = [{"id": f"{self.model_id}:{a['name']}", "object": "model",
+                  "created": self.started, "owned_by": "maxdiff", "parent": self.model_id,
+                  "maxdiff": {"adapter": a}}
+                 for a in ((self._info or {}).get("adapters") or [])]
+        return {"object": "list", "data": [entry, *extra]}
 
     @api.get("/v1/stats", tags=["operations"], summary="Recent batches per generator replica",
              responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})

@@ -108,6 +108,8 @@ class Generator:
         t0 = time.perf_counter()
         self.settings = settings
         self.pipe = TextToImagePipeline.from_config(run_config)
+        for spec in settings.adapters:  # before the warm-up: its programs carry the tables
+            self.pipe.add_adapter(spec.name, spec.path, spec.scale)
         self.load_s = time.perf_counter() - t0
         ctx = serve.get_replica_context()
         self.replica = {"id": ctx.replica_id.unique_id,
@@ -190,7 +192,9 @@ class Generator:
                 "max_steps": p.max_steps,
                 "dtype": cfg.dtype if cfg else None,
                 "devices": p.mesh.size, "replica": self.replica, "warmup_s": self.warmup_s,
-                "warmed": self.warmed, "load_s": self.load_s}
+                "warmed": self.warmed, "load_s": self.load_s,
+                "adapters": [{k: a[k] for k in ("name", "scale", "layers", "rank")}
+                             for a in p.adapters]}
 
     def stats(self, recent: int | None = None) -> dict:
         """This replica's recent batches (newest last), images served and compiled programs."""
@@ -221,6 +225,7 @@ class Generator:
         try:
             self.pipe._check(job.steps, job.height, job.width, "pil")
             job.validate()
+            self.pipe._adapter_index(job.images()[:1])  # an adapter this replica added
         except ValueError as e:
             raise InvalidJob(str(e)) from None
         return await self._queue(job, timeout_s)
@@ -231,6 +236,9 @@ class Generator:
         try:
             if not isinstance(job, EditRequest):
                 raise ValueError(f"edit takes an EditRequest, got {type(job).__name__}")
+            if job.adapter is not None:
+                raise ValueError("adapters are not applied to edits (image-to-image, "
+                                 "inpainting); only to generation")
             self.pipe._check(job.steps, job.height, job.width, "pil")
             job.validate()
         except ValueError as e:
@@ -326,7 +334,9 @@ class Generator:
         n_images = sum(len(v) for v in done.values())
         batch = {"id": next(self._batch_ids), "requests": len(jobs), "images": n_images,
                  "device_batches": buckets, "shape": str(key), "generate_s": generate,
-                 "expired": len(expired)}
+                 "expired": len(expired),
+                 "adapters": dict(collections.Counter(
+                     getattr(j, "adapter", None) or "" for j in jobs))}  # "": the base model
         self._recent.append(batch)
         self._images_total += n_images
         self._m_images.inc(n_images, tags=self._tags)

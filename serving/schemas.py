@@ -27,7 +27,8 @@ from pipelines.requests import EDIT_STRENGTH, INPAINT_STRENGTH, MAX_SEED, parse_
 RUN_CONFIG_KEYS = tuple(RunConfig.model_fields)
 # args taken as given when they come as strings (names and paths); others are parsed as YAML
 _TEXT_ARGS = ("config", "model_name", "resource", "model", "unet", "scheduler",
-              "compile_cache_dir", "dtype", "attention", "api_keys", "cors_origins")
+              "compile_cache_dir", "dtype", "attention", "api_keys", "cors_origins", "adapters")
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
 # ---------------------------------------------------------------------------------- settings
@@ -93,6 +94,54 @@ def _size(value, spec) -> tuple[int, int]:
         raise ValueError(f"warmup shape {spec!r}: size {e}") from None
 
 
+class AdapterSpec(StrictConfig):
+    """One per-request LoRA adapter the generator replicas preload (``add_adapter``)."""
+
+    name: str = Field(pattern=ADAPTER_NAME)
+    path: str = Field(min_length=1)
+    scale: float = 1.0
+
+    @classmethod
+    def parse_all(cls, value: Any) -> tuple["AdapterSpec", ...]:
+        """A mapping name -> path or name -> {path, scale} (YAML/JSON, also as a string), a
+        list of such mappings, or ``"name=path[:scale],name2=path2"``."""
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith(("{", "[")):
+                value = yaml_scalar(text)
+            else:
+                value = {}
+                for part in (p.strip() for p in text.split(",")):
+                    if not part:
+                        continue
+                    name, eq, rest = part.partition("=")
+                    if not eq:
+                        raise ValueError(f"adapter {part!r}: give name=path[:scale]")
+                    path, colon, scale = rest.rpartition(":")
+                    try:
+                        spec = {"path": path, "scale": float(scale)} if colon else {"path": rest}
+                    except ValueError:  # a ':' inside the path
+                        spec = {"path": rest}
+                    if name.strip() in value:
+                        raise ValueError(f"adapter {name.strip()!r} is given twice")
+                    value[name.strip()] = spec
+        if isinstance(value, dict):
+            value = [{"name": k, **(v if isinstance(v, dict) else {"path": v})}
+                     for k, v in value.items()]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError("give a mapping name: path (or name: {path, scale}) or "
+                             "'name=path[:scale],...'")
+        specs = tuple(x if isinstance(x, cls) else validate(cls, x, f"adapter {x}")
+                      for x in value)
+        names = [x.name for x in specs]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"adapter {dup!r} is given twice")
+        return specs
+
+
 def _as_list(value) -> Any:
     """A list arg given as a string: ``"[a, b]"`` (YAML) or ``"a,b"``; one value: a list of it."""
     if isinstance(value, (int, float, dict)) and not isinstance(value, bool):
@@ -137,6 +186,9 @@ class ServeSettings(StrictConfig):
     retry_after_s: int = Field(2, ge=1)  # Retry-After on a 503
     warmup_shapes: tuple[WarmupShape, ...] = (WarmupShape(),)  # compiled before ready
     warmup_batch_sizes: tuple[int, ...] | None = None  # None: every padded batch size
+    # per-request LoRA adapters, preloaded unfused by every generator replica before warm-up:
+    # name -> path (or {path, scale}), or "name=path[:scale],..."; requests pick one by name
+    adapters: tuple[AdapterSpec, ...] = ()
     max_n: int = Field(4, ge=1)  # images per request
     max_steps: int = Field(100, ge=1)
     max_guidance: float = Field(30.0, ge=0)
@@ -166,6 +218,11 @@ class ServeSettings(StrictConfig):
     @classmethod
     def _shapes(cls, v):
         return tuple(WarmupShape.parse(x) for x in (_as_list(v) or ()))
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _adapters(cls, v):
+        return AdapterSpec.parse_all(v)
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
@@ -241,8 +298,10 @@ ImageFormat = Literal["png", "jpeg", "webp"]
 
 
 class ImagesGenerationRequest(BaseModel):
-    """OpenAI Images API ``POST /v1/images/generations``. ``model``, ``user``, ``quality``,
-    ``style``, ``background`` and ``moderation`` are accepted and ignored; unknown fields too."""
+    """OpenAI Images API ``POST /v1/images/generations``. ``user``, ``quality``, ``style``,
+    ``background`` and ``moderation`` are accepted and ignored; unknown fields too. ``model`` is
+    ignored unless it is ``<model>:<adapter>``; that, or the extra field ``lora``, picks a LoRA
+    adapter the server loaded."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -254,7 +313,10 @@ class ImagesGenerationRequest(BaseModel):
     output_format: ImageFormat | None = Field(None, description="png (default), jpeg or webp.")
     output_compression: int | None = Field(None, ge=0, le=100,
                                            description="jpeg/webp quality, 0-100.")
-    model: str | None = None
+    model: str | None = Field(None, description="Ignored, except '<model>:<adapter>', which "
+                              "picks a LoRA adapter the server loaded (see /v1/models).")
+    lora: str | None = Field(None, description="A LoRA adapter the server loaded (its name, "
+                             "see /v1/models); omitted: the base model.")
     user: str | None = None
     quality: str | None = None
     style: str | None = None
@@ -333,6 +395,9 @@ class GenerateRequest(BaseModel):
     num_images: int = Field(1, ge=1)
     scheduler: str | None = Field(None, description="Must name the loaded scheduler (see "
                                   "/v1/models); the scheduler is chosen when the server starts.")
+    lora: str | None = Field(None, description="A LoRA adapter the server loaded (its name, see "
+                             "/v1/models `maxdiff.adapters`); omitted: the base model. Requests "
+                             "with different adapters share batches.")
     output_format: ImageFormat = "png"
 
 
@@ -398,6 +463,7 @@ class GenerateResponse(BaseModel):
     scheduler: str
     output_format: str
     timings: dict[str, float]
+    lora: str | None = None
 
 
 EditResponse.model_rebuild()

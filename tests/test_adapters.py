@@ -15,16 +15,21 @@ SIZE, STEPS = 32, 2
 SCALE_A, SCALE_B = 0.7, 1.3
 
 
-@pytest.fixture(scope="module")
-def lora_files(sdxl_dir, tmp_path_factory):
+def make_lora_files(sdxl_dir, root) -> dict:
+    """Two PEFT LoRA files for the tiny checkpoint: ``a`` (UNet linear + 3x3 conv layers, both
+    text encoders, rank 4/4/2) and ``b`` (UNet linear + 1x1 conv, text_encoder_2, rank 2/8)."""
     from diffusers import StableDiffusionXLPipeline
 
     torch_pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_dir).to("cpu")
-    root = tmp_path_factory.mktemp("adapters")
     a = _save_peft(root / "a", torch_pipe, {"unet": UNET_A, "text_encoder": TE1_A,
                                            "text_encoder_2": TE2_A}, seed=100)
     b = _save_peft(root / "b", torch_pipe, {"unet": UNET_B, "text_encoder_2": TE2_B}, seed=200)
     return {"a": a, "b": b}
+
+
+@pytest.fixture(scope="module")
+def lora_files(sdxl_dir, tmp_path_factory):
+    return make_lora_files(sdxl_dir, tmp_path_factory.mktemp("adapters"))
 
 
 def _items(adapters):

@@ -165,6 +165,24 @@ def test_settings_from_cli_strings():
                                         WarmupShape())
 
 
+def test_settings_adapters():
+    from serving.schemas import AdapterSpec, ServeSettings
+
+    want = (AdapterSpec(name="pixel", path="/l/pixel.safetensors", scale=0.7),
+            AdapterSpec(name="ink", path="/l/ink", scale=1.0))
+    for given in ("pixel=/l/pixel.safetensors:0.7, ink=/l/ink",
+                  '{"pixel": {"path": "/l/pixel.safetensors", "scale": 0.7}, "ink": "/l/ink"}',
+                  "{pixel: {path: /l/pixel.safetensors, scale: 0.7}, ink: /l/ink}",
+                  {"pixel": {"path": "/l/pixel.safetensors", "scale": 0.7}, "ink": "/l/ink"}):
+        assert ServeSettings.from_args({"adapters": given}).adapters == want, given
+    assert ServeSettings.from_args({}).adapters == ()
+    for bad, message in (("pixel", "name=path"), ("a=/x,a=/y", "'a' is given twice"),
+                         ("a:b=/x", "should match pattern"), ({"a": {"path": "/x", "rank": 2}},
+                                                                "unknown key .rank.")):
+        with pytest.raises(ValueError, match=message):
+            ServeSettings.from_args({"adapters": bad})
+
+
 @pytest.mark.parametrize("args,message", [
     ({"max_batchsize": 4}, "unknown serve arg 'max_batchsize'"),
     ({"max_batch_size": "many"}, "key 'max_batch_size': Input should be a valid integer"),
@@ -987,3 +1005,77 @@ def test_a_replica_killed_mid_load(cluster, sdxl_dir):
         assert victim in pids and len(pids) >= 3, pids
     finally:
         serve.delete("pair")
+
+
+# ---------------------------------------------------------------------------------- adapters
+def test_adapters_share_a_batch_and_equal_the_fused_python_api(cluster, sdxl_dir,
+                                                               tmp_path_factory):
+    """Two LoRA adapters (serve arg adapters, preloaded unfused) and the base model, requested
+    concurrently with CFG: one batch, one compiled program, and each image equals the Python
+    API's with that adapter fused (load_lora_weights)."""
+    from pipelines import TextToImagePipeline
+    from serving.app import build_app
+    from test_adapters import make_lora_files
+
+    files = make_lora_files(sdxl_dir, tmp_path_factory.mktemp("served-loras"))
+    args = dict(MAIN_ARGS, max_batch_size=3, batch_wait_timeout_s=5.0, num_cpus=0,
+                warmup_shapes=[f"{SIZE}x{SIZE}:{STEPS}:cfg"], warmup_batch_sizes=[3],
+                max_queued_requests=-1, adapters=f"a={files['a']}:0.7,b={files['b']}")
+    serve.run(build_app({"model": str(sdxl_dir), **args}), name="adapters",
+              route_prefix="/adapters")
+    try:
+        url = f"{cluster.url}/adapters"
+        models = requests.get(f"{url}/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["tiny-sdxl", "tiny-sdxl:a", "tiny-sdxl:b"]
+        assert [(a["name"], a["scale"]) for a in models[0]["maxdiff"]["adapters"]] == [
+            ("a", 0.7), ("b", 1.0)]
+        asks = [(None, "a red circle", 7), ("a", "a blue square", 8), ("b", "the cat!", 9)]
+        body = dict(steps=STEPS, guidance_scale=5.0, width=SIZE, height=SIZE)
+        rs = _concurrently(3, lambda i: _generate(url, prompt=asks[i][1], seed=asks[i][2],
+                                                  lora=asks[i][0], **body))
+        assert [r.status_code for r in rs] == [200] * 3, [r.text for r in rs]
+        timings = [r.json()["timings"] for r in rs]
+        assert [t["batch_requests"] for t in timings] == [3] * 3, timings
+        assert len({t["batch_id"] for t in timings}) == 1, timings
+        stats = next(iter(requests.get(f"{url}/v1/stats").json()["replicas"].values()))
+        batch = next(b for b in stats["batches"] if b["id"] == timings[0]["batch_id"])
+        assert batch["adapters"] == {"": 1, "a": 1, "b": 1} and batch["device_batches"] == [4]
+        assert stats["compiled_programs"] == 1  # the warm-up's, adapters included
+        assert [r.json()["lora"] for r in rs] == [None, "a", "b"]
+
+        pipe = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=cluster.cache)
+        errs = []
+        for r, (adapter, prompt, seed) in zip(rs, asks):
+            raw = base64.b64decode(r.json()["images"][0]["b64_json"])
+            info = Image.open(io.BytesIO(raw)).text
+            assert info.get("adapter") == adapter, info
+            if adapter is not None:
+                pipe.load_lora_weights(files[adapter], scale=0.7 if adapter == "a" else 1.0)
+            try:
+                want = pipe(prompt, seed=seed, num_inference_steps=STEPS, guidance_scale=5.0,
+                            height=SIZE, width=SIZE, output_type="np").images[0]
+            finally:
+                pipe.unload_lora_weights()
+            errs.append(float(np.abs(_png(raw) / 255.0 - want).max()))
+        print(f"served (unfused, one batch) vs fused Python API, max |diff| on [0,1]: {errs}")
+        assert max(errs) <= 2e-3, errs
+        base = _png(rs[0].json()["images"][0]["b64_json"])
+        alone = _generate(url, prompt=asks[0][1], seed=7, lora="a", **body)  # a changes it
+        assert np.abs(_png(alone.json()["images"][0]["b64_json"]).astype(int) - base).max() > 10
+
+        # unknown adapters: 422 naming the field and listing the loaded ones
+        r = _generate(url, lora="c", **body)
+        assert r.status_code == 422 and r.json()["error"]["param"] == "lora", r.text
+        assert "unknown adapter 'c'; loaded adapters: a, b" in r.text
+        oa = lambda **kw: requests.post(f"{url}/v1/images/generations", timeout=120,
+                                        json={"prompt": "x", "size": f"{SIZE}x{SIZE}", **kw})
+        r = oa(model="tiny-sdxl:c")
+        assert r.status_code == 422 and r.json()["error"]["param"] == "model", r.text
+        assert "loaded adapters: a, b" in r.text
+        r = oa(model="tiny-sdxl:a", lora="b")
+        assert r.status_code == 422 and r.json()["error"]["param"] == "lora", r.text
+        for kw in ({"model": "tiny-sdxl:b"}, {"lora": "b"}, {"model": "dall-e-3"}):
+            r = oa(**kw)
+            assert r.status_code == 200 and len(r.json()["data"]) == 1, (kw, r.text)
+    finally:
+        serve.delete("adapters")
