@@ -29,7 +29,7 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/serve run configs/serve.yaml
 
-# Re-trains the embedded demo model (about an hour on 2 CPU cores) into maxdiff/assets/demo-model
+# Re-trains the embedded demo model (about 1.5 hours on 2 idle CPU cores) into maxdiff/assets/demo-model
 # (or DEMO_OUT=DIR), on the training split of the shape/colour/background combinations only.
 DEMO_OUT ?= maxdiff/assets/demo-model
 train-demo: $(STAMP)

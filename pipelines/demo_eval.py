@@ -48,10 +48,11 @@ EVAL_SEED = 20_261_202  # scene layouts and captions; training draws from seeds 
 NOISE_SEED = {"val": 10_000, "test": 20_000}
 N_VAL = 120  # 5 per val combination
 N_TEST = 252  # 7 per test combination
-# What the shipped model must keep scoring on test (a regression floor, below its measured
-# 96.8 / 100 / 75.4 %), and what it is meant to reach (not met yet: see the model's README).
-THRESHOLDS = {"shape_color": 0.93, "background": 0.95, "shape": 0.70}
+# What the model is meant to reach on test, and what the shipped one must keep scoring (a
+# regression floor below its measured 100 / 100 / 100 %, and 97.2 % by the first analyser's
+# fill-only rule, so the floor does not rest on the corner rule alone).
 TARGETS = {"shape_color": 0.95, "background": 0.95, "shape": 0.85}
+THRESHOLDS = {"shape_color": 0.95, "background": 0.95, "shape": 0.95, "shape_fill_rule": 0.85}
 
 PALETTE = np.array(list(shapes.COLORS.values()), np.float32)
 NAMES = list(shapes.COLORS)
