@@ -33,7 +33,6 @@ ids use the negative crop coordinates (diffusers' img2img uses the positive ones
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import Any, Sequence
 
@@ -44,9 +43,9 @@ import numpy as np
 from maxdiff import mesh as meshlib
 from maxdiff.models.vae_tiling import needs_tiling
 from maxdiff.schedulers import EulerAncestralDiscreteScheduler, LCMScheduler
-from maxdiff.tokenizers import tokenize
-from pipelines.requests import MAX_SEED, ImageRequest, bucket_size
-from pipelines.text_to_image import PipelineOutput, TextToImagePipeline, _as_list, _to_pixels
+from pipelines.requests import ImageRequest, bucket_size
+from pipelines.text_to_image import (PipelineOutput, TextToImagePipeline, _as_list, _to_pixels,
+                                     conditioning, guide)
 
 __all__ = ["ImageToImagePipeline", "InpaintPipeline", "start_step"]
 
@@ -196,19 +195,14 @@ class _EditPipeline(TextToImagePipeline):
         stochastic = isinstance(sched, (EulerAncestralDiscreteScheduler, LCMScheduler))
         shape = (lh, lw, channels)
 
-        def encode(p, ids1, ids2):
-            o1 = te1.apply({"params": p["text_encoder"]}, ids1)
-            o2 = te2.apply({"params": p["text_encoder_2"]}, ids2)
-            emb = jnp.concatenate([o1.hidden_states[-2], o2.hidden_states[-2]], axis=-1)
-            return emb, o2.text_embeds
-
         def to_latents(p, images, eps):
             return vae.apply({"params": p["vae"]}, images, None, eps, method=vae.image_to_latents)
 
         def program(p, ids, neg_ids, zero_negative, seeds, images, masks, masked_images, noise,
                     post_noise, masked_post_noise, guidance, rescale, time_ids, neg_time_ids,
                     sched_state, t_start, pure_noise):
-            emb, pooled = encode(p, ids[0], ids[1])
+            emb, pooled, time_ids, _ = conditioning(te1, te2, p, ids, neg_ids, zero_negative,
+                                                    time_ids, neg_time_ids, cfg)
             keys = jax.vmap(jax.random.key)(seeds)
             k_noise, k_post, k_masked, k_steps = jax.vmap(
                 lambda k: tuple(jax.random.split(k, 4)))(keys)
@@ -228,13 +222,6 @@ class _EditPipeline(TextToImagePipeline):
                     masked_post_noise = draw(k_masked)
                 masked_latents = to_latents(p, masked_images, masked_post_noise)
                 extra = jnp.concatenate([masks, masked_latents], axis=-1)
-            if cfg:
-                nemb, npooled = encode(p, neg_ids[0], neg_ids[1])
-                nemb = jnp.where(zero_negative[:, None, None], 0.0, nemb)
-                npooled = jnp.where(zero_negative[:, None], 0.0, npooled)
-                emb = jnp.concatenate([nemb, emb])
-                pooled = jnp.concatenate([npooled, pooled])
-                time_ids = jnp.concatenate([neg_time_ids, time_ids])
             g = guidance[:, None, None, None]
             r = rescale[:, None, None, None]
 
@@ -247,13 +234,7 @@ class _EditPipeline(TextToImagePipeline):
                 if cfg:
                     xin = jnp.concatenate([xin, xin])
                 out = unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids)
-                out = out.astype(jnp.float32)
-                if cfg:
-                    uncond, text = jnp.split(out, 2)
-                    out = uncond + g * (text - uncond)
-                    std_text = jnp.std(text, axis=(1, 2, 3), keepdims=True, ddof=1)
-                    std_cfg = jnp.std(out, axis=(1, 2, 3), keepdims=True, ddof=1)
-                    out = jnp.where(r > 0, r * out * (std_text / std_cfg) + (1 - r) * out, out)
+                out = guide(out.astype(jnp.float32), cfg, g, r)
                 step_noise = None
                 if stochastic:
                     step_noise = jax.vmap(lambda k: jax.random.normal(
@@ -409,21 +390,8 @@ class _EditPipeline(TextToImagePipeline):
             if mode == "inpaint9":
                 masked_pix = pix * (mask_px < 0.5)
 
-        seeds = [it.seed if it.seed is not None else secrets.randbelow(MAX_SEED + 1) for it in items]
-        cfg = any(it.guidance_scale > 1.0 for it in items)
-        ids = np.stack([tokenize(self.tokenizer, [it.prompt for it in items]),
-                        tokenize(self.tokenizer_2, [it.prompt_2 or it.prompt for it in items])])
-        negs = [it.negative_prompt or "" for it in items]
-        neg_ids = np.stack([tokenize(self.tokenizer, negs),
-                            tokenize(self.tokenizer_2, [it.negative_prompt_2 or neg
-                                                        for it, neg in zip(items, negs)])])
-        zero_negative = np.array([it.negative_prompt is None and self.force_zeros_for_empty_prompt
-                                  for it in items])
-        time_ids = np.array([it.time_ids(height, width) for it in items], np.float32)
-        neg_time_ids = np.array([it.negative_time_ids(height, width) for it in items], np.float32)
-        guidance = np.array([it.guidance_scale if it.guidance_scale > 1.0 else 1.0
-                             for it in items], np.float32)
-        rescale = np.array([it.guidance_rescale for it in items], np.float32)
+        (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
+         rescale) = self._host_inputs(items, height, width)
 
         bucket = bucket_size(n, self.mesh.size)
 

@@ -79,6 +79,47 @@ def _to_pixels(img, as_uint8: bool):
 _abs_sum = jax.jit(lambda x: jnp.sum(jnp.abs(x.astype(jnp.float32))))
 
 
+def encode_prompts(te1, te2, p, ids1, ids2, ad=None, aidx=None):
+    """Both CLIP encoders: (penultimate states of both, concatenated; encoder 2's pooled
+    projection). ``ad``/``aidx``: per-image adapter tables and indices (or None)."""
+    ad = ad or {}
+    with adapterlib.applied(ad.get("text_encoder"), aidx):
+        o1 = te1.apply({"params": p["text_encoder"]}, ids1)
+    with adapterlib.applied(ad.get("text_encoder_2"), aidx):
+        o2 = te2.apply({"params": p["text_encoder_2"]}, ids2)
+    emb = jnp.concatenate([o1.hidden_states[-2], o2.hidden_states[-2]], axis=-1)
+    return emb, o2.text_embeds
+
+
+def conditioning(te1, te2, p, ids, neg_ids, zero_negative, time_ids, neg_time_ids, cfg: bool,
+                 ad=None, aidx=None):
+    """(text states, pooled, time ids, per-row adapter index) for the UNet. With ``cfg`` the
+    rows are [negative, positive] (a negative without a prompt is zeros where the model says
+    ``force_zeros_for_empty_prompt``: ``zero_negative``), as diffusers concatenates them."""
+    emb, pooled = encode_prompts(te1, te2, p, ids[0], ids[1], ad, aidx)
+    if not cfg:
+        return emb, pooled, time_ids, aidx
+    nemb, npooled = encode_prompts(te1, te2, p, neg_ids[0], neg_ids[1], ad, aidx)
+    nemb = jnp.where(zero_negative[:, None, None], 0.0, nemb)
+    npooled = jnp.where(zero_negative[:, None], 0.0, npooled)
+    uidx = None if aidx is None else jnp.concatenate([aidx, aidx])  # uncond: the image's too
+    return (jnp.concatenate([nemb, emb]), jnp.concatenate([npooled, pooled]),
+            jnp.concatenate([neg_time_ids, time_ids]), uidx)
+
+
+def guide(out, cfg: bool, g, r):
+    """The UNet's output (float32) -> the guided prediction: ``uncond + g * (text - uncond)``,
+    then guidance rescale where ``r > 0`` (Lin et al. 2023, "Common Diffusion Noise Schedules
+    and Sample Steps are Flawed", eq. 15-16, with torch's unbiased std)."""
+    if not cfg:
+        return out
+    uncond, text = jnp.split(out, 2)
+    out = uncond + g * (text - uncond)
+    std_text = jnp.std(text, axis=(1, 2, 3), keepdims=True, ddof=1)
+    std_cfg = jnp.std(out, axis=(1, 2, 3), keepdims=True, ddof=1)
+    return jnp.where(r > 0, r * out * (std_text / std_cfg) + (1 - r) * out, out)
+
+
 class TextToImagePipeline:
     """SDXL text-to-image in JAX. Build with :meth:`from_pretrained`; call like diffusers'
     ``StableDiffusionXLPipeline``."""
@@ -363,36 +404,17 @@ class TextToImagePipeline:
         channels = self.latent_channels
         stochastic = isinstance(sched, (EulerAncestralDiscreteScheduler, LCMScheduler))
 
-        def encode(p, ids1, ids2, ad=None, aidx=None):
-            ad = ad or {}
-            with adapterlib.applied(ad.get("text_encoder"), aidx):
-                o1 = te1.apply({"params": p["text_encoder"]}, ids1)
-            with adapterlib.applied(ad.get("text_encoder_2"), aidx):
-                o2 = te2.apply({"params": p["text_encoder_2"]}, ids2)
-            emb = jnp.concatenate([o1.hidden_states[-2], o2.hidden_states[-2]], axis=-1)
-            return emb, o2.text_embeds
-
         def program(p, ids, neg_ids, zero_negative, seeds, latents, guidance, rescale, time_ids,
                     neg_time_ids, sched_state, ad=None, aidx=None):
             # ad / aidx: the adapter tables and each image's adapter index (add_adapter); None
             # without adapters, which traces exactly the program without them
-            emb, pooled = encode(p, ids[0], ids[1], ad, aidx)
-            uidx = aidx
+            emb, pooled, time_ids, uidx = conditioning(te1, te2, p, ids, neg_ids, zero_negative,
+                                                       time_ids, neg_time_ids, cfg, ad, aidx)
             keys = jax.vmap(jax.random.key)(seeds)
             init_keys, step_keys = jax.vmap(lambda k: tuple(jax.random.split(k)))(keys)
             if latents is None:
                 latents = jax.vmap(lambda k: jax.random.normal(k, (lh, lw, channels)))(init_keys)
             latents = latents.astype(jnp.float32) * sched.init_noise_sigma(sched_state)
-            if cfg:
-                nemb, npooled = encode(p, neg_ids[0], neg_ids[1], ad, aidx)
-                z = zero_negative[:, None, None]
-                nemb = jnp.where(z, 0.0, nemb)
-                npooled = jnp.where(zero_negative[:, None], 0.0, npooled)
-                emb = jnp.concatenate([nemb, emb])
-                pooled = jnp.concatenate([npooled, pooled])
-                time_ids = jnp.concatenate([neg_time_ids, time_ids])
-                if aidx is not None:  # the uncond half uses each image's adapter too
-                    uidx = jnp.concatenate([aidx, aidx])
             g = guidance[:, None, None, None]
             r = rescale[:, None, None, None]
 
@@ -404,15 +426,7 @@ class TextToImagePipeline:
                     xin = jnp.concatenate([xin, xin])
                 with adapterlib.applied((ad or {}).get("unet"), uidx):
                     out = unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids)
-                out = out.astype(jnp.float32)
-                if cfg:
-                    uncond, text = jnp.split(out, 2)
-                    out = uncond + g * (text - uncond)
-                    # guidance rescale (Lin et al. 2023, "Common Diffusion Noise Schedules and
-                    # Sample Steps are Flawed", eq. 15-16), with torch's unbiased std
-                    std_text = jnp.std(text, axis=(1, 2, 3), keepdims=True, ddof=1)
-                    std_cfg = jnp.std(out, axis=(1, 2, 3), keepdims=True, ddof=1)
-                    out = jnp.where(r > 0, r * out * (std_text / std_cfg) + (1 - r) * out, out)
+                out = guide(out.astype(jnp.float32), cfg, g, r)
                 noise = None
                 if stochastic:
                     noise = jax.vmap(lambda k: jax.random.normal(
@@ -520,22 +534,8 @@ class TextToImagePipeline:
                 raise ValueError(f"latents has shape {latents.shape}; for {n} image(s) of "
                                  f"{width}x{height} it must be {want} (N, C, H/{f}, W/{f})")
             latents = latents.transpose(0, 2, 3, 1)
-        seeds = [it.seed if it.seed is not None else secrets.randbelow(MAX_SEED + 1) for it in items]
-        cfg = any(it.guidance_scale > 1.0 for it in items)
-
-        ids = np.stack([tokenize(self.tokenizer, [it.prompt for it in items]),
-                        tokenize(self.tokenizer_2, [it.prompt_2 or it.prompt for it in items])])
-        negs = [it.negative_prompt or "" for it in items]
-        neg_ids = np.stack([tokenize(self.tokenizer, negs),
-                            tokenize(self.tokenizer_2, [it.negative_prompt_2 or neg
-                                                        for it, neg in zip(items, negs)])])
-        zero_negative = np.array([it.negative_prompt is None and self.force_zeros_for_empty_prompt
-                                  for it in items])
-        time_ids = np.array([it.time_ids(height, width) for it in items], np.float32)
-        neg_time_ids = np.array([it.negative_time_ids(height, width) for it in items], np.float32)
-        guidance = np.array([it.guidance_scale if it.guidance_scale > 1.0 else 1.0
-                             for it in items], np.float32)
-        rescale = np.array([it.guidance_rescale for it in items], np.float32)
+        (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
+         rescale) = self._host_inputs(items, height, width)
         adapter_idx = self._adapter_index(items)
 
         bucket = bucket_size(n, self.mesh.size)
@@ -576,6 +576,29 @@ class TextToImagePipeline:
             images = [Image.fromarray(im) for im in images]
         return PipelineOutput(images, [int(s) for s in seeds],
                               {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket})
+
+    def _host_inputs(self, items: Sequence[ImageRequest], height: int, width: int) -> tuple:
+        """Per-image program inputs made on the host: (seeds (random where None), CFG on?,
+        token ids (2, N, 77), negative token ids, zero_negative, time ids, negative time ids,
+        guidance (1 where CFG is off for that image), guidance rescale)."""
+        seeds = [it.seed if it.seed is not None else secrets.randbelow(MAX_SEED + 1)
+                 for it in items]
+        cfg = any(it.guidance_scale > 1.0 for it in items)
+        ids = np.stack([tokenize(self.tokenizer, [it.prompt for it in items]),
+                        tokenize(self.tokenizer_2, [it.prompt_2 or it.prompt for it in items])])
+        negs = [it.negative_prompt or "" for it in items]
+        neg_ids = np.stack([tokenize(self.tokenizer, negs),
+                            tokenize(self.tokenizer_2, [it.negative_prompt_2 or neg
+                                                        for it, neg in zip(items, negs)])])
+        zero_negative = np.array([it.negative_prompt is None and self.force_zeros_for_empty_prompt
+                                  for it in items])
+        time_ids = np.array([it.time_ids(height, width) for it in items], np.float32)
+        neg_time_ids = np.array([it.negative_time_ids(height, width) for it in items], np.float32)
+        guidance = np.array([it.guidance_scale if it.guidance_scale > 1.0 else 1.0
+                             for it in items], np.float32)
+        rescale = np.array([it.guidance_rescale for it in items], np.float32)
+        return (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
+                rescale)
 
     def _seeds(self, seed, n: int) -> list[int | None]:
         """Per-image seeds from ``seed``: one int (image k gets seed + k), one per image, or None
