@@ -93,6 +93,7 @@ def jax_leaves(tree):
     return jax.tree_util.tree_leaves(tree)
 
 
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_without_adapters_the_program_is_unchanged(sdxl_dir, plain, lora_files):
     """No adapter added: the same program as before (no tables, no index); adapters added but
     unused: the base images, to float rounding."""

@@ -153,6 +153,7 @@ def test_img2img_three_strengths_one_program(pipe, torch_img2img):
     assert min(np.abs(outs[i] - outs[j]).max() for i, j in ((0, 1), (1, 2), (0, 2))) > 1e-2
 
 
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 @pytest.mark.parity
 def test_img2img_batch_pil_negative_prompts(pipe, torch_img2img):
     """Two prompts with one PIL image each, negative prompts, guidance rescale."""
@@ -168,6 +169,7 @@ def test_img2img_batch_pil_negative_prompts(pipe, torch_img2img):
     assert np.abs(ours - theirs).max() <= TOL
 
 
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 @pytest.mark.parity
 def test_img2img_dpmpp_2m(pipe, torch_img2img, sdxl_dir):
     """DPM++ 2M (Karras sigmas) shares the loaded weights through from_pipe."""
@@ -242,6 +244,7 @@ def test_inpaint_9_channel_unet(inpaint9_dir):
         assert np.abs(ours - theirs).max() <= TOL, strength
 
 
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_seeded_noise_is_deterministic(pipe):
     img = _image(8)
     kw = dict(prompt=["a red circle", "a blue square"], image=img, strength=0.5,

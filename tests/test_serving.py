@@ -1008,6 +1008,7 @@ def test_a_replica_killed_mid_load(cluster, sdxl_dir):
 
 
 # ---------------------------------------------------------------------------------- adapters
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_adapters_share_a_batch_and_equal_the_fused_python_api(cluster, sdxl_dir,
                                                                tmp_path_factory):
     """Two LoRA adapters (serve arg adapters, preloaded unfused) and the base model, requested
