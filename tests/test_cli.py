@@ -261,6 +261,7 @@ def _edit_files(d: Path) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_image_and_mask_edits(sdxl_dir, env, tmp_path):
     """--image (image-to-image), --image with --mask (inpainting) and JSONL lines with image,
     mask and strength (paths relative to the file): images of the input's size, metadata with

@@ -277,6 +277,7 @@ def test_serve_yaml_openai_curl_and_a_size_too_large(paths):
         served.stop()
 
 
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_api_keys_example(paths):
     """The security section's two lines: a hashed key file, then the service with keys on."""
     work, subs = paths

@@ -959,6 +959,7 @@ def _generator_replicas(app):
     return {getattr(k, "value", str(k)): v for k, v in status.replica_states.items()}
 
 
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_a_replica_killed_mid_load(cluster, sdxl_dir):
     """Two replicas; one is killed (SIGKILL to its process) while requests are in flight: every
     request is answered 200 or 503 (those on the dead replica retried once on the other), Ray
