@@ -44,7 +44,7 @@ from maxdiff import mesh as meshlib
 from maxdiff.models.vae_tiling import needs_tiling
 from maxdiff.schedulers import EulerAncestralDiscreteScheduler, LCMScheduler
 from pipelines.requests import ImageRequest, bucket_size
-from pipelines.text_to_image import (PipelineOutput, TextToImagePipeline, _as_list, _to_pixels,
+from pipelines.text_to_image import (PipelineOutput, TextToImagePipeline, _to_pixels,
                                      conditioning, guide)
 
 __all__ = ["ImageToImagePipeline", "InpaintPipeline", "start_step"]
@@ -263,45 +263,20 @@ class _EditPipeline(TextToImagePipeline):
               width, num_images_per_prompt, seed, noise, image_latents_noise,
               masked_image_latents_noise, output_type, original_size, crops_coords_top_left,
               target_size) -> PipelineOutput:
-        prompts = _as_list(prompt, "prompt")
-        if not prompts:
-            raise ValueError("prompt is empty: give a prompt string or a non-empty list of prompts")
-        n_prompts = len(prompts)
-        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt={num_images_per_prompt!r}; it must be an "
-                             "integer >= 1")
-        lists = {"prompt_2": _as_list(prompt_2, "prompt_2") or prompts,
-                 "negative_prompt": _as_list(negative_prompt, "negative_prompt"),
-                 "negative_prompt_2": _as_list(negative_prompt_2, "negative_prompt_2")}
         if image is None:
             raise ValueError("image is required: the picture to start from")
-        lists["image"] = _image_list(image, "image")
+        per_prompt = {"image": _image_list(image, "image")}
         if self.kind == "inpaint":
             if mask_image is None:
                 raise ValueError("mask_image is required: white (>= 0.5) marks what to repaint")
-            lists["mask_image"] = _image_list(mask_image, "mask_image")
-        for name, lst in lists.items():
-            if lst is not None and len(lst) == 1 and n_prompts > 1:
-                lists[name] = lst * n_prompts
-            if lists[name] is not None and len(lists[name]) != n_prompts:
-                raise ValueError(f"{name} has {len(lst)} entries but prompt has {n_prompts}; "
-                                 "give one per prompt (or a single one)")
-        n = n_prompts * num_images_per_prompt
-        seeds = self._seeds(seed, n)
-        guidance = self.default_guidance if guidance_scale is None else guidance_scale
-        items, images, masks = [], [], []
-        for k in range(n):
-            i = k // num_images_per_prompt
-            pick = lambda name: None if lists[name] is None else lists[name][i]
-            items.append(ImageRequest(
-                prompt=prompts[i], prompt_2=pick("prompt_2"),
-                negative_prompt=pick("negative_prompt"), negative_prompt_2=pick("negative_prompt_2"),
-                seed=seeds[k], guidance_scale=guidance, guidance_rescale=guidance_rescale,
-                original_size=original_size, crops_coords_top_left=tuple(crops_coords_top_left),
-                target_size=target_size))
-            images.append(pick("image"))
-            masks.append(pick("mask_image") if self.kind == "inpaint" else None)
-        return self.generate(items, images, masks if self.kind == "inpaint" else None,
+            per_prompt["mask_image"] = _image_list(mask_image, "mask_image")
+        items, picked = self._prompt_items(
+            prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
+            per_prompt=per_prompt, guidance_scale=guidance_scale,
+            guidance_rescale=guidance_rescale, original_size=original_size,
+            crops_coords_top_left=tuple(crops_coords_top_left), target_size=target_size)
+        images, masks = picked["image"], picked.get("mask_image")
+        return self.generate(items, images, masks,
                              strength=strength, height=height, width=width,
                              num_inference_steps=num_inference_steps, noise=noise,
                              image_latents_noise=image_latents_noise,

@@ -468,6 +468,27 @@ class TextToImagePipeline:
         them. ``seed``: one int (image k gets ``seed + k``), one int per image, or None (random
         seeds, reported in the output). ``latents``: initial noise in diffusers' layout
         (N, C, H/f, W/f), scaled by the scheduler's initial sigma as diffusers does."""
+        neg_size = None
+        if negative_original_size is not None and negative_target_size is not None:
+            neg_size = (tuple(negative_original_size), tuple(negative_crops_coords_top_left),
+                        tuple(negative_target_size))
+        items, _ = self._prompt_items(
+            prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
+            guidance_scale=guidance_scale, guidance_rescale=guidance_rescale,
+            original_size=original_size, crops_coords_top_left=tuple(crops_coords_top_left),
+            target_size=target_size, negative_size=neg_size)
+        return self.generate(items, height=height, width=width, num_inference_steps=num_inference_steps,
+                             latents=latents, output_type=output_type)
+
+    def _prompt_items(self, prompt, prompt_2, negative_prompt, negative_prompt_2,
+                      num_images_per_prompt: int, seed, *, per_prompt: dict | None = None,
+                      guidance_scale: float | None, **fields) -> tuple[list[ImageRequest], dict]:
+        """The diffusers-style ``__call__`` arguments -> one :class:`ImageRequest` per image.
+
+        ``prompt_2`` and the negatives (and each list in ``per_prompt``, e.g. the edit
+        pipelines' images) give one entry per prompt or a single one for all; image k gets
+        prompt ``k // num_images_per_prompt``. ``fields`` go to every request as they are.
+        Returns the requests and, per ``per_prompt`` name, each image's entry."""
         prompts = _as_list(prompt, "prompt")
         if not prompts:
             raise ValueError("prompt is empty: give a prompt string or a non-empty list of prompts")
@@ -477,32 +498,28 @@ class TextToImagePipeline:
                              "integer >= 1")
         lists = {"prompt_2": _as_list(prompt_2, "prompt_2") or prompts,
                  "negative_prompt": _as_list(negative_prompt, "negative_prompt"),
-                 "negative_prompt_2": _as_list(negative_prompt_2, "negative_prompt_2")}
+                 "negative_prompt_2": _as_list(negative_prompt_2, "negative_prompt_2"),
+                 **(per_prompt or {})}
         for name, lst in lists.items():
             if lst is not None and len(lst) == 1 and n_prompts > 1:
                 lists[name] = lst * n_prompts
             if lists[name] is not None and len(lists[name]) != n_prompts:
                 raise ValueError(f"{name} has {len(lst)} entries but prompt has {n_prompts}; "
-                                 "give one per prompt (or a single string)")
+                                 "give one per prompt (or a single one)")
         n = n_prompts * num_images_per_prompt
         seeds = self._seeds(seed, n)
         guidance = self.default_guidance if guidance_scale is None else guidance_scale
-        neg_size = None
-        if negative_original_size is not None and negative_target_size is not None:
-            neg_size = (tuple(negative_original_size), tuple(negative_crops_coords_top_left),
-                        tuple(negative_target_size))
-        items = []
-        for k in range(n):
-            i = k // num_images_per_prompt
-            pick = lambda name: None if lists[name] is None else lists[name][i]
-            items.append(ImageRequest(
-                prompt=prompts[i], prompt_2=pick("prompt_2"),
-                negative_prompt=pick("negative_prompt"), negative_prompt_2=pick("negative_prompt_2"),
-                seed=seeds[k], guidance_scale=guidance, guidance_rescale=guidance_rescale,
-                original_size=original_size, crops_coords_top_left=tuple(crops_coords_top_left),
-                target_size=target_size, negative_size=neg_size))
-        return self.generate(items, height=height, width=width, num_inference_steps=num_inference_steps,
-                             latents=latents, output_type=output_type)
+        per_image = [k // num_images_per_prompt for k in range(n)]
+
+        def pick(name, i):
+            return None if lists[name] is None else lists[name][i]
+
+        items = [ImageRequest(prompt=prompts[i], prompt_2=pick("prompt_2", i),
+                              negative_prompt=pick("negative_prompt", i),
+                              negative_prompt_2=pick("negative_prompt_2", i), seed=seeds[k],
+                              guidance_scale=guidance, **fields)
+                 for k, i in enumerate(per_image)]
+        return items, {name: [pick(name, i) for i in per_image] for name in (per_prompt or {})}
 
     def generate(self, items: Sequence["ImageRequest"], *, height: int | None = None,
                  width: int | None = None, num_inference_steps: int | None = None,
