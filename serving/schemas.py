@@ -430,22 +430,6 @@ class EditRequest(BaseModel):
     output_format: ImageFormat = "png"
 
 
-class EditResponse(BaseModel):
-    created: int
-    model: str
-    images: list["GeneratedImage"]
-    seeds: list[int]
-    mode: Literal["img2img", "inpaint"]
-    strength: float
-    width: int
-    height: int
-    steps: int
-    guidance_scale: float
-    scheduler: str
-    output_format: str
-    timings: dict[str, float]
-
-
 class GeneratedImage(BaseModel):
     b64_json: str
     seed: int
@@ -466,7 +450,12 @@ class GenerateResponse(BaseModel):
     lora: str | None = None
 
 
-EditResponse.model_rebuild()
+class EditResponse(GenerateResponse):
+    """A generation's answer plus how the image was edited (edits take no adapter: ``lora``
+    is always null here)."""
+
+    mode: Literal["img2img", "inpaint"]
+    strength: float
 
 
 # ---------------------------------------------------------------------------------- jobs
