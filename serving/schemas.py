@@ -170,6 +170,11 @@ class ServeSettings(StrictConfig):
     max_batch_size: int = Field(8, ge=1)  # requests per batch
     max_batch_images: int | None = Field(None, ge=1)  # images per device batch; None: batch size
     batch_wait_timeout_s: float = Field(0.05, ge=0)
+    # "batch": whole requests batched per shape key (above); "step": step-level continuous
+    # batching (pipelines.step_engine), images join and leave between denoising steps, one
+    # engine of engine_slots slots per image size; streaming needs it
+    engine: Literal["batch", "step"] = "batch"
+    engine_slots: int = Field(8, ge=1)  # images per step-engine tick (a multiple of devices)
     # replicas and placement
     num_replicas: int = Field(1, ge=1)
     resource: str | None = None  # "GPU", "TPU" or a custom per-host resource; None: CPU only
@@ -322,7 +327,11 @@ class ImagesGenerationRequest(BaseModel):
     style: str | None = None
     background: str | None = None
     moderation: str | None = None
-    stream: bool | None = Field(None, description="Streaming is not supported; false or omitted.")
+    stream: bool | None = Field(None, description="Server-Sent Events: `partial_images` "
+                                "`image_generation.partial_image` events, then "
+                                "`image_generation.completed` (servers with engine=step; n=1).")
+    partial_images: int | None = Field(None, ge=0, le=3, description="Partial images to stream "
+                                       "before the final one (0-3; with stream).")
 
     @field_validator("response_format")
     @classmethod
@@ -330,13 +339,6 @@ class ImagesGenerationRequest(BaseModel):
         if v not in (None, "b64_json"):
             raise ValueError("only 'b64_json' is supported: this server returns images inline "
                              "and does not host them at URLs")
-        return v
-
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, v):
-        if v:
-            raise ValueError("streaming is not supported; omit stream or set it to false")
         return v
 
 
@@ -399,6 +401,12 @@ class GenerateRequest(BaseModel):
                              "/v1/models `maxdiff.adapters`); omitted: the base model. Requests "
                              "with different adapters share batches.")
     output_format: ImageFormat = "png"
+    stream: bool = Field(False, description="Server-Sent Events: `progress` events (step, "
+                         "total, queue_position), `partial_image` events (partial_images), then "
+                         "`result` (this route's JSON response). Servers with engine=step; "
+                         "num_images=1.")
+    partial_images: int = Field(0, ge=0, le=3, description="Partial images (the current "
+                                "denoised estimate) to stream before the result (with stream).")
 
 
 class EditRequest(BaseModel):
