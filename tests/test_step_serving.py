@@ -148,3 +148,19 @@ def test_a_client_disconnect_frees_its_slot(step_app):
     else:
         pytest.fail(f"the slot was not freed: {stats}")
     assert stats["queued"] == 0
+
+
+def test_a_deadline_cancels_the_image(step_app):
+    before = _engine_stats(step_app)["cancelled"]
+    r = requests.post(f"{step_app}/v1/generate", json={
+        "prompt": "too slow", "steps": 50, "guidance_scale": 3.0},
+        headers={"X-Request-Timeout": "0.2"}, timeout=60)
+    assert r.status_code == 504, r.text
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = _engine_stats(step_app)
+        if stats["cancelled"] > before and stats["active"] == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the slot was not freed: {stats}")
