@@ -24,7 +24,8 @@ not warmed up: the first edit of a shape compiles (without holding the device lo
 
 With the serve arg ``engine=step`` generation runs on step-level continuous batching instead
 (:class:`pipelines.step_engine.StepEngine`, one engine of ``engine_slots`` slots per image size,
-made on first use or at warm-up): a request's images join free slots between denoising steps and
+compiled at warm-up for ``warmup_shapes`` sizes; another size is compiled in a thread on its
+first request, without the device lock, while the others keep ticking): a request's images join free slots between denoising steps and
 leave as soon as their own steps are done, so a 2-step image does not wait for a 40-step one. One
 asyncio task drives the engines: while any has work it runs a tick of each in a thread (under the
 device lock) and resolves the futures of finished images. A request whose client goes away
@@ -154,6 +155,7 @@ class Generator:
             "passed); their slots are freed at the next tick.", tag_keys=tags)
         self._tags = {"model": self.pipe.name.rsplit("/", 1)[-1] or "default"}
         self._engines: dict[tuple[int, int], object] = {}  # engine=step: (height, width) -> engine
+        self._warming: dict[tuple[int, int], asyncio.Future] = {}  # sizes being compiled
         self._engine_wake: asyncio.Event | None = None
         self._engine_task: asyncio.Task | None = None
         self._engine_ids = itertools.count(1)
@@ -319,6 +321,7 @@ class Generator:
 
     # ------------------------------------------------------------------ step engine
     def _engine(self, height: int, width: int):
+        """The step engine of a size, made (not compiled) on first use; blocking."""
         eng = self._engines.get((height, width))
         if eng is None:
             from pipelines.step_engine import StepEngine
@@ -327,6 +330,30 @@ class Generator:
             eng = self._engines[(height, width)] = StepEngine(self.pipe, height, width,
                                                               slots=slots)
         return eng
+
+    async def _ready_engine(self, height: int, width: int):
+        """The step engine of a size; a size not warmed up is made and compiled in a thread
+        first, without the device lock, so the engines already serving keep ticking."""
+        eng = self._engines.get((height, width))
+        if eng is not None:
+            return eng
+        task = self._warming.get((height, width))
+        if task is None:
+            from pipelines.step_engine import StepEngine
+
+            def make():
+                slots = -(-self.settings.engine_slots // self.pipe.mesh.size) * self.pipe.mesh.size
+                new = StepEngine(self.pipe, height, width, slots=slots)
+                new.warmup()
+                return new
+
+            task = self._warming[(height, width)] = asyncio.ensure_future(asyncio.to_thread(make))
+        try:
+            eng = await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._warming.pop((height, width), None)
+        return self._engines.setdefault((height, width), eng)
 
     def _wake_engines(self) -> None:
         if self._engine_wake is None:
@@ -376,8 +403,8 @@ class Generator:
             if ended:
                 self._report()
 
-    def _submit(self, job: GenerationRequest, on_progress=None) -> list:
-        eng = self._engine(job.height, job.width)
+    async def _submit(self, job: GenerationRequest, on_progress=None) -> list:
+        eng = await self._ready_engine(job.height, job.width)
         loop = asyncio.get_running_loop()
         handles = []
         for item in job.images():
@@ -415,7 +442,7 @@ class Generator:
         """Run ``job`` on the step engine of its size; its images are cancelled (slots freed at
         the next tick) when the caller goes away or ``timeout_s`` passes."""
         arrived = time.perf_counter()
-        handles = self._submit(job)
+        handles = await self._submit(job)
         try:
             await asyncio.wait_for(asyncio.gather(*[h.future for h in handles]), timeout_s)
         except asyncio.TimeoutError:
@@ -459,7 +486,7 @@ class Generator:
             for e in ev:
                 loop.call_soon_threadsafe(events.put_nowait, e)
 
-        handles = self._submit(job, progress)
+        handles = await self._submit(job, progress)
         h = handles[0]
         deadline = None if timeout_s is None else arrived + timeout_s
         try:

@@ -164,3 +164,11 @@ def test_a_deadline_cancels_the_image(step_app):
         time.sleep(0.2)
     else:
         pytest.fail(f"the slot was not freed: {stats}")
+
+
+@pytest.mark.slow
+def test_a_size_not_warmed_up_compiles_and_serves(step_app):
+    out = _generate(step_app, width=16, height=48, steps=2, seed=3)
+    assert _png(out["images"][0]["b64_json"]).shape == (48, 16, 3)
+    assert set(requests.get(f"{step_app}/v1/stats", timeout=30).json()["replicas"].popitem()[1][
+        "engines"]) == {f"{SIZE}x{SIZE}", "16x48"}
