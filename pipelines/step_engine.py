@@ -158,7 +158,8 @@ class StepEngine:
                              f"1..{pipe.max_steps}")
         m = pipe.mesh.size
         if not isinstance(slots, int) or slots < 1 or slots % m:
-            raise ValueError(f"slots={slots!r}; it must be a positive multiple of the mesh size {m}")
+            raise ValueError(f"slots={slots!r}; it must be a positive multiple of the mesh "
+                             f"size {m}")
         self.slots, self.cfg, self.output_type = slots, bool(cfg), output_type
         f = pipe.vae_scale_factor
         self.lh, self.lw, self.channels = self.height // f, self.width // f, pipe.latent_channels
@@ -175,8 +176,8 @@ class StepEngine:
         self._queue: list[Handle] = []
         self._slot_handles: list[Handle | None] = [None] * slots
         self._ids = itertools.count(1)
-        self.stats = {"submitted": 0, "finished": 0, "cancelled": 0, "ticks": 0, "steps": 0,
-                      "slot_steps": 0}
+        # ticks run, slot-steps done (active slots summed over ticks), images in and out
+        self.stats = {"submitted": 0, "finished": 0, "cancelled": 0, "ticks": 0, "slot_steps": 0}
 
     # ------------------------------------------------------------------ state
     @functools.lru_cache(maxsize=None)
@@ -286,7 +287,8 @@ class StepEngine:
             s, x = state["sched"], state["x"]
             xin = jax.vmap(sched.scale_model_input)(s, x, index)
             t = jax.vmap(sched.timestep_for_model)(s, index)
-            emb, pooled, tids, aidx = state["emb"], state["pooled"], state["time_ids"], state["aidx"]
+            emb, pooled, tids = state["emb"], state["pooled"], state["time_ids"]
+            aidx = state["aidx"]
             if cfg_engine:
                 xin, t = jnp.concatenate([xin, xin]), jnp.concatenate([t, t])
                 emb = jnp.concatenate([state["nemb"], emb])
@@ -414,7 +416,6 @@ class StepEngine:
         self._state = self._program("step")(self.pipe.params, self._state, *args,
                                                *self._adapter_args())
         self.stats["ticks"] += 1
-        self.stats["steps"] += 1
         self.stats["slot_steps"] += int(active.sum())
         finished = []
         for k, h in enumerate(self._slot_handles):

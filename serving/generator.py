@@ -25,9 +25,9 @@ not warmed up: the first edit of a shape compiles (without holding the device lo
 With the serve arg ``engine=step`` generation runs on step-level continuous batching instead
 (:class:`pipelines.step_engine.StepEngine`, one engine of ``engine_slots`` slots per image size,
 compiled at warm-up for ``warmup_shapes`` sizes; another size is compiled in a thread on its
-first request, without the device lock, while the others keep ticking): a request's images join free slots between denoising steps and
-leave as soon as their own steps are done, so a 2-step image does not wait for a 40-step one. One
-asyncio task drives the engines: while any has work it runs a tick of each in a thread (under the
+first request, without the device lock, while the others keep ticking): a request's images join
+free slots between denoising steps and leave as soon as their own steps are done, so a 2-step
+image does not wait for a 40-step one. One asyncio task drives the engines: while any has work it runs a tick of each in a thread (under the
 device lock) and resolves the futures of finished images. A request whose client goes away
 (Ray Serve cancels the call) or whose deadline passes has its images cancelled: their slots are
 freed at the next tick (``cancelled`` in ``/v1/stats``, ``maxdiff_cancelled_images``).

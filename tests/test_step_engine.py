@@ -139,7 +139,8 @@ def test_cancel_progress_preview_and_programs(engines):
         if h.step == h.steps:  # the last step's x0 estimate is the final latents (Euler, sigma 0)
             previews[h.id] = eng.preview(h)
 
-    a = eng.submit(ImageRequest("a red circle", seed=1, guidance_scale=3.0), 4, on_progress=progress)
+    a = eng.submit(ImageRequest("a red circle", seed=1, guidance_scale=3.0), 4,
+                   on_progress=progress)
     b = eng.submit(ImageRequest("a blue square", seed=2, guidance_scale=0.0), 6)
     c = eng.submit(ImageRequest("queued", seed=3), 2)
     eng.tick()

@@ -8,7 +8,6 @@ import base64
 import io
 import json
 import socket
-import threading
 import time
 
 import numpy as np
