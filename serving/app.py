@@ -1052,6 +1052,7 @@ class Ingress:
             entry["maxdiff"] = {k: self._info[k] for k in (
                 "scheduler", "default_steps", "default_guidance", "default_width",
                 "default_height", "size_multiple", "max_size", "dtype", "devices")}
+            entry["maxdiff"]["engine"] = self.s.engine  # "step": streaming is available
             entry["maxdiff"]["limits"] = {k: v for k, v in self._limits(self._info).items()
                                           if not k.endswith("_why")}
             entry["maxdiff"]["adapters"] = self._info.get("adapters") or []

@@ -181,7 +181,8 @@ class ServeSettings(StrictConfig):
     resource_amount: float = Field(1.0, gt=0)  # of `resource` per replica (e.g. every chip)
     num_cpus: float = Field(1.0, ge=0)  # per generator replica
     max_replicas_per_node: int | None = Field(None, ge=1)  # 1: one replica per host
-    max_ongoing_requests: int | None = Field(None, ge=1)  # per replica; None: 2 * batch size
+    # per replica; None: 2 * max_batch_size (engine=step: 2 * engine_slots)
+    max_ongoing_requests: int | None = Field(None, ge=1)
     max_queued_requests: int = 64  # waiting for a generator replica, per caller; -1: no limit
     ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.25, ge=0)
@@ -295,7 +296,9 @@ class ServeSettings(StrictConfig):
 
     @property
     def generator_max_ongoing(self) -> int:
-        return self.max_ongoing_requests or 2 * self.max_batch_size
+        if self.max_ongoing_requests:
+            return self.max_ongoing_requests
+        return 2 * (self.engine_slots if self.engine == "step" else self.max_batch_size)
 
 
 # ---------------------------------------------------------------------------------- HTTP models

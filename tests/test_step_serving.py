@@ -113,6 +113,7 @@ def test_openai_client_streams_partial_and_completed_images(step_app):
     assert [e.partial_image_index for e in events[:2]] == [0, 1]
     for e in events:
         assert _png(e.b64_json).shape == (SIZE, SIZE, 3) and e.size == f"{SIZE}x{SIZE}"
+    assert client.models.list().data[0].model_extra["maxdiff"]["engine"] == "step"
     # without streaming the same route answers JSON as before
     plain = client.images.generate(model="tiny-sdxl", prompt="a green triangle",
                                    size=f"{SIZE}x{SIZE}")
