@@ -86,9 +86,10 @@ TABLES = ("timesteps", "sigmas", "alphas_cumprod", "alphas_cumprod_prev")
 @dataclass(eq=False)
 class Handle:
     """One image in a :class:`StepEngine`. ``status``: ``queued``, ``running``, ``done`` or
-    ``cancelled``; ``step``: denoising steps taken of ``steps``; ``image``: the result once
-    done (PIL image, or float32 (H, W, 3) in [0, 1] with ``output_type="np"``); ``seed``: the
-    seed used (drawn at admission when the request has none)."""
+    ``cancelled``; ``step``: denoising steps taken of ``steps``; ``queue_position``: 1 + the
+    images queued before it as of the last tick (0 once it holds a slot); ``image``: the result
+    once done (PIL image, or float32 (H, W, 3) in [0, 1] with ``output_type="np"``); ``seed``:
+    the seed used (drawn at admission when the request has none)."""
 
     request: ImageRequest
     steps: int
@@ -96,6 +97,7 @@ class Handle:
     id: int = 0
     status: str = "queued"
     step: int = 0
+    queue_position: int = 0
     slot: int | None = None
     seed: int | None = None
     image: Any = None
@@ -353,8 +355,8 @@ class StepEngine:
     def submit(self, request: ImageRequest, steps: int | None = None,
                on_progress: Callable[[Handle], None] | None = None) -> Handle:
         """Queue one image (``steps`` None: the pipeline's default). It joins a free slot at
-        the next tick; ``on_progress(handle)`` is called after each of its steps (from the
-        ticking thread)."""
+        the next tick; ``on_progress(handle)`` is called (from the ticking thread) after each of
+        its steps, and at ticks where it stays queued but its ``queue_position`` changed."""
         steps = self.pipe.default_steps if steps is None else steps
         self.pipe._check(steps, self.height, self.width, self.output_type)
         if steps > self.max_steps:
@@ -401,6 +403,15 @@ class StepEngine:
         cancelled) in this tick."""
         out = self._reap_cancelled()
         self._admit()
+        moved = []
+        with self._lock:
+            for k, h in enumerate(self._queue, start=1):
+                if h.queue_position != k:
+                    h.queue_position = k
+                    moved.append(h)
+        for h in moved:
+            if h.on_progress is not None:
+                h.on_progress(h)
         if not self.active:
             return out
         n, s = self.max_steps, self.slots
@@ -493,7 +504,7 @@ class StepEngine:
         self._run_admit(take, free, b)
         now = time.perf_counter()
         for h, k in zip(take, free):
-            h.slot, h.status, h.started_at = k, "running", now
+            h.slot, h.status, h.started_at, h.queue_position = k, "running", now, 0
             self._slot_handles[k] = h
 
     def _run_admit(self, take: list[Handle], free: list[int], b: int) -> None:

@@ -27,8 +27,9 @@ With the serve arg ``engine=step`` generation runs on step-level continuous batc
 compiled at warm-up for ``warmup_shapes`` sizes; another size is compiled in a thread on its
 first request, without the device lock, while the others keep ticking): a request's images join
 free slots between denoising steps and leave as soon as their own steps are done, so a 2-step
-image does not wait for a 40-step one. One asyncio task drives the engines: while any has work it runs a tick of each in a thread (under the
-device lock) and resolves the futures of finished images. A request whose client goes away
+image does not wait for a 40-step one. One asyncio task drives the engines: while any has work
+it runs a tick of each in a thread (under the device lock) and resolves the futures of finished
+images. A request whose client goes away
 (Ray Serve cancels the call) or whose deadline passes has its images cancelled: their slots are
 freed at the next tick (``cancelled`` in ``/v1/stats``, ``maxdiff_cancelled_images``).
 :meth:`Generator.generate_stream` yields progress events, partial images (the engine's
@@ -458,9 +459,10 @@ class Generator:
     async def generate_stream(self, job: GenerationRequest, timeout_s: float | None = None,
                               partial_images: int = 0):
         """engine=step only: yield ``{"type": "progress", "step", "total", "queue_position"}``
-        after each step (and once when queued), ``{"type": "partial_image", "index", "step",
-        "image"}`` for ``partial_images`` previews spread over the steps (uint8 (H, W, 3)),
-        then ``{"type": "result", "result": JobResult}``. One image per job."""
+        once when queued, whenever its queue position changes and after each step;
+        ``{"type": "partial_image", "index", "step", "image"}`` for ``partial_images`` previews
+        spread over the steps (uint8 (H, W, 3)); then ``{"type": "result", "result":
+        JobResult}``. One image per job."""
         try:
             if self.settings.engine != "step":
                 raise ValueError("streaming needs the serve arg engine=step")
@@ -478,8 +480,9 @@ class Generator:
         partial_at = sorted({max(1, min(n - 1, round(n * (k + 1) / (partial_images + 1))))
                              for k in range(partial_images)}) if n > 1 else []
 
-        def progress(h):  # in the ticking thread, right after the step
-            ev = [{"type": "progress", "step": h.step, "total": h.steps, "queue_position": 0}]
+        def progress(h):  # in the ticking thread: after a step, or a new queue position
+            ev = [{"type": "progress", "step": h.step, "total": h.steps,
+                   "queue_position": h.queue_position}]
             if h.step in partial_at:
                 ev.append({"type": "partial_image", "index": partial_at.index(h.step),
                            "step": h.step, "image": np.asarray(h.engine.preview(h))})
