@@ -200,3 +200,40 @@ def test_per_image_adapters(sdxl_dir, tmp_path_factory):
     for h, im in zip(handles, ref):
         np.testing.assert_allclose(h.image, im, atol=1e-5)
     assert np.abs(handles[0].image - handles[1].image).max() > 1e-3  # the adapter does something
+
+
+@pytest.mark.slow
+def test_slots_sharded_over_4_devices_equal_one_device(sdxl_dir):
+    """4 host devices: the slots are sharded over the mesh's data axis and the images equal
+    one device's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import json, numpy as np, jax
+        from pipelines import TextToImagePipeline
+        from pipelines.requests import ImageRequest
+        from pipelines.step_engine import StepEngine
+        assert jax.local_device_count() == 4, jax.devices()
+        out = {{}}
+        for d in (4, 1):
+            p = TextToImagePipeline.from_pretrained({str(sdxl_dir)!r}, devices=d,
+                                                    compile_cache_dir=None)
+            eng = StepEngine(p, 32, 32, slots=4, output_type="np")
+            assert eng.batch_sizes == ([4] if d == 4 else [1, 2, 4])
+            hs = [eng.submit(ImageRequest("a red circle", seed=1, guidance_scale=3.0), 3)]
+            eng.tick()
+            hs += [eng.submit(ImageRequest(f"the dog {{k}}", seed=2 + k, guidance_scale=k), 2)
+                   for k in range(3)]
+            eng.run_until_idle()
+            out[d] = np.stack([h.image for h in hs])
+        print(json.dumps(float(np.abs(out[4] - out[1]).max())))
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) <= 5e-6
