@@ -180,9 +180,10 @@ class Generator:
             if job is None:
                 logger.warning("warm-up %s skipped: the model has no default size", shape)
                 continue
-            if self.settings.engine == "step":
-                self._engine(job.height, job.width).warmup()
-                warmed.append(f"{job.width}x{job.height}:step-engine")
+            if self.settings.engine == "step":  # one engine per size, whatever the steps
+                if (job.height, job.width) not in self._engines:
+                    self._engine(job.height, job.width).warmup()
+                    warmed.append(f"{job.width}x{job.height}:step-engine")
                 continue
             for b in self.warmup_batch_sizes():
                 job = GenerationRequest("", None, 0, b, job.width, job.height, job.steps,
@@ -327,7 +328,7 @@ class Generator:
         if eng is None:
             from pipelines.step_engine import StepEngine
 
-            slots = -(-self.settings.engine_slots // self.pipe.mesh.size) * self.pipe.mesh.size
+            slots = -(-self.settings.slots // self.pipe.mesh.size) * self.pipe.mesh.size
             eng = self._engines[(height, width)] = StepEngine(self.pipe, height, width,
                                                               slots=slots)
         return eng
@@ -343,7 +344,7 @@ class Generator:
             from pipelines.step_engine import StepEngine
 
             def make():
-                slots = -(-self.settings.engine_slots // self.pipe.mesh.size) * self.pipe.mesh.size
+                slots = -(-self.settings.slots // self.pipe.mesh.size) * self.pipe.mesh.size
                 new = StepEngine(self.pipe, height, width, slots=slots)
                 new.warmup()
                 return new

@@ -174,7 +174,8 @@ class ServeSettings(StrictConfig):
     # batching (pipelines.step_engine), images join and leave between denoising steps, one
     # engine of engine_slots slots per image size; streaming needs it
     engine: Literal["batch", "step"] = "batch"
-    engine_slots: int = Field(8, ge=1)  # images per step-engine tick (a multiple of devices)
+    # images per step-engine tick (rounded up to a multiple of the devices); None: max_batch_size
+    engine_slots: int | None = Field(None, ge=1)
     # replicas and placement
     num_replicas: int = Field(1, ge=1)
     resource: str | None = None  # "GPU", "TPU" or a custom per-host resource; None: CPU only
@@ -298,7 +299,12 @@ class ServeSettings(StrictConfig):
     def generator_max_ongoing(self) -> int:
         if self.max_ongoing_requests:
             return self.max_ongoing_requests
-        return 2 * (self.engine_slots if self.engine == "step" else self.max_batch_size)
+        return 2 * (self.slots if self.engine == "step" else self.max_batch_size)
+
+    @property
+    def slots(self) -> int:
+        """Slots of each step engine (engine=step)."""
+        return self.engine_slots or self.max_batch_size
 
 
 # ---------------------------------------------------------------------------------- HTTP models

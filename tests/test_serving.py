@@ -159,7 +159,7 @@ def test_settings_from_cli_strings():
     assert s.warmup_shapes == (WarmupShape(width=1024, height=1024, steps=4, guidance=0.0),
                                WarmupShape(width=512, height=768, steps=30, guidance=5.0))
     assert s.warmup_batch_sizes == (1, 2) and s.generator_max_ongoing == 16
-    assert s.engine == "batch"  # the default: whole requests batched per shape key
+    assert s.engine == "batch" and s.slots == 8  # default: whole requests batched per shape key
     step = ServeSettings.from_args({"engine": "step", "engine_slots": "16"})
     assert (step.engine, step.engine_slots, step.generator_max_ongoing) == ("step", 16, 32)
     yaml_style = ServeSettings.from_args({"warmup_shapes": [{"size": "64x32", "cfg": "off"},
