@@ -17,12 +17,21 @@ Endpoints (OpenAPI at ``/docs``): ``GET /`` (the web playground, ``serving/playg
 ``POST /v1/images/generations`` (OpenAI Images API),
 ``POST /v1/images/edits`` (OpenAI Images API edits, multipart), ``POST /v1/generate`` (native),
 ``POST /v1/edit`` (native image-to-image and inpainting, JSON), ``GET /healthz``, ``GET /v1/models``, ``GET /v1/stats``.
+
+Streaming (serve arg ``engine=step``; 422 naming ``stream`` otherwise): ``"stream": true`` on
+``/v1/images/generations`` answers Server-Sent Events in the OpenAI Images API format
+(``image_generation.partial_image`` events for ``partial_images``, then
+``image_generation.completed``); on ``/v1/generate``, ``progress`` events, ``partial_image``
+events, then ``result`` (the route's JSON response). An error after the stream has started is an
+``error`` event with the usual error body. A client that disconnects cancels its image (its
+step-engine slot is freed at the next tick).
 """
 
 
 import asyncio
 import base64
 import functools
+import json
 import logging
 import math
 import time
@@ -32,7 +41,7 @@ from typing import Any
 
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -634,6 +643,92 @@ class Ingress:
         return EditRequest(prompt, negative_prompt, seed, n, width, height, steps, guidance,
                            strength=float(strength), image=img[0], mask=repaint)
 
+    def _stream_problems(self, stream: bool | None, n: int, n_field: str) -> list:
+        if not stream:
+            return []
+        if self.s.engine != "step":
+            return [("stream", "streaming needs step-level batching: this server runs "
+                     "engine=batch (serve arg engine=step turns it on)", stream)]
+        if n != 1:
+            return [(n_field, "a stream returns one image; ask for 1", n)]
+        return []
+
+    async def _stream(self, job: GenerationRequest, deadline: float, request: Request,
+                      partial_images: int, render) -> StreamingResponse:
+        """Start ``job`` on the generator's ``generate_stream`` and answer its events as
+        Server-Sent Events; ``render(event)`` (async) gives the (name, data) pairs to send for
+        one generator event. Errors before the first event are ordinary HTTP errors; later ones
+        an ``error`` event. Leaving early (client gone) cancels the generator call."""
+        from ray.serve.exceptions import BackPressureError
+
+        rid = _rid(request)
+        if not self._ready_seen and not (await self._generator_state())[0]:
+            raise ApiError(503, "the model is still warming up (loading and compiling); "
+                           "retry shortly", kind="service_unavailable",
+                           headers={"Retry-After": str(self.s.retry_after_s)})
+        left = max(deadline - time.monotonic(), 0)
+        gen = self.generator.options(stream=True).generate_stream.remote(job, left,
+                                                                         partial_images)
+
+        def failure(e: BaseException) -> ApiError:
+            if isinstance(e, InvalidJob):
+                return ApiError(422, str(e))
+            if isinstance(e, BackPressureError):
+                return ApiError(503, "the server is at capacity (its queue is full); retry "
+                                f"after {self.s.retry_after_s} s", kind="server_overloaded",
+                                headers={"Retry-After": str(self.s.retry_after_s)})
+            if isinstance(e, (Expired, asyncio.TimeoutError)):
+                return ApiError(504, "the request did not finish before its deadline "
+                                f"(request_timeout_s={self.s.request_timeout_s:g} or "
+                                f"{TIMEOUT_HEADER})", kind="timeout")
+            logger.error("request %s: stream failed: %s: %s", rid, type(e).__name__, e)
+            return ApiError(500, f"internal error (request id {rid}); the server's log has "
+                            "the details", kind="server_error")
+
+        async def next_event():
+            return await asyncio.wait_for(gen.__anext__(),
+                                          max(deadline - time.monotonic(), 0) + 5)
+
+        try:
+            first = await next_event()
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+        except StopAsyncIteration:
+            raise failure(RuntimeError("the stream ended before it started")) from None
+        except Exception as e:
+            gen.cancel()
+            raise failure(e) from None
+        self._ready_seen = True
+
+        def sse(name: str, data: dict) -> bytes:
+            return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+        async def events():
+            ev = first
+            try:
+                while True:
+                    for name, data in await render(ev):
+                        yield sse(name, data)
+                    if ev["type"] == "result":
+                        return
+                    try:
+                        ev = await next_event()
+                    except StopAsyncIteration:
+                        return
+                    except (asyncio.CancelledError, GeneratorExit):
+                        raise
+                    except Exception as e:
+                        err = failure(e)
+                        yield sse("error", _error_body(err.status, err.message, err.kind,
+                                                       request_id=rid))
+                        return
+            finally:
+                gen.cancel()  # a no-op once finished; else the client left: free the slot
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
     # ------------------------------------------------------------------ routes
     @api.post("/v1/images/generations", response_model=ImagesResponse, tags=["OpenAI-compatible"],
               summary="Create images (OpenAI Images API)",
@@ -652,13 +747,38 @@ class Ingress:
                 width, height = parse_size(body.size)
             except ValueError as e:
                 raise invalid("size", f"{e}, or 'auto'", body.size) from None
+        problems = self._stream_problems(body.stream, n, "n")
+        if problems:
+            raise invalid(*problems[0])
         self._check_common(info, body.prompt, n, "n", width, height, ("size", "size"),
                            info["default_steps"])
         adapter = self._openai_adapter(info, body)
         job = GenerationRequest(body.prompt, None, None, n, width, height,
                                 info["default_steps"], info["default_guidance"], adapter)
-        result = await self._generate(job, deadline, request)
         fmt = body.output_format or "png"
+        if body.stream:
+            common = {"background": "opaque", "output_format": fmt, "quality": "auto",
+                      "size": f"{width}x{height}"}
+
+            async def render(ev):
+                if ev["type"] == "progress":
+                    return []
+                im = ev["image"] if ev["type"] == "partial_image" else ev["result"].images[0]
+                blob = await asyncio.to_thread(encode_image, im, fmt,
+                                               quality=body.output_compression)
+                data = {"b64_json": base64.b64encode(blob).decode(),
+                        "created_at": int(time.time()), **common}
+                if ev["type"] == "partial_image":
+                    return [("image_generation.partial_image",
+                             {"type": "image_generation.partial_image",
+                              "partial_image_index": ev["index"], **data})]
+                usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+                         "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}}
+                return [("image_generation.completed",
+                         {"type": "image_generation.completed", "usage": usage, **data})]
+
+            return await self._stream(job, deadline, request, body.partial_images or 0, render)
+        result = await self._generate(job, deadline, request)
         blobs = await asyncio.to_thread(
             lambda: [encode_image(im, fmt, quality=body.output_compression)
                      for im in result.images])
@@ -713,6 +833,10 @@ class Ingress:
                            None))
         if (problem := self._adapter_problem(info, body.lora, "lora")) is not None:
             errors.append(problem)
+        errors += self._stream_problems(body.stream, body.num_images, "num_images")
+        if body.stream and wanted is not None:
+            errors.append(("stream", "a stream answers text/event-stream, not an image Accept "
+                           "type", True))
         try:
             self._check_common(info, body.prompt, body.num_images, "num_images", width, height,
                                ("width", "height"), steps)
@@ -723,29 +847,47 @@ class Ingress:
                                            "input": v} for f, m, v in errors])
         job = GenerationRequest(body.prompt, body.negative_prompt, body.seed, body.num_images,
                                 width, height, steps, guidance, body.lora)
+
+        async def respond(result: JobResult) -> tuple[dict, list[bytes]]:
+            t1 = time.perf_counter()
+            meta = [image_info(prompt=body.prompt, negative_prompt=body.negative_prompt,
+                               seed=seed, steps=steps, guidance=guidance,
+                               size=f"{width}x{height}", scheduler=info["scheduler"],
+                               model=self.model_id, dtype=info["dtype"], adapter=body.lora)
+                    for seed in result.seeds]
+            blobs = await asyncio.to_thread(lambda: [encode_image(im, fmt, m)
+                                                     for im, m in zip(result.images, meta)])
+            timings = dict(result.timings, encode_s=time.perf_counter() - t1,
+                           total_s=time.perf_counter() - t0,
+                           batch_requests=result.batch["requests"],
+                           batch_images=result.batch["images"], batch_id=result.batch["id"])
+            return {
+                "created": int(time.time()), "model": self.model_id,
+                "images": [{"b64_json": base64.b64encode(b).decode(), "seed": s}
+                           for b, s in zip(blobs, result.seeds)],
+                "seeds": result.seeds, "width": width, "height": height, "steps": steps,
+                "guidance_scale": guidance, "scheduler": info["scheduler"],
+                "output_format": fmt, "timings": timings, "lora": body.lora}, blobs
+
+        if body.stream:
+            async def render(ev):
+                if ev["type"] == "progress":
+                    return [("progress", {k: ev[k] for k in ("step", "total",
+                                                             "queue_position")})]
+                if ev["type"] == "partial_image":
+                    blob = await asyncio.to_thread(encode_image, ev["image"], fmt)
+                    return [("partial_image", {"index": ev["index"], "step": ev["step"],
+                                               "b64_json": base64.b64encode(blob).decode()})]
+                return [("result", (await respond(ev["result"]))[0])]
+
+            return await self._stream(job, deadline, request, body.partial_images, render)
         result = await self._generate(job, deadline, request)
-        t1 = time.perf_counter()
-        meta = [image_info(prompt=body.prompt, negative_prompt=body.negative_prompt, seed=seed,
-                           steps=steps, guidance=guidance, size=f"{width}x{height}",
-                           scheduler=info["scheduler"], model=self.model_id, dtype=info["dtype"],
-                           adapter=body.lora)
-                for seed in result.seeds]
-        blobs = await asyncio.to_thread(lambda: [encode_image(im, fmt, m)
-                                                 for im, m in zip(result.images, meta)])
-        timings = dict(result.timings, encode_s=time.perf_counter() - t1,
-                       total_s=time.perf_counter() - t0, batch_requests=result.batch["requests"],
-                       batch_images=result.batch["images"], batch_id=result.batch["id"])
+        data, blobs = await respond(result)
         headers = self._headers(result)
         if wanted is not None:
             headers["X-Seed"] = str(result.seeds[0])
             return Response(blobs[0], media_type=f"image/{fmt}", headers=headers)
-        return JSONResponse({
-            "created": int(time.time()), "model": self.model_id,
-            "images": [{"b64_json": base64.b64encode(b).decode(), "seed": s}
-                       for b, s in zip(blobs, result.seeds)],
-            "seeds": result.seeds, "width": width, "height": height, "steps": steps,
-            "guidance_scale": guidance, "scheduler": info["scheduler"], "output_format": fmt,
-            "timings": timings, "lora": body.lora}, headers=headers)
+        return JSONResponse(data, headers=headers)
 
     @api.post("/v1/images/edits", response_model=ImagesResponse, tags=["OpenAI-compatible"],
               summary="Edit an image (OpenAI Images API)",
@@ -910,6 +1052,7 @@ class Ingress:
             entry["maxdiff"] = {k: self._info[k] for k in (
                 "scheduler", "default_steps", "default_guidance", "default_width",
                 "default_height", "size_multiple", "max_size", "dtype", "devices")}
+            entry["maxdiff"]["engine"] = self.s.engine  # "step": streaming is available
             entry["maxdiff"]["limits"] = {k: v for k, v in self._limits(self._info).items()
                                           if not k.endswith("_why")}
             entry["maxdiff"]["adapters"] = self._info.get("adapters") or []

@@ -22,6 +22,19 @@ with ``ImageToImagePipeline.from_pipe`` / ``InpaintPipeline.from_pipe`` over the
 steps, CFG on/off, strength) under the same device lock, deadlines and stats. Edit programs are
 not warmed up: the first edit of a shape compiles (without holding the device lock).
 
+With the serve arg ``engine=step`` generation runs on step-level continuous batching instead
+(:class:`pipelines.step_engine.StepEngine`, one engine of ``engine_slots`` slots per image size,
+compiled at warm-up for ``warmup_shapes`` sizes; another size is compiled in a thread on its
+first request, without the device lock, while the others keep ticking): a request's images join
+free slots between denoising steps and leave as soon as their own steps are done, so a 2-step
+image does not wait for a 40-step one. One asyncio task drives the engines: while any has work
+it runs a tick of each in a thread (under the device lock) and resolves the futures of finished
+images. A request whose client goes away
+(Ray Serve cancels the call) or whose deadline passes has its images cancelled: their slots are
+freed at the next tick (``cancelled`` in ``/v1/stats``, ``maxdiff_cancelled_images``).
+:meth:`Generator.generate_stream` yields progress events, partial images (the engine's
+denoised-estimate previews) and the result, for the streaming routes. Edits keep the batch path.
+
 Health: Ray Serve calls :meth:`Generator.check_health` every ``health_check_period_s``; it runs a
 tiny program on the replica's devices with the loaded weights and raises if that fails or
 hangs, so Ray Serve replaces the replica. After every batch a replica reports its stats to the
@@ -138,7 +151,15 @@ class Generator:
         self._m_expired = metrics.Counter(
             "maxdiff_expired_requests", "Requests dropped unstarted because their deadline "
             "passed in the queue.", tag_keys=tags)
+        self._m_cancelled = metrics.Counter(
+            "maxdiff_cancelled_images", "Step-engine images cancelled (client gone or deadline "
+            "passed); their slots are freed at the next tick.", tag_keys=tags)
         self._tags = {"model": self.pipe.name.rsplit("/", 1)[-1] or "default"}
+        self._engines: dict[tuple[int, int], object] = {}  # engine=step: (height, width) -> engine
+        self._warming: dict[tuple[int, int], asyncio.Future] = {}  # sizes being compiled
+        self._engine_wake: asyncio.Event | None = None
+        self._engine_task: asyncio.Task | None = None
+        self._engine_ids = itertools.count(1)
         self.warmup_s, self.warmed = self._warm_up()
         logger.info("generator ready on node %s: load %.1fs, warm-up %.1fs, %d program(s)",
                     self.replica["node_id"], self.load_s, self.warmup_s, self.pipe.num_compiled)
@@ -158,6 +179,11 @@ class Generator:
             job = self.resolve(shape)
             if job is None:
                 logger.warning("warm-up %s skipped: the model has no default size", shape)
+                continue
+            if self.settings.engine == "step":  # one engine per size, whatever the steps
+                if (job.height, job.width) not in self._engines:
+                    self._engine(job.height, job.width).warmup()
+                    warmed.append(f"{job.width}x{job.height}:step-engine")
                 continue
             for b in self.warmup_batch_sizes():
                 job = GenerationRequest("", None, 0, b, job.width, job.height, job.steps,
@@ -199,10 +225,18 @@ class Generator:
     def stats(self, recent: int | None = None) -> dict:
         """This replica's recent batches (newest last), images served and compiled programs."""
         batches = list(self._recent)[-recent:] if recent else list(self._recent)
-        return {"node_id": self.replica["node_id"], "pid": self.replica["pid"],
-                "images": self._images_total, "compiled_programs": self.pipe.num_compiled + sum(
-                    p.num_compiled for p in self._edit_pipes.values()),
-                "batches": batches, "warmed": self.warmed, "warmup_s": self.warmup_s}
+        out = {"node_id": self.replica["node_id"], "pid": self.replica["pid"],
+               "images": self._images_total, "compiled_programs": self.pipe.num_compiled + sum(
+                   p.num_compiled for p in self._edit_pipes.values()) + sum(
+                   e.num_compiled for e in self._engines.values()),
+               "batches": batches, "warmed": self.warmed, "warmup_s": self.warmup_s,
+               "engine": self.settings.engine}
+        if self.settings.engine == "step":
+            out["engines"] = {f"{w}x{h}": {"slots": e.slots, "active": e.active,
+                                           "queued": e.queued, **e.stats}
+                              for (h, w), e in self._engines.items()}
+            out["cancelled"] = sum(e.stats["cancelled"] for e in self._engines.values())
+        return out
 
     def _report(self) -> None:
         try:  # fire and forget: stats must never slow or fail a request
@@ -228,6 +262,8 @@ class Generator:
             self.pipe._adapter_index(job.images()[:1])  # an adapter this replica added
         except ValueError as e:
             raise InvalidJob(str(e)) from None
+        if self.settings.engine == "step":
+            return await self._on_engine(job, timeout_s)
         return await self._queue(job, timeout_s)
 
     async def edit(self, job: EditRequest, timeout_s: float | None = None) -> JobResult:
@@ -284,6 +320,205 @@ class Generator:
                                  num_inference_steps=key.steps)
         return self.pipe.generate(items, height=key.height, width=key.width,
                                   num_inference_steps=key.steps)
+
+    # ------------------------------------------------------------------ step engine
+    def _engine(self, height: int, width: int):
+        """The step engine of a size, made (not compiled) on first use; blocking."""
+        eng = self._engines.get((height, width))
+        if eng is None:
+            from pipelines.step_engine import StepEngine
+
+            slots = -(-self.settings.slots // self.pipe.mesh.size) * self.pipe.mesh.size
+            eng = self._engines[(height, width)] = StepEngine(self.pipe, height, width,
+                                                              slots=slots)
+        return eng
+
+    async def _ready_engine(self, height: int, width: int):
+        """The step engine of a size; a size not warmed up is made and compiled in a thread
+        first, without the device lock, so the engines already serving keep ticking."""
+        eng = self._engines.get((height, width))
+        if eng is not None:
+            return eng
+        task = self._warming.get((height, width))
+        if task is None:
+            from pipelines.step_engine import StepEngine
+
+            def make():
+                slots = -(-self.settings.slots // self.pipe.mesh.size) * self.pipe.mesh.size
+                new = StepEngine(self.pipe, height, width, slots=slots)
+                new.warmup()
+                return new
+
+            task = self._warming[(height, width)] = asyncio.ensure_future(asyncio.to_thread(make))
+        try:
+            eng = await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._warming.pop((height, width), None)
+        return self._engines.setdefault((height, width), eng)
+
+    def _wake_engines(self) -> None:
+        if self._engine_wake is None:
+            self._engine_wake = asyncio.Event()
+        if self._engine_task is None or self._engine_task.done():
+            self._engine_task = asyncio.get_running_loop().create_task(self._drive_engines())
+        self._engine_wake.set()
+
+    def _tick_engines(self) -> list:
+        out = []
+        for eng in list(self._engines.values()):
+            if not eng.idle:
+                out += eng.tick()
+        return out
+
+    async def _drive_engines(self) -> None:
+        """While any engine has work: one tick of each (in a thread, holding the device lock),
+        then resolve the futures of the images that finished or were cancelled."""
+        while True:
+            if all(e.idle for e in self._engines.values()):
+                self._engine_wake.clear()
+                await self._engine_wake.wait()
+                continue
+            try:
+                async with self._device_lock:
+                    ended = await asyncio.to_thread(self._tick_engines)
+            except Exception as e:  # a failed tick fails its images, never the loop
+                logger.error("step engine tick failed: %s", e)
+                for eng in self._engines.values():
+                    for h in [*eng._queue, *filter(None, eng._slot_handles)]:
+                        eng.cancel(h)
+                        fut = getattr(h, "future", None)
+                        if fut is not None and not fut.done():
+                            fut.set_exception(RuntimeError(f"generation failed: {e}"))
+                continue
+            cancelled = 0
+            for h in ended:
+                fut = getattr(h, "future", None)
+                if h.status == "cancelled":
+                    cancelled += 1
+                    if fut is not None and not fut.done():
+                        fut.cancel()
+                elif fut is not None and not fut.done():
+                    fut.set_result(h)
+            if cancelled:
+                self._m_cancelled.inc(cancelled, tags=self._tags)
+            if ended:
+                self._report()
+
+    async def _submit(self, job: GenerationRequest, on_progress=None) -> list:
+        eng = await self._ready_engine(job.height, job.width)
+        loop = asyncio.get_running_loop()
+        handles = []
+        for item in job.images():
+            h = eng.submit(item, job.steps, on_progress)
+            h.future = loop.create_future()
+            h.engine = eng
+            handles.append(h)
+        self._wake_engines()
+        return handles
+
+    def _engine_result(self, job: GenerationRequest, handles: list, arrived: float) -> JobResult:
+        started = min(h.started_at for h in handles)
+        finished = max(h.finished_at for h in handles)
+        images = [np.asarray(h.image) for h in handles]
+        # ids in the order requests finish
+        batch = {"id": next(self._engine_ids), "requests": 1, "images": len(images),
+                 "engine": "step", "shape": f"{job.width}x{job.height}:{job.steps}",
+                 "slots": handles[0].engine.slots, "generate_s": finished - started}
+        self._recent.append(batch)
+        self._images_total += len(images)
+        self._m_images.inc(len(images), tags=self._tags)
+        self._m_queue.observe(started - arrived, tags=self._tags)
+        self._m_step.observe((finished - started) / max(job.steps, 1), tags=self._tags)
+        return JobResult(images=images, seeds=[h.seed for h in handles],
+                         timings={"queue_s": started - arrived, "prepare_s": 0.0,
+                                  "generate_s": finished - started},
+                         batch=batch, replica=self.replica)
+
+    def _cancel(self, handles: list) -> None:
+        for h in handles:
+            h.engine.cancel(h)
+        self._wake_engines()
+
+    async def _on_engine(self, job: GenerationRequest, timeout_s: float | None) -> JobResult:
+        """Run ``job`` on the step engine of its size; its images are cancelled (slots freed at
+        the next tick) when the caller goes away or ``timeout_s`` passes."""
+        arrived = time.perf_counter()
+        handles = await self._submit(job)
+        try:
+            await asyncio.wait_for(asyncio.gather(*[h.future for h in handles]), timeout_s)
+        except asyncio.TimeoutError:
+            self._cancel(handles)
+            self._m_expired.inc(1, tags=self._tags)
+            raise Expired(f"the request's deadline passed after "
+                          f"{time.perf_counter() - arrived:.1f} s; its images were cancelled")
+        except BaseException:  # cancelled: the client went away
+            self._cancel(handles)
+            raise
+        return self._engine_result(job, handles, arrived)
+
+    async def generate_stream(self, job: GenerationRequest, timeout_s: float | None = None,
+                              partial_images: int = 0):
+        """engine=step only: yield ``{"type": "progress", "step", "total", "queue_position"}``
+        once when queued, whenever its queue position changes and after each step;
+        ``{"type": "partial_image", "index", "step", "image"}`` for ``partial_images`` previews
+        spread over the steps (uint8 (H, W, 3)); then ``{"type": "result", "result":
+        JobResult}``. One image per job."""
+        try:
+            if self.settings.engine != "step":
+                raise ValueError("streaming needs the serve arg engine=step")
+            if job.n != 1:
+                raise ValueError("streaming returns one image; ask for one")
+            self.pipe._check(job.steps, job.height, job.width, "pil")
+            job.validate()
+            self.pipe._adapter_index(job.images()[:1])
+        except ValueError as e:
+            raise InvalidJob(str(e)) from None
+        arrived = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        n = job.steps
+        partial_at = sorted({max(1, min(n - 1, round(n * (k + 1) / (partial_images + 1))))
+                             for k in range(partial_images)}) if n > 1 else []
+
+        def progress(h):  # in the ticking thread: after a step, or a new queue position
+            ev = [{"type": "progress", "step": h.step, "total": h.steps,
+                   "queue_position": h.queue_position}]
+            if h.step in partial_at:
+                ev.append({"type": "partial_image", "index": partial_at.index(h.step),
+                           "step": h.step, "image": np.asarray(h.engine.preview(h))})
+            for e in ev:
+                loop.call_soon_threadsafe(events.put_nowait, e)
+
+        handles = await self._submit(job, progress)
+        h = handles[0]
+        deadline = None if timeout_s is None else arrived + timeout_s
+        try:
+            yield {"type": "progress", "step": 0, "total": n,
+                   "queue_position": h.engine.queue_position(h)}
+            while not h.future.done() or not events.empty():
+                left = None if deadline is None else deadline - time.perf_counter()
+                if left is not None and left <= 0:
+                    raise asyncio.TimeoutError
+                getter = asyncio.ensure_future(events.get())
+                done, _ = await asyncio.wait({getter, h.future}, timeout=left,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield getter.result()
+                else:
+                    getter.cancel()
+                    if not done:
+                        raise asyncio.TimeoutError
+            h.future.result()
+        except asyncio.TimeoutError:
+            self._cancel(handles)
+            self._m_expired.inc(1, tags=self._tags)
+            raise Expired(f"the request's deadline passed after "
+                          f"{time.perf_counter() - arrived:.1f} s; its image was cancelled")
+        except BaseException:  # the client went away (the stream was cancelled)
+            self._cancel(handles)
+            raise
+        yield {"type": "result", "result": self._engine_result(job, handles, arrived)}
 
     # ------------------------------------------------------------------ batching
     def _batcher(self, key: tuple):

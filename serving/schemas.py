@@ -170,13 +170,20 @@ class ServeSettings(StrictConfig):
     max_batch_size: int = Field(8, ge=1)  # requests per batch
     max_batch_images: int | None = Field(None, ge=1)  # images per device batch; None: batch size
     batch_wait_timeout_s: float = Field(0.05, ge=0)
+    # "batch": whole requests batched per shape key (above); "step": step-level continuous
+    # batching (pipelines.step_engine), images join and leave between denoising steps, one
+    # engine of engine_slots slots per image size; streaming needs it
+    engine: Literal["batch", "step"] = "batch"
+    # images per step-engine tick (rounded up to a multiple of the devices); None: max_batch_size
+    engine_slots: int | None = Field(None, ge=1)
     # replicas and placement
     num_replicas: int = Field(1, ge=1)
     resource: str | None = None  # "GPU", "TPU" or a custom per-host resource; None: CPU only
     resource_amount: float = Field(1.0, gt=0)  # of `resource` per replica (e.g. every chip)
     num_cpus: float = Field(1.0, ge=0)  # per generator replica
     max_replicas_per_node: int | None = Field(None, ge=1)  # 1: one replica per host
-    max_ongoing_requests: int | None = Field(None, ge=1)  # per replica; None: 2 * batch size
+    # per replica; None: 2 * max_batch_size (engine=step: 2 * engine_slots)
+    max_ongoing_requests: int | None = Field(None, ge=1)
     max_queued_requests: int = 64  # waiting for a generator replica, per caller; -1: no limit
     ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.25, ge=0)
@@ -290,7 +297,14 @@ class ServeSettings(StrictConfig):
 
     @property
     def generator_max_ongoing(self) -> int:
-        return self.max_ongoing_requests or 2 * self.max_batch_size
+        if self.max_ongoing_requests:
+            return self.max_ongoing_requests
+        return 2 * (self.slots if self.engine == "step" else self.max_batch_size)
+
+    @property
+    def slots(self) -> int:
+        """Slots of each step engine (engine=step)."""
+        return self.engine_slots or self.max_batch_size
 
 
 # ---------------------------------------------------------------------------------- HTTP models
@@ -322,7 +336,11 @@ class ImagesGenerationRequest(BaseModel):
     style: str | None = None
     background: str | None = None
     moderation: str | None = None
-    stream: bool | None = Field(None, description="Streaming is not supported; false or omitted.")
+    stream: bool | None = Field(None, description="Server-Sent Events: `partial_images` "
+                                "`image_generation.partial_image` events, then "
+                                "`image_generation.completed` (servers with engine=step; n=1).")
+    partial_images: int | None = Field(None, ge=0, le=3, description="Partial images to stream "
+                                       "before the final one (0-3; with stream).")
 
     @field_validator("response_format")
     @classmethod
@@ -330,13 +348,6 @@ class ImagesGenerationRequest(BaseModel):
         if v not in (None, "b64_json"):
             raise ValueError("only 'b64_json' is supported: this server returns images inline "
                              "and does not host them at URLs")
-        return v
-
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, v):
-        if v:
-            raise ValueError("streaming is not supported; omit stream or set it to false")
         return v
 
 
@@ -399,6 +410,12 @@ class GenerateRequest(BaseModel):
                              "/v1/models `maxdiff.adapters`); omitted: the base model. Requests "
                              "with different adapters share batches.")
     output_format: ImageFormat = "png"
+    stream: bool = Field(False, description="Server-Sent Events: `progress` events (step, "
+                         "total, queue_position), `partial_image` events (partial_images), then "
+                         "`result` (this route's JSON response). Servers with engine=step; "
+                         "num_images=1.")
+    partial_images: int = Field(0, ge=0, le=3, description="Partial images (the current "
+                                "denoised estimate) to stream before the result (with stream).")
 
 
 class EditRequest(BaseModel):

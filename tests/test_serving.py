@@ -159,6 +159,9 @@ def test_settings_from_cli_strings():
     assert s.warmup_shapes == (WarmupShape(width=1024, height=1024, steps=4, guidance=0.0),
                                WarmupShape(width=512, height=768, steps=30, guidance=5.0))
     assert s.warmup_batch_sizes == (1, 2) and s.generator_max_ongoing == 16
+    assert s.engine == "batch" and s.slots == 8  # default: whole requests batched per shape key
+    step = ServeSettings.from_args({"engine": "step", "engine_slots": "16"})
+    assert (step.engine, step.engine_slots, step.generator_max_ongoing) == ("step", 16, 32)
     yaml_style = ServeSettings.from_args({"warmup_shapes": [{"size": "64x32", "cfg": "off"},
                                                             "default"], "max_queued_requests": -1})
     assert yaml_style.warmup_shapes == (WarmupShape(width=64, height=32, guidance=0.0),
@@ -191,6 +194,7 @@ def test_settings_adapters():
     ({"warmup_shapes": "1024y4:4"}, "WIDTHxHEIGHT"),
     ({"warmup_shapes": "64x64:0"}, "key 'steps': Input should be greater than or equal to 1"),
     ({"warmup_batch_sizes": "1,0"}, "warmup_batch_sizes"),
+    ({"engine": "steps"}, "key 'engine'"),
     ({"max_batch_size": 8, "max_ongoing_requests": 4}, "batches could never fill"),
 ])
 def test_settings_refuse_bad_args(args, message):
@@ -464,6 +468,15 @@ def test_burst_beyond_the_queue_is_503_with_retry_after(main_app):
     rejected = next(r for r in rs if r.status_code == 503)
     assert int(rejected.headers["Retry-After"]) > 0 and "queue is full" in rejected.text
     assert requests.get(f"{main_app.url}/healthz").status_code == 200
+
+
+def test_stream_needs_the_step_engine(main_app):
+    """engine=batch (this app) answers a stream request with a 422 naming stream."""
+    for path in ("/v1/generate", "/v1/images/generations"):
+        r = requests.post(f"{main_app.url}{path}", json={"prompt": "x", "stream": True},
+                          timeout=30)
+        assert r.status_code == 422 and r.json()["error"]["param"] == "stream", r.text
+        assert "engine=step" in r.json()["error"]["message"]
 
 
 def test_openapi_docs(main_app):

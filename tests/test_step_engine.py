@@ -1,0 +1,239 @@
+"""The step engine (pipelines/step_engine.py): images joining and leaving between denoising steps
+get the pixels they get alone and from TextToImagePipeline, for every scheduler."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from pipelines import TextToImagePipeline
+from pipelines.requests import ImageRequest
+from pipelines.step_engine import StepEngine
+
+SIZE = 32  # pixels (16x16 latents on the tiny checkpoint)
+BASE = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+            num_train_timesteps=1000, steps_offset=1, prediction_type="epsilon")
+SCHEDULERS = {
+    "euler-trailing": dict(BASE, _class_name="EulerDiscreteScheduler", timestep_spacing="trailing"),
+    "euler-karras": dict(BASE, _class_name="EulerDiscreteScheduler", use_karras_sigmas=True),
+    "euler-ancestral": dict(BASE, _class_name="EulerAncestralDiscreteScheduler",
+                            timestep_spacing="leading"),
+    "ddim": dict(BASE, _class_name="DDIMScheduler", clip_sample=False, set_alpha_to_one=False),
+    # sigma_min makes the last step's order depend on the step count (< 15: first order)
+    "dpm++2m": dict(BASE, _class_name="DPMSolverMultistepScheduler", final_sigmas_type="sigma_min"),
+    "lcm": dict(_class_name="LCMScheduler"),
+}
+# (request, steps), submitted at ticks 0, 1, 2, 2 into 2 slots: the second joins the first
+# mid-way, the last two wait for free slots and then share their steps; CFG on and off mixed
+REQUESTS = [
+    (ImageRequest("a red circle", seed=11, guidance_scale=3.0), 3),
+    (ImageRequest("a blue square", seed=12, guidance_scale=0.0), 2),
+    (ImageRequest("the dog", negative_prompt="a cat", seed=13, guidance_scale=5.0,
+                  guidance_rescale=0.5, original_size=(16, 24)), 5),
+    (ImageRequest("a green triangle", seed=14, guidance_scale=4.0), 2),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """A persistent compilation cache for this module: the decode programs (and the text-encode
+    programs of schedulers with the same state layout) compile once for all the engines."""
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {k: getattr(jax.config, k) for k in keys}
+    jax.config.update(keys[0], str(tmp_path_factory.mktemp("jax-cache")))
+    jax.config.update(keys[1], 0.5)
+    yield
+    for k, v in before.items():
+        jax.config.update(k, v)
+    try:  # let the rest of the session run without it
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
+    except (ImportError, AttributeError):
+        pass
+
+
+@pytest.fixture(scope="module")
+def engines(sdxl_dir):
+    made = {}
+
+    def get(name):
+        if name not in made:
+            pipe = TextToImagePipeline.from_pretrained(sdxl_dir, scheduler=SCHEDULERS[name],
+                                                       compile_cache_dir=None)
+            made[name] = StepEngine(pipe, SIZE, SIZE, slots=2, output_type="np")
+        return made[name]
+
+    return get
+
+
+def _run_mixed(eng, requests):
+    handles = [eng.submit(*requests[0])]
+    eng.tick()
+    handles.append(eng.submit(*requests[1]))
+    eng.tick()
+    handles += [eng.submit(*r) for r in requests[2:]]
+    assert eng.queue_position(handles[2]) == 1 and eng.queue_position(handles[3]) == 2
+    done = eng.run_until_idle()
+    assert sorted(h.id for h in done) == sorted(h.id for h in handles)
+    assert all(h.status == "done" and h.step == h.steps for h in handles)
+    return [h.image for h in handles]
+
+
+def _check(eng, requests=REQUESTS):
+    mixed = _run_mixed(eng, requests)
+    assert eng.num_compiled <= 1 + 2 * len(eng.batch_sizes)
+    for (req, steps), img in zip(requests, mixed):
+        h = eng.submit(req, steps)
+        eng.run_until_idle()
+        assert h.image.shape == (SIZE, SIZE, 3)
+        np.testing.assert_allclose(h.image, img, atol=1e-5, err_msg=f"{req.prompt}, {steps} steps")
+    assert eng.num_compiled <= 1 + 2 * len(eng.batch_sizes)  # nothing new for new requests
+    # TextToImagePipeline on the two 2-step images (one batch: CFG on for one, off for the other)
+    two = [k for k, (_, s) in enumerate(requests) if s == 2]
+    ref = eng.pipe.generate([requests[k][0] for k in two], height=SIZE, width=SIZE,
+                            num_inference_steps=2, output_type="np").images
+    for k, im in zip(two, ref):
+        np.testing.assert_allclose(mixed[k], im, atol=1e-5)
+    assert np.abs(mixed[0] - mixed[1]).max() > 1e-2  # different images differ
+    return mixed
+
+
+def test_euler_trailing(engines):
+    _check(engines("euler-trailing"))
+
+
+def test_dpm_solver_2m_history_and_final_order(engines):
+    # one image of 16 steps: its last step is second order, the others' first order
+    _check(engines("dpm++2m"), REQUESTS + [(ImageRequest("a white cat", seed=15,
+                                                        guidance_scale=2.0), 16)])
+
+
+@pytest.mark.slow
+def test_euler_karras(engines):
+    _check(engines("euler-karras"))
+
+
+@pytest.mark.slow
+def test_euler_ancestral(engines):
+    _check(engines("euler-ancestral"))
+
+
+@pytest.mark.slow
+def test_ddim(engines):
+    _check(engines("ddim"))
+
+
+@pytest.mark.slow
+def test_lcm(engines):
+    _check(engines("lcm"))
+
+
+def test_cancel_progress_preview_and_programs(engines):
+    eng = engines("euler-trailing")
+    seen, previews = [], {}
+
+    def progress(h):
+        seen.append((h.id, h.step))
+        if h.step == h.steps:  # the last step's x0 estimate is the final latents (Euler, sigma 0)
+            previews[h.id] = eng.preview(h)
+
+    a = eng.submit(ImageRequest("a red circle", seed=1, guidance_scale=3.0), 4,
+                   on_progress=progress)
+    b = eng.submit(ImageRequest("a blue square", seed=2, guidance_scale=0.0), 6)
+    c = eng.submit(ImageRequest("queued", seed=3), 2, on_progress=progress)
+    eng.tick()
+    assert (a.status, b.status, c.status) == ("running", "running", "queued")
+    assert c.queue_position == 1 and (c.id, 0) in seen and a.queue_position == 0
+    assert eng.preview(a) is not None and eng.preview(c) is None
+    eng.cancel(b)
+    eng.cancel(c)
+    out = eng.tick()
+    assert {h.id for h in out} == {b.id, c.id} and b.status == c.status == "cancelled"
+    assert eng.active == 1 and eng.queued == 0 and eng.stats["cancelled"] == 2
+    eng.run_until_idle()
+    assert a.status == "done" and [s for s in seen if s[0] == a.id] == [(a.id, k)
+                                                                        for k in range(1, 5)]
+    np.testing.assert_allclose(previews[a.id], a.image, atol=2e-3)
+    eng.cancel(a)  # finished: nothing happens
+    assert a.status == "done" and eng.idle
+    # every program (step; text-encode and decode per batch size 1, 2) is compiled, no more
+    assert eng.warmup() == 1 + 2 * len(eng.batch_sizes) == 5
+
+
+def test_bad_submissions(engines):
+    eng = engines("euler-trailing")
+    with pytest.raises(ValueError, match="num_inference_steps=0"):
+        eng.submit(ImageRequest("x"), 0)
+    with pytest.raises(ValueError, match="guidance_scale=-1"):
+        eng.submit(ImageRequest("x", guidance_scale=-1.0), 2)
+    with pytest.raises(ValueError, match="adapter='nope' is not added"):
+        eng.submit(ImageRequest("x", adapter="nope"), 2)
+    with pytest.raises(ValueError, match="multiple of the mesh size"):
+        StepEngine(eng.pipe, SIZE, SIZE, slots=0)
+    no_cfg = StepEngine(eng.pipe, SIZE, SIZE, slots=2, cfg=False)
+    with pytest.raises(ValueError, match="cfg=False"):
+        no_cfg.submit(ImageRequest("x", guidance_scale=3.0), 2)
+
+
+@pytest.mark.slow
+def test_per_image_adapters(sdxl_dir, tmp_path_factory):
+    """Images with different unfused adapters (add_adapter) share ticks and match the
+    pipeline's mixed batch."""
+    from test_adapters import make_lora_files
+
+    files = make_lora_files(sdxl_dir, tmp_path_factory.mktemp("adapters"))
+    pipe = TextToImagePipeline.from_pretrained(sdxl_dir, scheduler=SCHEDULERS["euler-trailing"],
+                                               compile_cache_dir=None)
+    pipe.add_adapter("a", files["a"], scale=0.7)
+    pipe.add_adapter("b", files["b"], scale=1.3)
+    items = [ImageRequest("a red circle", seed=1, guidance_scale=4.0, adapter=a)
+             for a in (None, "a", "b")]
+    eng = StepEngine(pipe, SIZE, SIZE, slots=2, output_type="np")
+    handles = [eng.submit(items[0], 2)]
+    eng.tick()
+    handles += [eng.submit(it, 2) for it in items[1:]]
+    eng.run_until_idle()
+    ref = pipe.generate(items, height=SIZE, width=SIZE, num_inference_steps=2,
+                        output_type="np").images
+    for h, im in zip(handles, ref):
+        np.testing.assert_allclose(h.image, im, atol=1e-5)
+    assert np.abs(handles[0].image - handles[1].image).max() > 1e-3  # the adapter does something
+
+
+@pytest.mark.slow
+def test_slots_sharded_over_4_devices_equal_one_device(sdxl_dir):
+    """4 host devices: the slots are sharded over the mesh's data axis and the images equal
+    one device's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import json, numpy as np, jax
+        from pipelines import TextToImagePipeline
+        from pipelines.requests import ImageRequest
+        from pipelines.step_engine import StepEngine
+        assert jax.local_device_count() == 4, jax.devices()
+        out = {{}}
+        for d in (4, 1):
+            p = TextToImagePipeline.from_pretrained({str(sdxl_dir)!r}, devices=d,
+                                                    compile_cache_dir=None)
+            eng = StepEngine(p, 32, 32, slots=4, output_type="np")
+            assert eng.batch_sizes == ([4] if d == 4 else [1, 2, 4])
+            hs = [eng.submit(ImageRequest("a red circle", seed=1, guidance_scale=3.0), 3)]
+            eng.tick()
+            hs += [eng.submit(ImageRequest(f"the dog {{k}}", seed=2 + k, guidance_scale=k), 2)
+                   for k in range(3)]
+            eng.run_until_idle()
+            out[d] = np.stack([h.image for h in hs])
+        print(json.dumps(float(np.abs(out[4] - out[1]).max())))
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) <= 5e-6
