@@ -30,19 +30,22 @@ own key and its own step number, as the pipeline does. So an image's pixels do n
 when it joined or what shared its steps (to float32 rounding of differently sized batches:
 tested to 1e-5 on [0, 1] pixels).
 
-**CFG on and off side by side.** With ``cfg=True`` (the default) the UNet always runs on
-``2 * slots`` rows (text rows, then the negative rows); slots whose guidance is <= 1 take the
-text rows' prediction exactly (what the pipeline gives that image alone), the others get
-``guide`` (CFG + guidance rescale) with their own scale. This costs a slot without CFG a wasted
-negative row, but keeps ONE step program and lets every image share every tick whatever its
-guidance; the alternative (one engine per CFG setting) splits the slots and the ticks in two.
+**CFG on and off side by side.** With ``cfg=True`` (the default) a tick where some active
+slot has guidance > 1 runs the *guided* step program: the UNet on ``2 * slots`` rows (text rows,
+then the negative rows); slots whose guidance is <= 1 take the text rows' prediction exactly
+(what the pipeline gives that image alone), the others get ``guide`` (CFG + guidance rescale)
+with their own scale. A tick where no active slot needs guidance runs the *unguided* step
+program on ``slots`` rows, so traffic without CFG (SDXL-Lightning, LCM) pays no negative rows.
+Every image shares every tick whatever its guidance; the alternative (one engine per CFG
+setting) splits the slots and the ticks in two.
 ``cfg=False`` runs ``slots`` rows and refuses images with guidance > 1: for models used without
 CFG (SDXL-Lightning, LCM) it halves the step's cost.
 
 **Compiled programs** (bounded and known; :meth:`StepEngine.warmup` compiles all of them):
-one step program, plus one admit (text-encode) program and one decode program per admit/decode
-batch size, the powers of two times the mesh size up to ``slots`` (``slots=8`` on one device:
-1, 2, 4, 8), so ``1 + 2 * len(engine.batch_sizes)`` programs: 9 for 8 slots on one device.
+two step programs (guided and unguided; one with ``cfg=False``), plus one admit (text-encode)
+program and one decode program per admit/decode batch size, the powers of two times the mesh
+size up to ``slots`` (``slots=8`` on one device: 1, 2, 4, 8), so
+``2 + 2 * len(engine.batch_sizes)`` programs: 10 for 8 slots on one device.
 New prompts, seeds, guidance, step counts (up to ``max_steps``) never compile anything.
 
 **Previews.** :meth:`StepEngine.preview` decodes a slot's current denoised estimate (the
@@ -179,7 +182,8 @@ class StepEngine:
         self._slot_handles: list[Handle | None] = [None] * slots
         self._ids = itertools.count(1)
         # ticks run, slot-steps done (active slots summed over ticks), images in and out
-        self.stats = {"submitted": 0, "finished": 0, "cancelled": 0, "ticks": 0, "slot_steps": 0}
+        self.stats = {"submitted": 0, "finished": 0, "cancelled": 0, "ticks": 0, "guided_ticks": 0,
+                      "slot_steps": 0}
 
     # ------------------------------------------------------------------ state
     @functools.lru_cache(maxsize=None)
@@ -228,7 +232,7 @@ class StepEngine:
         fn = self._programs.get((kind, *key))
         if fn is None:
             if kind == "step":
-                fn = jax.jit(self._build_step(), out_shardings=self._state_sharding,
+                fn = jax.jit(self._build_step(*key), out_shardings=self._state_sharding,
                              donate_argnums=self._donate(1))
             elif kind == "admit":
                 fn = jax.jit(self._build_admit(), out_shardings=self._state_sharding,
@@ -244,7 +248,8 @@ class StepEngine:
 
     @property
     def num_compiled(self) -> int:
-        """Programs compiled so far (at most ``1 + 2 * len(batch_sizes)``)."""
+        """Programs compiled so far (at most ``2 + 2 * len(batch_sizes)``; one step program
+        fewer with ``cfg=False``)."""
         return sum(fn._cache_size() for fn in self._programs.values())
 
     def _build_admit(self):
@@ -278,11 +283,12 @@ class StepEngine:
 
         return admit
 
-    def _build_step(self):
+    def _build_step(self, guided: bool):
+        """The step program; ``guided``: the UNet also runs the negative rows (CFG)."""
         p = self.pipe
         unet, sched = p.unet, self.sched
         lh, lw, ch = self.lh, self.lw, self.channels
-        cfg_engine, stochastic = self.cfg, self.stochastic
+        cfg_engine, stochastic = self.cfg and guided, self.stochastic
         variants = _final_order_variants(sched)
 
         def step(params, state, active, index, local, short, ad=None):
@@ -423,10 +429,13 @@ class StepEngine:
             if h is not None:
                 active[k], local[k], index[k] = True, h.step, n - h.steps + h.step
                 short[k] = h.steps < 15
+        guided = self.cfg and any(h.request.guidance_scale > 1.0
+                                  for h in self._slot_handles if h is not None)
         args = jax.device_put((active, index, local, short), self._sharded)
-        self._state = self._program("step")(self.pipe.params, self._state, *args,
-                                               *self._adapter_args())
+        self._state = self._program("step", guided)(self.pipe.params, self._state, *args,
+                                                       *self._adapter_args())
         self.stats["ticks"] += 1
+        self.stats["guided_ticks"] += int(guided)
         self.stats["slot_steps"] += int(active.sum())
         finished = []
         for k, h in enumerate(self._slot_handles):
@@ -462,7 +471,7 @@ class StepEngine:
         return self._decode(self._state["x0"], [handle.slot])[0]
 
     def warmup(self) -> int:
-        """Compile every program this engine can run (the step program and the admit and
+        """Compile every program this engine can run (the step programs and the admit and
         decode programs of each batch size) without touching any slot; returns how many."""
         s = self.slots
         for b in self.batch_sizes:
@@ -470,8 +479,9 @@ class StepEngine:
             self._decode(self._state["x"], [0] * b)
         args = jax.device_put((np.zeros(s, bool), np.zeros(s, np.int32), np.zeros(s, np.int32),
                                np.zeros(s, bool)), self._sharded)
-        self._state = self._program("step")(self.pipe.params, self._state, *args,
-                                               *self._adapter_args())
+        for guided in sorted({False, self.cfg}):
+            self._state = self._program("step", guided)(self.pipe.params, self._state, *args,
+                                                           *self._adapter_args())
         jax.block_until_ready(self._state)
         return self.num_compiled
 

@@ -83,13 +83,16 @@ def _run_mixed(eng, requests):
 
 def _check(eng, requests=REQUESTS):
     mixed = _run_mixed(eng, requests)
-    assert eng.num_compiled <= 1 + 2 * len(eng.batch_sizes)
+    assert eng.num_compiled <= 2 + 2 * len(eng.batch_sizes)
     for (req, steps), img in zip(requests, mixed):
+        guided = eng.stats["guided_ticks"]
         h = eng.submit(req, steps)
         eng.run_until_idle()
+        # alone, an image without CFG runs the unguided step program (no negative rows)
+        assert eng.stats["guided_ticks"] - guided == (steps if req.guidance_scale > 1 else 0)
         assert h.image.shape == (SIZE, SIZE, 3)
         np.testing.assert_allclose(h.image, img, atol=1e-5, err_msg=f"{req.prompt}, {steps} steps")
-    assert eng.num_compiled <= 1 + 2 * len(eng.batch_sizes)  # nothing new for new requests
+    assert eng.num_compiled <= 2 + 2 * len(eng.batch_sizes)  # nothing new for new requests
     # TextToImagePipeline on the two 2-step images (one batch: CFG on for one, off for the other)
     two = [k for k, (_, s) in enumerate(requests) if s == 2]
     ref = eng.pipe.generate([requests[k][0] for k in two], height=SIZE, width=SIZE,
@@ -158,8 +161,9 @@ def test_cancel_progress_preview_and_programs(engines):
     np.testing.assert_allclose(previews[a.id], a.image, atol=2e-3)
     eng.cancel(a)  # finished: nothing happens
     assert a.status == "done" and eng.idle
-    # every program (step; text-encode and decode per batch size 1, 2) is compiled, no more
-    assert eng.warmup() == 1 + 2 * len(eng.batch_sizes) == 5
+    # every program (guided and unguided step; text-encode and decode per batch size 1, 2) is
+    # compiled, no more
+    assert eng.warmup() == 2 + 2 * len(eng.batch_sizes) == 6
 
 
 def test_bad_submissions(engines):
