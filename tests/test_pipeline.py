@@ -263,7 +263,8 @@ def test_vae_tiling_matches_diffusers_tiled_pipeline(sdxl_dir, torch_pipe):
 def test_vae_tiling_rule():
     """True tiles whenever a side exceeds the VAE's sample_size (diffusers' rule), False never,
     "auto" only above auto_tile_pixels: 2 x sample_size² and at least 2 MP, so every SDXL
-    training size (about 1 MP, up to 1536x640) stays untiled and 2048x2048 is tiled."""
+    training size (about 1 MP each, 2048x512 to 512x2048) stays untiled and 2048x2048 is
+    tiled."""
     import tiny
     from maxdiff.models.vae import AutoencoderKLConfig
     from maxdiff.models.vae_tiling import auto_tile_pixels, use_tiling
@@ -275,7 +276,8 @@ def test_vae_tiling_rule():
     for (w, h), auto, forced in [((1024, 1024), False, False), ((1536, 640), False, True),
                                  ((1152, 1024), False, True), ((2048, 1024), False, True),
                                  ((1448, 1448), False, True), ((1536, 1536), True, True),
-                                 ((2048, 2048), True, True), ((4096, 512), False, True)]:
+                                 ((2048, 2048), True, True), ((4096, 512), False, True),
+                                 ((2048, 512), False, True), ((512, 2048), False, True)]:
         assert use_tiling("auto", sdxl, h, w) is auto, (w, h)
         assert use_tiling(True, sdxl, h, w) is forced, (w, h)
         assert use_tiling(False, sdxl, h, w) is False
