@@ -70,7 +70,9 @@ class RunConfig(StrictConfig):
     attention_chunk: int = Field(512, ge=1)
     devices: int | None = Field(None, ge=1)  # mesh size: first N local devices; None for all
     compile_cache_dir: str | None = None  # None: ~/.cache/maxdiff/jax ("" turns it off)
-    vae_tiling: bool = False  # decode images larger than the VAE's sample_size tile by tile
+    # encode / decode large images tile by tile: "auto" (more than 2.1 megapixels for SDXL),
+    # true (whenever a side exceeds sample_size, diffusers' enable_tiling) or false
+    vae_tiling: bool | Literal["auto"] = "auto"
     loras: tuple[LoraSpec, ...] = ()  # LoRA adapters fused at load, in order ("PATH[:SCALE]")
 
     @field_validator("loras", mode="before")

@@ -14,7 +14,10 @@ The strength's start step (diffusers' ``t_start = steps - min(int(steps * streng
 and the "pure noise" switch of inpainting at ``strength == 1`` are traced inputs: a new
 strength, prompt, seed, guidance, image or mask never recompiles. Programs are cached per
 (kind, padded batch, latent height, latent width, steps, CFG on/off, which noises are given,
-output kind, tiled decode); :attr:`num_compiled` counts them.
+output kind, tiled VAE); :attr:`num_compiled` counts them. With ``vae_tiling`` on for the size
+(``"auto"``: images of more than 2.1 megapixels for SDXL), the input images
+are encoded tile by tile before the program (diffusers' tiled encode, whose moments the
+program samples from) and the output decoded tile by tile after it.
 
 Noise: ``noise`` (the add-noise noise) and ``image_latents_noise`` (the standard normal draw of
 the VAE posterior sample; ``masked_image_latents_noise`` for the masked image of a 9-channel
@@ -41,7 +44,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiff import mesh as meshlib
-from maxdiff.models.vae_tiling import needs_tiling
 from maxdiff.schedulers import EulerAncestralDiscreteScheduler, LCMScheduler
 from pipelines.requests import ImageRequest, bucket_size
 from pipelines.text_to_image import (PipelineOutput, TextToImagePipeline, _to_pixels,
@@ -196,6 +198,9 @@ class _EditPipeline(TextToImagePipeline):
         shape = (lh, lw, channels)
 
         def to_latents(p, images, eps):
+            if tiled:  # images are the tiled encoder's moments (_encode_tiled)
+                return vae.apply({"params": p["vae"]}, images, None, eps,
+                                 method=vae.moments_to_latents)
             return vae.apply({"params": p["vae"]}, images, None, eps, method=vae.image_to_latents)
 
         def program(p, ids, neg_ids, zero_negative, seeds, images, masks, masked_images, noise,
@@ -388,10 +393,15 @@ class _EditPipeline(TextToImagePipeline):
         state = jax.device_put(state, rep)
         scalars = jax.device_put((np.int32(t_start), np.bool_(inpaint and strength == 1.0)), rep)
         as_uint8 = output_type != "np"
-        tiled = bool(self.vae_tiling) and needs_tiling(self.vae.config, lh, lw)
+        t1 = time.perf_counter()
+        tiled = self._tiled(height, width)
+        if tiled:  # the images (and masked images) become their tiled encoder moments
+            args = list(args)
+            for k in (4, 6):
+                if args[k] is not None:
+                    args[k] = self._encode_tiled(args[k])
         program = self._program((mode, bucket, lh, lw, steps, cfg, noise is not None,
                                  post is not None, masked_post is not None, as_uint8, tiled))
-        t1 = time.perf_counter()
         out = program(self.params, *args, state, *scalars)
         if tiled:
             out = self._decode_tiled(out, as_uint8)

@@ -73,7 +73,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiff import adapters as adapterlib, mesh as meshlib
-from maxdiff.models.vae_tiling import needs_tiling
 from maxdiff.schedulers import (DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
                                 LCMScheduler)
 from maxdiff.schedulers.common import SigmaState, at
@@ -170,7 +169,7 @@ class StepEngine:
         self.lh, self.lw, self.channels = self.height // f, self.width // f, pipe.latent_channels
         self.sched = pipe.scheduler
         self.stochastic = isinstance(self.sched, (EulerAncestralDiscreteScheduler, LCMScheduler))
-        self.tiled = bool(pipe.vae_tiling) and needs_tiling(pipe.vae.config, self.lh, self.lw)
+        self.tiled = pipe._tiled(self.height, self.width)  # the pipeline's vae_tiling rule
         self.batch_sizes = sorted({min(bucket_size(n, m), slots) for n in range(1, slots + 1)})
         self._sharded = meshlib.batch_sharded(pipe.mesh)
         self._state = self._empty_state()

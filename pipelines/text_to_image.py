@@ -33,7 +33,8 @@ from maxdiff.models.vae import load_vae
 from maxdiff.schedulers import (EulerAncestralDiscreteScheduler, LCMScheduler, get_preset,
                                 load_scheduler, max_inference_steps)
 from maxdiff.tokenizers import load_tokenizer, tokenize
-from maxdiff.models.vae_tiling import needs_tiling, tile_decoder, tiled_decode
+from maxdiff.models.vae_tiling import (check_tiling_setting, tile_decoder, tile_encoder,
+                                       tiled_decode, tiled_encode, use_tiling)
 from pipelines.config import ModelDefaults, RunConfig, load_run_config
 from pipelines.requests import MAX_SEED, ImageRequest, bucket_size, check_seed, image_seeds
 
@@ -140,9 +141,13 @@ class TextToImagePipeline:
         self.latent_channels = unet.config.in_channels
         self.default_height = self.default_width = None
         self.max_size = None  # largest side the model is meant for (maxdiff.json), if stated
-        # decode latents larger than one VAE tile tile by tile (diffusers' enable_tiling)
-        self.vae_tiling = False
+        # encode / decode large images tile by tile (diffusers' enable_tiling): "auto", True,
+        # False (maxdiff.models.vae_tiling.use_tiling)
+        self.vae_tiling: bool | str = "auto"
+        # "auto" tiles images of more than this many pixels; None: auto_tile_pixels(vae config)
+        self.vae_tiling_threshold: int | None = None
         self._tile_decoder = None
+        self._tile_encoder = None
         self.run_config = None
         self._programs: dict[tuple, Any] = {}
         self._base_params: dict | None = None  # the weights before any LoRA was fused
@@ -158,7 +163,7 @@ class TextToImagePipeline:
                         devices: int | Sequence[Any] | None = None, *,
                         attention_kernel: str = "auto", attention_chunk: int = 512,
                         compile_cache_dir: str | os.PathLike | None = DEFAULT_COMPILE_CACHE,
-                        variant: str | None = None, vae_tiling: bool = False
+                        variant: str | None = None, vae_tiling: bool | str = "auto"
                         ) -> "TextToImagePipeline":
         """Load a diffusers SDXL folder (``model_index.json``, ``unet/``, ``vae/``,
         ``text_encoder/``, ``text_encoder_2/``, ``tokenizer*/``, ``scheduler/``).
@@ -167,7 +172,12 @@ class TextToImagePipeline:
         SDXL-Lightning files). ``scheduler``: a diffusers scheduler config dict, a folder or
         json file, or a preset name such as ``"lightning-4step"`` (which also sets the default
         steps and guidance). ``devices``: None for all local devices, N for the first N.
+        ``vae_tiling``: ``"auto"`` (encode and decode images of more than
+        ``vae_tiling_threshold`` pixels tile by tile; default 2 x the VAE's ``sample_size²``,
+        at least 2,097,152), True (tile whenever diffusers' ``enable_tiling`` would) or False
+        (never); see :func:`maxdiff.models.vae_tiling.use_tiling`.
         """
+        vae_tiling = check_tiling_setting(vae_tiling)
         if path is None:
             from pipelines.default_model import default_model_path
 
@@ -443,6 +453,18 @@ class TextToImagePipeline:
 
         return program
 
+    def _tiled(self, height: int, width: int) -> bool:
+        """Whether images of this size are encoded / decoded tile by tile (``vae_tiling``)."""
+        return use_tiling(self.vae_tiling, self.vae.config, height, width,
+                          self.vae_tiling_threshold)
+
+    def _encode_tiled(self, images):
+        """Images (B, H, W, 3) in [-1, 1] -> the VAE encoder's moments, tile by tile
+        (diffusers' tiled encode; bounded memory)."""
+        if self._tile_encoder is None:
+            self._tile_encoder = tile_encoder(self.vae, self.params["vae"])
+        return tiled_encode(self.vae.config, self._tile_encoder, images)
+
     def _decode_tiled(self, z, as_uint8: bool):
         """VAE latents -> pixels with diffusers' tiled decode (bounded memory)."""
         if self._tile_decoder is None:
@@ -574,7 +596,7 @@ class TextToImagePipeline:
         state = self.scheduler.set_timesteps(steps, (bucket, lh, lw, self.latent_channels))
         state = jax.device_put(state, meshlib.replicated(self.mesh))
         as_uint8 = output_type != "np"
-        tiled = bool(self.vae_tiling) and needs_tiling(self.vae.config, lh, lw)
+        tiled = self._tiled(height, width)
         program = self._program((bucket, lh, lw, steps, cfg, latents is not None, as_uint8,
                                  tiled))
         t1 = time.perf_counter()

@@ -258,7 +258,7 @@ def test_vae_tiling_matches_diffusers_tiled_pipeline(sdxl_dir, torch_pipe):
         torch_pipe.vae.disable_tiling()
     assert ours.shape == theirs.shape == (1, 40, 48, 3)
     assert np.abs(ours - theirs).max() <= 2e-3
-    untiled = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
+    untiled = TextToImagePipeline.from_pretrained(sdxl_dir, vae_tiling=False, compile_cache_dir=None)
     assert np.abs(untiled(**kw, latents=lat, output_type="np").images - ours).max() > 1e-3
 
 
@@ -285,3 +285,56 @@ def test_bfloat16_on_the_medium_checkpoint(tmp_path):
     print(f"medium bf16 vs fp32: PSNR {psnr:.1f} dB, max abs {np.abs(got - ref).max():.4f}")
     assert psnr >= 50, (psnr, np.abs(got - ref).max())
     assert np.abs(got - ref).max() > 0
+
+
+def test_vae_tiling_rule():
+    """True tiles whenever a side exceeds the VAE's sample_size (diffusers' rule), False never,
+    "auto" only above auto_tile_pixels: 2 x sample_size² and at least 2 MP, so every SDXL
+    training size (about 1 MP each, 2048x512 to 512x2048) stays untiled and 2048x2048 is
+    tiled."""
+    import tiny
+    from maxdiff.models.vae import AutoencoderKLConfig
+    from maxdiff.models.vae_tiling import auto_tile_pixels, use_tiling
+
+    sdxl = AutoencoderKLConfig.from_dict(dict(
+        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=[128, 256, 512, 512], layers_per_block=2, sample_size=1024))
+    assert auto_tile_pixels(sdxl) == 2 * 1024 * 1024
+    for (w, h), auto, forced in [((1024, 1024), False, False), ((1536, 640), False, True),
+                                 ((1152, 1024), False, True), ((2048, 1024), False, True),
+                                 ((1448, 1448), False, True), ((1536, 1536), True, True),
+                                 ((2048, 2048), True, True), ((4096, 512), False, True),
+                                 ((2048, 512), False, True), ((512, 2048), False, True)]:
+        assert use_tiling("auto", sdxl, h, w) is auto, (w, h)
+        assert use_tiling(True, sdxl, h, w) is forced, (w, h)
+        assert use_tiling(False, sdxl, h, w) is False
+    small = AutoencoderKLConfig.from_dict({k: list(v) if isinstance(v, tuple) else v
+                                           for k, v in tiny.VAE.items()})
+    assert auto_tile_pixels(small) == 2 * 1024 * 1024  # the floor: small VAEs stay untiled
+    assert use_tiling("auto", small, 2048, 2048) and not use_tiling("auto", small, 1024, 1024)
+    assert use_tiling("auto", small, 48, 48, threshold=2 * 32 * 32)
+    assert not use_tiling("auto", small, 32, 64, threshold=2 * 32 * 32)  # at it: untiled
+    for bad in ("yes", None, 1, "tiled"):
+        with pytest.raises(ValueError, match="vae_tiling"):
+            use_tiling(bad, sdxl, 2048, 2048)
+
+
+def test_vae_tiling_auto_switches_at_the_threshold(sdxl_dir):
+    """vae_tiling="auto" (the default) on the tiny model with the threshold lowered to
+    2 x its VAE's sample_size² (2048 pixels): 64x32 (2048 pixels, at the threshold) gives
+    vae_tiling=False's pixels, 48x48 (2304) vae_tiling=True's; the program key says which."""
+    pipe = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
+    assert pipe.vae_tiling == "auto"
+    pipe.vae_tiling_threshold = 2 * 32 * 32
+    kw = dict(prompt="a red circle", num_inference_steps=1, guidance_scale=0.0, seed=3,
+              output_type="np")
+    below = pipe(**kw, width=64, height=32).images
+    assert list(pipe._programs)[-1][-1] is False  # the tiled flag of the program it ran
+    above = pipe(**kw, width=48, height=48).images
+    assert list(pipe._programs)[-1][-1] is True
+    assert len(pipe._programs) == 2
+    pipe.vae_tiling = False
+    np.testing.assert_array_equal(pipe(**kw, width=64, height=32).images, below)
+    assert np.abs(pipe(**kw, width=48, height=48).images - above).max() > 1e-3
+    with pytest.raises(ValueError, match="vae_tiling"):
+        TextToImagePipeline.from_pretrained(sdxl_dir, vae_tiling="sometimes")

@@ -269,3 +269,34 @@ def test_tiled_decode_matches_diffusers_enable_tiling(lh, lw, tmp_path):
     assert _rel_err(ours, theirs) <= 1e-4
     plain = np.asarray(model.apply({"params": params}, z, method="decode"))
     assert np.abs(ours - plain).max() > 1e-3  # the tiles really are blended, not one decode
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("h, w", [(80, 56), (32, 72)])
+def test_tiled_encode_matches_diffusers_enable_tiling(h, w, tmp_path):
+    """diffusers' tiled encode on a VAE whose sample_size is 32 (32-pixel image tiles, stride
+    24, 16-pixel latent tiles blended over 4 and cropped to 12): edge tiles as small as 8
+    pixels, a single row of tiles; the posterior's mean and log-variance."""
+    from maxdiff.models.vae_tiling import needs_tiled_encode, tile_encoder, tiled_encode
+
+    tv = tiny.make_vae(tmp_path / "vae", tiny.VAE, seed=6)
+    model, params = load_vae(tmp_path / "vae")
+    x = _images((2, h, w, 3), seed=7)
+    assert needs_tiled_encode(model.config, h, w)
+    moments = tiled_encode(model.config, tile_encoder(model, params), x)
+    post = jax.tree.map(np.asarray, model.posterior(moments))
+    tv.enable_tiling()
+    with torch.no_grad():
+        dist = tv.encode(_nchw(x)).latent_dist
+    f = model.config.vae_scale_factor
+    assert post.mean.shape == _nhwc(dist.mean).shape == (2, h // f, w // f, 4)
+    assert _rel_err(post.mean, _nhwc(dist.mean)) <= 1e-4
+    assert _rel_err(post.logvar, _nhwc(dist.logvar)) <= 1e-4
+    plain = _run(model, params, "encode", x)
+    assert np.abs(post.mean - np.asarray(plain.mean)).max() > 1e-3  # really tiled and blended
+    # moments_to_latents on the tiled moments: the img2img latents from a given noise
+    eps = _latents(post.mean.shape, seed=8)
+    lat = np.asarray(model.apply({"params": params}, moments, None, eps,
+                                 method="moments_to_latents"))
+    want = (post.mean + np.exp(0.5 * post.logvar) * eps) * model.config.scaling_factor
+    np.testing.assert_allclose(lat, want, rtol=1e-5, atol=1e-5)

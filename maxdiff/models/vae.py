@@ -293,8 +293,9 @@ class AutoencoderKL(nn.Module):
     1024x1024 image (16384 tokens) from being materialised whole.
 
     Methods (call with ``module.apply({"params": p}, ..., method="name")``):
-    ``encode(x) -> DiagonalGaussian``, ``decode(z) -> image``,
-    ``latents_to_image(latents)``, ``image_to_latents(x, key=None, noise=None)``, and
+    ``encode(x) -> DiagonalGaussian``, ``encode_moments(x)``, ``decode(z) -> image``,
+    ``latents_to_image(latents)``, ``image_to_latents(x, key=None, noise=None)``,
+    ``moments_to_latents(moments, key=None, noise=None)``, and
     ``__call__(x, key=None)`` = encode, sample (or mode without a key), decode.
     """
 
@@ -319,10 +320,20 @@ class AutoencoderKL(nn.Module):
 
     def encode(self, x: jax.Array) -> DiagonalGaussian:
         """Images (B, H, W, in_channels) in [-1, 1] -> posterior, (B, H/f, W/f, latent_channels)."""
+        return self.posterior(self.encode_moments(x))
+
+    def encode_moments(self, x: jax.Array) -> jax.Array:
+        """Images -> the encoder's raw output (B, H/f, W/f, 2 * latent_channels): mean and
+        log-variance side by side, before the clamp (what diffusers' tiled encode blends)."""
         h = self.encoder(x.astype(self.dtype))
         if self.quant_conv is not None:
             h = self.quant_conv(h)
-        mean, logvar = jnp.split(h, 2, axis=-1)
+        return h
+
+    @staticmethod
+    def posterior(moments: jax.Array) -> DiagonalGaussian:
+        """:meth:`encode_moments`' output -> the posterior (log-variance clamped to [-30, 20])."""
+        mean, logvar = jnp.split(moments, 2, axis=-1)
         return DiagonalGaussian(mean, jnp.clip(logvar, -30.0, 20.0))
 
     def decode(self, z: jax.Array) -> jax.Array:
@@ -373,7 +384,13 @@ class AutoencoderKL(nn.Module):
         else drawn with ``key``; the posterior mean when both are None), then
         ``(z - mean) * scaling_factor / std`` or ``(z - shift_factor) * scaling_factor``.
         """
-        posterior = self.encode(images)
+        return self.moments_to_latents(self.encode_moments(images), key, noise)
+
+    def moments_to_latents(self, moments: jax.Array, key: jax.Array | None = None,
+                           noise: jax.Array | None = None) -> jax.Array:
+        """:meth:`image_to_latents` from the encoder's output (:meth:`encode_moments`, or
+        :func:`maxdiff.models.vae_tiling.tiled_encode`'s)."""
+        posterior = self.posterior(moments)
         if noise is not None:
             z = posterior.mean + posterior.std * noise.astype(posterior.mean.dtype)
         else:
