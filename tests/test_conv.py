@@ -1,4 +1,4 @@
-"""The CPU convolution algorithms (Winograd F(2x2, 3x3), sub-pixel upsampling) against XLA's
+"""The CPU convolution algorithms (Winograd F(2x2, 3x3) and F(4x4, 3x3), sub-pixel upsampling) against XLA's
 direct convolution and torch, on shapes that take each path."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from maxdiff.models.conv import (WINOGRAD_MIN_CHANNELS, Conv, upsample2x_conv3x3,
-                                 winograd_conv3x3, xla_conv)
+from maxdiff.models.conv import (F2, F4, WINOGRAD_F4_MIN_PIXELS, WINOGRAD_MIN_CHANNELS, Conv,
+                                 upsample2x_conv3x3, winograd_conv3x3, xla_conv)
 
 
 def _rel(a, b) -> float:
@@ -18,36 +18,40 @@ def _rel(a, b) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.mark.parametrize("shape", [(2, 8, 6, 4, 5), (1, 16, 16, 256, 32), (3, 4, 10, 3, 2)])
-def test_winograd_equals_direct_convolution(shape):
+@pytest.mark.parametrize("f, tol", [(F2, 5e-6), (F4, 5e-5)], ids=["F2", "F4"])
+@pytest.mark.parametrize("shape", [(2, 8, 12, 4, 5), (1, 16, 16, 256, 32), (3, 4, 20, 3, 2)])
+def test_winograd_equals_direct_convolution(shape, f, tol):
     b, h, w, c, o = shape
     rng = np.random.default_rng(0)
     x = rng.standard_normal((b, h, w, c), np.float32)
     k = rng.standard_normal((3, 3, c, o), np.float32)
-    assert _rel(winograd_conv3x3(x, k), xla_conv(x, k)) < 5e-6
-    with pytest.raises(ValueError, match="even sides"):
-        winograd_conv3x3(x[:, :-1], k)
+    assert _rel(winograd_conv3x3(x, k, f), xla_conv(x, k)) < tol
+    with pytest.raises(ValueError, match=f"multiples of {f.m}, got {h}x{w - 1}"):
+        winograd_conv3x3(x[:, :, :-1], k, f)
 
 
-@pytest.mark.parametrize("shape", [(2, 5, 7, 4, 3), (1, 8, 8, 64, 16)])
+@pytest.mark.parametrize("shape", [(2, 5, 7, 4, 3), (1, 8, 8, 64, 16), (1, 64, 68, 8, 4)])
 def test_subpixel_upsampling_equals_upsample_then_convolve(shape):
     b, h, w, c, o = shape
     rng = np.random.default_rng(1)
     x = rng.standard_normal((b, h, w, c), np.float32)
     k = rng.standard_normal((3, 3, c, o), np.float32)
     up = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
-    assert _rel(upsample2x_conv3x3(x, k), xla_conv(up, k)) < 5e-6
+    tol = 5e-5 if h * w >= WINOGRAD_F4_MIN_PIXELS else 5e-6  # the last shape takes F(4x4, 3x3)
+    assert _rel(upsample2x_conv3x3(x, k), xla_conv(up, k)) < tol
     # and torch's nearest interpolation followed by its convolution
     xt = torch.from_numpy(x.transpose(0, 3, 1, 2).copy())
     kt = torch.from_numpy(k.transpose(3, 2, 0, 1).copy())
     ref = torch.nn.functional.conv2d(torch.nn.functional.interpolate(xt, scale_factor=2.0,
                                                                      mode="nearest"), kt, padding=1)
-    assert _rel(upsample2x_conv3x3(x, k), ref.numpy().transpose(0, 2, 3, 1)) < 5e-6
+    assert _rel(upsample2x_conv3x3(x, k), ref.numpy().transpose(0, 2, 3, 1)) < tol
 
 
 @pytest.mark.parametrize("cin, hw, upsample", [(WINOGRAD_MIN_CHANNELS, (6, 4), False),
                                                (WINOGRAD_MIN_CHANNELS, (5, 4), False),
-                                               (16, (6, 6), False), (16, (3, 5), True)])
+                                               (WINOGRAD_MIN_CHANNELS, (64, 68), False),
+                                               (16, (6, 6), False), (16, (3, 5), True),
+                                               (16, (64, 64), True)])
 def test_conv_module_paths_agree_with_xla(cin, hw, upsample, monkeypatch):
     """The module on CPU (fast paths where they apply) equals MAXDIFF_CONV=xla."""
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, *hw, cin), np.float32))
@@ -59,7 +63,7 @@ def test_conv_module_paths_agree_with_xla(cin, hw, upsample, monkeypatch):
     direct = m.apply(params, x, upsample)
     scale = 2 if upsample else 1
     assert fast.shape == direct.shape == (2, hw[0] * scale, hw[1] * scale, 24)
-    assert _rel(fast, direct) < 5e-6
+    assert _rel(fast, direct) < (5e-5 if hw[0] * hw[1] >= WINOGRAD_F4_MIN_PIXELS else 5e-6)
     monkeypatch.setenv("MAXDIFF_CONV", "winograd")
     with pytest.raises(ValueError, match="MAXDIFF_CONV='winograd'; use auto or xla"):
         m.apply(params, x, upsample)

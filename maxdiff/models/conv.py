@@ -34,10 +34,34 @@ import numpy as np
 
 WINOGRAD_MIN_CHANNELS = 256
 WINOGRAD_MIN_PIXELS = 1024  # h * w below which the loop overhead outweighs the gain (measured)
+WINOGRAD_F4_MIN_PIXELS = 4096  # h * w from which F(4x4, 3x3) beats F(2x2, 3x3) (measured)
+UPSAMPLE_F4_MIN_PIXELS = 4096  # low-resolution h * w from which upsampling uses F(4x4, 3x3)
 _DN = ("NHWC", "HWIO", "NHWC")
-# Winograd F(2x2, 3x3) kernel transform G (4x3), and G g Gᵀ as one (16, 9) map of the 9 taps
-_G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], np.float32)
-_GG = np.einsum("ia,jb->ijab", _G, _G).reshape(16, 9)
+
+
+class _Winograd:
+    """Winograd F(m x m, 3x3) (Lavin & Gray 2015): input tiles of (m+2)², ``Bᵀ d B``;
+    kernel ``G g Gᵀ`` as one ((m+2)², 9) map of the 9 taps; output ``Aᵀ M A``."""
+
+    def __init__(self, m: int, bt, g, at):
+        self.m, self.n = m, m + 2
+        self.bt, self.at = np.asarray(bt, np.float64), np.asarray(at, np.float64)
+        g = np.asarray(g, np.float64)
+        self.gg = np.einsum("ia,jb->ijab", g, g).reshape(self.n ** 2, 9).astype(np.float32)
+
+
+# F(2x2, 3x3): 16 multiplications per 4 outputs instead of 36; relative error about 1e-6
+F2 = _Winograd(2, [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]],
+               [[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]],
+               [[1, 1, 1, 0], [0, 1, -1, -1]])
+# F(4x4, 3x3), interpolation points 0, ±1, ±2, ∞: 36 multiplications per 16 outputs instead of
+# 144, and 2.25 transformed values per output instead of 4; relative error about 1e-5
+F4 = _Winograd(4, [[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0],
+                   [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]],
+               [[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
+                [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]],
+               [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0],
+                [0, 1, -1, 8, -8, 1]])
 # sub-pixel phases: which 3x3 taps fall on low-resolution offsets (-1, 0) (phase 0) or (0, +1)
 _PHASE = np.array([[[1, 0, 0], [0, 1, 1]], [[1, 1, 0], [0, 0, 1]]], np.float32)
 # per output phase (py, px): the (4, 9) map from 3x3 taps to the 2x2 taps of that phase
@@ -57,75 +81,123 @@ def xla_conv(x: jax.Array, kernel: jax.Array, strides=(1, 1), padding=((1, 1), (
     return jax.lax.conv_general_dilated(x, kernel, strides, padding, dimension_numbers=_DN)
 
 
-def winograd_weights(kernel: jax.Array) -> jax.Array:
-    """(3, 3, in, out) -> the transformed kernel ``G g Gᵀ``, (16, in, out)."""
+def _combine(mat: np.ndarray, vs: list) -> list:
+    """``mat @ vs`` for a small constant matrix and a list of arrays, as adds (no zeros)."""
+    out = []
+    for row in mat:
+        acc = None
+        for coef, v in zip(row, vs):
+            if coef == 0:
+                continue
+            t = v if coef == 1 else -v if coef == -1 else v * np.float32(coef)
+            acc = t if acc is None else acc + t
+        out.append(acc)
+    return out
+
+
+def winograd_weights(kernel: jax.Array, f: _Winograd = F2) -> jax.Array:
+    """(3, 3, in, out) -> the transformed kernel ``G g Gᵀ``, ((m+2)², in, out)."""
     cin, cout = kernel.shape[2:]
-    u = jnp.dot(_GG, kernel.astype(jnp.float32).reshape(9, cin * cout))  # one small matmul
-    return u.reshape(16, cin, cout)
+    u = jnp.dot(f.gg, kernel.astype(jnp.float32).reshape(9, cin * cout))  # one small matmul
+    return u.reshape(f.n ** 2, cin, cout)
 
 
-def _tiles_in(xs: jax.Array) -> jax.Array:
-    """(B, 2R+2, 2T+2, C) padded rows -> Bᵀ d B of every 4x4 tile (stride 2): (16, B*R*T, C)."""
+def _tiles_in(xs: jax.Array, f: _Winograd = F2) -> jax.Array:
+    """(B, mR+2, mT+2, C) padded rows -> ``Bᵀ d B`` of every (m+2)² tile (stride m):
+    ((m+2)², B*R*T, C)."""
     b, hp, wp, c = xs.shape
-    r, t = (hp - 2) // 2, (wp - 2) // 2
-    d = [[xs[:, i:i + 2 * r:2, j:j + 2 * t:2, :] for j in range(4)] for i in range(4)]
-
-    def bt(v):  # Bᵀ along one tile axis: [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]]
-        return [v[0] - v[2], v[1] + v[2], v[2] - v[1], v[1] - v[3]]
-
-    cols = [bt([d[i][j] for i in range(4)]) for j in range(4)]  # Bᵀ d: cols[j][k]
-    out = [e for k in range(4) for e in bt([cols[j][k] for j in range(4)])]  # (Bᵀ d) B
-    return jnp.stack(out).reshape(16, b * r * t, c)
+    m, n = f.m, f.n
+    r, t = (hp - 2) // m, (wp - 2) // m
+    d = [[xs[:, i:i + m * r:m, j:j + m * t:m, :] for j in range(n)] for i in range(n)]
+    cols = [_combine(f.bt, [d[i][j] for i in range(n)]) for j in range(n)]  # Bᵀ d: cols[j][k]
+    out = [e for k in range(n) for e in _combine(f.bt, [cols[j][k] for j in range(n)])]
+    return jnp.stack(out).reshape(n * n, b * r * t, c)
 
 
-def _tiles_out(m: jax.Array, b: int, r: int, t: int) -> jax.Array:
-    """(16, B*R*T, O) -> Aᵀ m A per tile, interleaved into (B, 2R, 2T, O)."""
-    m = m.reshape(4, 4, b, r, t, -1)
-
-    def at(v):  # Aᵀ = [[1, 1, 1, 0], [0, 1, -1, -1]] along one tile axis
-        return v[0] + v[1] + v[2], v[1] - v[2] - v[3]
-
-    s0, s1 = at(m)
-    (y00, y01), (y10, y11) = at(s0), at(s1)
-    y = jnp.stack([jnp.stack([y00, y01], 3), jnp.stack([y10, y11], 3)], 2)  # b,r,2,t,2,o
-    return y.reshape(b, 2 * r, 2 * t, -1)
+def _tiles_out(mm: jax.Array, b: int, r: int, t: int, f: _Winograd = F2) -> jax.Array:
+    """((m+2)², B*R*T, O) -> ``Aᵀ M A`` per tile, interleaved into (B, mR, mT, O)."""
+    m, n = f.m, f.n
+    mm = mm.reshape(n, n, b, r, t, -1)
+    s = _combine(f.at, [mm[i] for i in range(n)])  # m x (n, b, r, t, o)
+    y = [_combine(f.at, [s[i][j] for j in range(n)]) for i in range(m)]  # y[i][j]: (b, r, t, o)
+    y = jnp.stack([jnp.stack(row, 3) for row in y], 2)  # b, r, m, t, m, o
+    return y.reshape(b, m * r, m * t, -1)
 
 
-def winograd_conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """3x3 convolution, stride 1, zero padding 1, NHWC, by Winograd F(2x2, 3x3). Height and
-    width must be even. Two output rows (one row of tiles) per loop iteration."""
+def winograd_conv3x3(x: jax.Array, kernel: jax.Array, f: _Winograd = F2) -> jax.Array:
+    """3x3 convolution, stride 1, zero padding 1, NHWC, by Winograd F(m x m, 3x3). Height and
+    width must be multiples of m. One row of tiles (m output rows) per loop iteration, so the
+    transformed tiles stay in cache."""
     b, h, w, c = x.shape
-    if h % 2 or w % 2:
-        raise ValueError(f"winograd_conv3x3 needs even sides, got {h}x{w}")
-    u = winograd_weights(kernel)
+    m = f.m
+    if h % m or w % m:
+        raise ValueError(f"winograd_conv3x3 F({m}x{m}, 3x3) needs sides that are multiples "
+                         f"of {m}, got {h}x{w}")
+    u = winograd_weights(kernel, f)
     xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (1, 1), (1, 1), (0, 0)))
     out0 = jnp.zeros((b, h, w, kernel.shape[-1]), jnp.float32)
 
     def band(i, out):
-        xs = jax.lax.dynamic_slice(xp, (0, 2 * i, 0, 0), (b, 4, w + 2, c))
-        m = jnp.einsum("kpc,kcd->kpd", _tiles_in(xs), u)
-        return jax.lax.dynamic_update_slice(out, _tiles_out(m, b, 1, w // 2), (0, 2 * i, 0, 0))
+        xs = jax.lax.dynamic_slice(xp, (0, m * i, 0, 0), (b, m + 2, w + 2, c))
+        mm = jnp.einsum("kpc,kcd->kpd", _tiles_in(xs, f), u)
+        return jax.lax.dynamic_update_slice(out, _tiles_out(mm, b, 1, w // m, f),
+                                            (0, m * i, 0, 0))
 
-    return jax.lax.fori_loop(0, h // 2, band, out0)
+    return jax.lax.fori_loop(0, h // m, band, out0)
+
+
+def _phase_kernels(kernel: jax.Array) -> list[jax.Array]:
+    """The four 3x3 kernels on the low-resolution input, one per output phase (py, px), whose
+    convolutions interleave into nearest-2x-upsampling followed by ``kernel`` (each has only
+    the 2x2 taps of its phase non-zero)."""
+    c, o = kernel.shape[2:]
+    taps = kernel.reshape(9, c * o)
+    out = []
+    for py in range(2):
+        for px in range(2):
+            k = jnp.dot(_PHASE_TAPS[py, px].astype(kernel.dtype), taps).reshape(2, 2, c, o)
+            out.append(jnp.zeros((3, 3, c, o), kernel.dtype).at[py:py + 2, px:px + 2].set(k))
+    return out
+
+
+def _interleave(phases: list[jax.Array]) -> jax.Array:
+    """Four (B, H, W, O) phase outputs (py, px in row-major order) -> (B, 2H, 2W, O)."""
+    b, h, w, o = phases[0].shape
+    y = jnp.stack([jnp.stack(phases[0:2], 3), jnp.stack(phases[2:4], 3)], 2)  # b,h,2,w,2,o
+    return y.reshape(b, 2 * h, 2 * w, o)
 
 
 def upsample2x_conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """Nearest 2x upsampling then a 3x3 convolution (stride 1, zero padding 1), computed as
-    four 2x2 convolutions of ``x`` (one per output phase) as matmuls over 4-tap patches."""
+    """Nearest 2x upsampling then a 3x3 convolution (stride 1, zero padding 1), computed from
+    ``x`` without building the upsampled tensor: output phase (py, px) is a 2x2 convolution of
+    ``x``. Where the sides are multiples of 4 and the input has at least
+    ``UPSAMPLE_F4_MIN_PIXELS`` pixels, each phase runs as Winograd F(4x4, 3x3) of its (zero-
+    padded) 3x3 kernel, all four sharing one input transform: 9 multiplications per output
+    instead of 16; otherwise as matmuls over 4-tap patches."""
     b, h, w, c = x.shape
+    if h % 4 == 0 and w % 4 == 0 and h * w >= UPSAMPLE_F4_MIN_PIXELS:
+        us = [winograd_weights(k, F4) for k in _phase_kernels(kernel)]
+        xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (1, 1), (1, 1), (0, 0)))
+        out0 = jnp.zeros((b, 2 * h, 2 * w, kernel.shape[-1]), jnp.float32)
+
+        def band(i, out):  # 4 low-resolution rows -> 8 output rows
+            tiles = _tiles_in(jax.lax.dynamic_slice(xp, (0, 4 * i, 0, 0), (b, 6, w + 2, c)), F4)
+            phases = [_tiles_out(jnp.einsum("kpc,kcd->kpd", tiles, u), b, 1, w // 4, F4)
+                      for u in us]
+            return jax.lax.dynamic_update_slice(out, _interleave(phases), (0, 8 * i, 0, 0))
+
+        return jax.lax.fori_loop(0, h // 4, band, out0)
     xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
     taps = kernel.reshape(9, -1)
-    rows = []
+    phases = []
     for py in range(2):
-        cols = []
         for px in range(2):
             k = jnp.dot(_PHASE_TAPS[py, px].astype(kernel.dtype), taps)  # (4, in * out)
             patches = jnp.concatenate([xp[:, py + i:py + i + h, px + j:px + j + w]
                                        for i in range(2) for j in range(2)], axis=-1)
-            y = patches.reshape(-1, 4 * c) @ k.reshape(4 * c, -1)
-            cols.append(y.reshape(b, h, w, -1))
-        rows.append(jnp.stack(cols, 3))  # b, h, w, 2 (px), o
-    return jnp.stack(rows, 2).reshape(b, 2 * h, 2 * w, -1)  # b, h, 2 (py), w, 2, o
+            phases.append((patches.reshape(-1, 4 * c) @ k.reshape(4 * c, -1))
+                          .reshape(b, h, w, -1))
+    return _interleave(phases)
 
 
 class Conv(nn.Module):
@@ -158,9 +230,15 @@ class Conv(nn.Module):
         else:
             if upsample:
                 x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
-            if (fast and cin >= WINOGRAD_MIN_CHANNELS and x.shape[1] % 2 == 0
-                    and x.shape[2] % 2 == 0 and x.shape[1] * x.shape[2] >= WINOGRAD_MIN_PIXELS):
-                y = winograd_conv3x3(x, kernel)
+            h, w = x.shape[1:3]
+            f = None
+            if fast and cin >= WINOGRAD_MIN_CHANNELS:
+                if h % 4 == 0 and w % 4 == 0 and h * w >= WINOGRAD_F4_MIN_PIXELS:
+                    f = F4
+                elif h % 2 == 0 and w % 2 == 0 and h * w >= WINOGRAD_MIN_PIXELS:
+                    f = F2
+            if f is not None:
+                y = winograd_conv3x3(x, kernel, f)
             else:
                 y = xla_conv(x, kernel, tuple(self.strides), tuple(map(tuple, self.padding)))
         if self.use_bias:
