@@ -9,8 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from maxdiff.models.conv import (F2, F4, WINOGRAD_F4_MIN_PIXELS, WINOGRAD_MIN_CHANNELS, Conv,
+from maxdiff.models.conv import (F2, F4, WINOGRAD_F4_MIN_CHANNELS, WINOGRAD_F4_MIN_PIXELS,
+                                 WINOGRAD_MIN_CHANNELS, Conv,
                                  upsample2x_conv3x3, winograd_conv3x3, xla_conv)
+
+
+def _takes_f4(h: int, w: int, c: int) -> bool:
+    """Whether the module's CPU path uses F(4x4, 3x3) here (relative error about 1e-5)."""
+    return (h % 4 == 0 and w % 4 == 0 and h * w >= WINOGRAD_F4_MIN_PIXELS
+            and c >= WINOGRAD_F4_MIN_CHANNELS)
 
 
 def _rel(a, b) -> float:
@@ -30,14 +37,15 @@ def test_winograd_equals_direct_convolution(shape, f, tol):
         winograd_conv3x3(x[:, :, :-1], k, f)
 
 
-@pytest.mark.parametrize("shape", [(2, 5, 7, 4, 3), (1, 8, 8, 64, 16), (1, 64, 68, 8, 4)])
+@pytest.mark.parametrize("shape", [(2, 5, 7, 4, 3), (1, 8, 8, 64, 16), (1, 64, 68, 8, 4),
+                                   (1, 64, 64, WINOGRAD_F4_MIN_CHANNELS, 4)])
 def test_subpixel_upsampling_equals_upsample_then_convolve(shape):
     b, h, w, c, o = shape
     rng = np.random.default_rng(1)
     x = rng.standard_normal((b, h, w, c), np.float32)
     k = rng.standard_normal((3, 3, c, o), np.float32)
     up = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
-    tol = 5e-5 if h * w >= WINOGRAD_F4_MIN_PIXELS else 5e-6  # the last shape takes F(4x4, 3x3)
+    tol = 5e-5 if _takes_f4(h, w, c) else 5e-6  # the last shape takes F(4x4, 3x3)
     assert _rel(upsample2x_conv3x3(x, k), xla_conv(up, k)) < tol
     # and torch's nearest interpolation followed by its convolution
     xt = torch.from_numpy(x.transpose(0, 3, 1, 2).copy())
@@ -50,8 +58,10 @@ def test_subpixel_upsampling_equals_upsample_then_convolve(shape):
 @pytest.mark.parametrize("cin, hw, upsample", [(WINOGRAD_MIN_CHANNELS, (6, 4), False),
                                                (WINOGRAD_MIN_CHANNELS, (5, 4), False),
                                                (WINOGRAD_MIN_CHANNELS, (64, 68), False),
+                                               (WINOGRAD_F4_MIN_CHANNELS, (64, 68), False),
                                                (16, (6, 6), False), (16, (3, 5), True),
-                                               (16, (64, 64), True)])
+                                               (16, (64, 64), True),
+                                               (WINOGRAD_F4_MIN_CHANNELS, (64, 64), True)])
 def test_conv_module_paths_agree_with_xla(cin, hw, upsample, monkeypatch):
     """The module on CPU (fast paths where they apply) equals MAXDIFF_CONV=xla."""
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, *hw, cin), np.float32))
@@ -63,7 +73,10 @@ def test_conv_module_paths_agree_with_xla(cin, hw, upsample, monkeypatch):
     direct = m.apply(params, x, upsample)
     scale = 2 if upsample else 1
     assert fast.shape == direct.shape == (2, hw[0] * scale, hw[1] * scale, 24)
-    assert _rel(fast, direct) < (5e-5 if hw[0] * hw[1] >= WINOGRAD_F4_MIN_PIXELS else 5e-6)
+    assert _rel(fast, direct) < (5e-5 if _takes_f4(*hw, cin) else 5e-6)
+    if _takes_f4(*hw, cin):  # really F(4x4, 3x3): 36 transformed values per tile
+        monkeypatch.setenv("MAXDIFF_CONV", "auto")
+        assert "tensor<36x" in jax.jit(m.apply, static_argnums=2).lower(params, x, upsample).as_text()
     monkeypatch.setenv("MAXDIFF_CONV", "winograd")
     with pytest.raises(ValueError, match="MAXDIFF_CONV='winograd'; use auto or xla"):
         m.apply(params, x, upsample)

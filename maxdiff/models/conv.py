@@ -7,15 +7,24 @@
   Networks"): each 4x4 input tile is transformed (``Bᵀ d B``), multiplied channel-wise by the
   transformed kernel (``G g Gᵀ``, 16 matmuls over the input channels) and transformed back
   (``Aᵀ m A``) into a 2x2 output tile: 16 multiplications per 4 outputs instead of 36. The
-  tiles of two image rows at a time are processed in a loop, so the transformed tiles stay in
+  tiles of one row of tiles at a time are processed in a loop, so the transformed tiles stay in
   cache (all at once, memory traffic ate the gain). Used on CPU for float32 inputs with at least
   ``WINOGRAD_MIN_CHANNELS`` input channels and even sides, where it measured 1.2-1.8x faster
   than XLA's convolution (``benchmarks/compare.py``, docs/benchmarks.md); relative error about
   1e-6.
+- **Winograd F(4x4, 3x3)**: 6x6 tiles, 36 multiplications per 16 outputs and 2.25 transformed
+  values per output (F(2x2, 3x3): 4). It wins only with many channels: measured on an idle
+  machine (2 x 3x3 convs, batch 2) 68 vs 83 ms at 64² x 512 and 157 vs 183 ms at 128² x 512 ->
+  256, but 123 vs 93 ms at 128² x 256; so it is used from ``WINOGRAD_F4_MIN_CHANNELS`` (512)
+  input channels and ``WINOGRAD_F4_MIN_PIXELS`` pixels (sides multiples of 4). Relative error
+  about 1e-5.
 - **Sub-pixel nearest upsampling** (``upsample=True``): nearest 2x upsampling followed by a 3x3
   convolution equals four 2x2 convolutions of the low-resolution input (one per output phase,
   with the 3x3 taps that land on the same source pixel summed), interleaved: 16 instead of 36
-  multiplications per 4 outputs, and the upsampled tensor is never built.
+  multiplications per 4 outputs, and the upsampled tensor is never built. With at least 512
+  channels and 64² input pixels the four phases run as Winograd F(4x4, 3x3) of their
+  zero-padded 3x3 kernels sharing one input transform (9 multiplications per output; 263 vs
+  303 ms at 64² x 512, but slower at 128² x 256).
 
 Everything else (other kernel sizes, strides, accelerators, half precision) is XLA's
 ``conv_general_dilated``. ``MAXDIFF_CONV=xla`` turns the CPU algorithms off (for A/B
@@ -36,6 +45,7 @@ WINOGRAD_MIN_CHANNELS = 256
 WINOGRAD_MIN_PIXELS = 1024  # h * w below which the loop overhead outweighs the gain (measured)
 WINOGRAD_F4_MIN_PIXELS = 4096  # h * w from which F(4x4, 3x3) beats F(2x2, 3x3) (measured)
 UPSAMPLE_F4_MIN_PIXELS = 4096  # low-resolution h * w from which upsampling uses F(4x4, 3x3)
+WINOGRAD_F4_MIN_CHANNELS = 512  # input channels from which F(4x4, 3x3) beats F(2x2, 3x3)
 _DN = ("NHWC", "HWIO", "NHWC")
 
 
@@ -175,7 +185,8 @@ def upsample2x_conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
     padded) 3x3 kernel, all four sharing one input transform: 9 multiplications per output
     instead of 16; otherwise as matmuls over 4-tap patches."""
     b, h, w, c = x.shape
-    if h % 4 == 0 and w % 4 == 0 and h * w >= UPSAMPLE_F4_MIN_PIXELS:
+    if (h % 4 == 0 and w % 4 == 0 and h * w >= UPSAMPLE_F4_MIN_PIXELS
+            and c >= WINOGRAD_F4_MIN_CHANNELS and fast_cpu_convs()):
         us = [winograd_weights(k, F4) for k in _phase_kernels(kernel)]
         xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (1, 1), (1, 1), (0, 0)))
         out0 = jnp.zeros((b, 2 * h, 2 * w, kernel.shape[-1]), jnp.float32)
@@ -233,7 +244,8 @@ class Conv(nn.Module):
             h, w = x.shape[1:3]
             f = None
             if fast and cin >= WINOGRAD_MIN_CHANNELS:
-                if h % 4 == 0 and w % 4 == 0 and h * w >= WINOGRAD_F4_MIN_PIXELS:
+                if (h % 4 == 0 and w % 4 == 0 and h * w >= WINOGRAD_F4_MIN_PIXELS
+                        and cin >= WINOGRAD_F4_MIN_CHANNELS):
                     f = F4
                 elif h % 2 == 0 and w % 2 == 0 and h * w >= WINOGRAD_MIN_PIXELS:
                     f = F2
