@@ -24,7 +24,8 @@
   multiplications per 4 outputs, and the upsampled tensor is never built. With at least 512
   channels and 64² input pixels the four phases run as Winograd F(4x4, 3x3) of their
   zero-padded 3x3 kernels sharing one input transform (9 multiplications per output; 263 vs
-  303 ms at 64² x 512, but slower at 128² x 256).
+  303 ms at 64² x 512, but slower at 128² x 256). The patches are built a band of two
+  low-resolution rows at a time (1.7x faster at 128² x 256 than whole-image patches).
 
 Everything else (other kernel sizes, strides, accelerators, half precision) is XLA's
 ``conv_general_dilated``. ``MAXDIFF_CONV=xla`` turns the CPU algorithms off (for A/B
@@ -183,7 +184,8 @@ def upsample2x_conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
     ``x``. Where the sides are multiples of 4 and the input has at least
     ``UPSAMPLE_F4_MIN_PIXELS`` pixels, each phase runs as Winograd F(4x4, 3x3) of its (zero-
     padded) 3x3 kernel, all four sharing one input transform: 9 multiplications per output
-    instead of 16; otherwise as matmuls over 4-tap patches."""
+    instead of 16; otherwise as matmuls over 4-tap patches, two low-resolution rows at a
+    time."""
     b, h, w, c = x.shape
     if (h % 4 == 0 and w % 4 == 0 and h * w >= UPSAMPLE_F4_MIN_PIXELS
             and c >= WINOGRAD_F4_MIN_CHANNELS and fast_cpu_convs()):
@@ -198,17 +200,25 @@ def upsample2x_conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
             return jax.lax.dynamic_update_slice(out, _interleave(phases), (0, 8 * i, 0, 0))
 
         return jax.lax.fori_loop(0, h // 4, band, out0)
+    # as matmuls over 4-tap patches, a band of low-resolution rows at a time so the patches
+    # stay in cache (whole-image patches: 413 ms at 128² x 256 -> 256; bands of 2 rows: 246)
+    rows = 2 if h % 2 == 0 else 1
     xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
     taps = kernel.reshape(9, -1)
-    phases = []
-    for py in range(2):
-        for px in range(2):
-            k = jnp.dot(_PHASE_TAPS[py, px].astype(kernel.dtype), taps)  # (4, in * out)
-            patches = jnp.concatenate([xp[:, py + i:py + i + h, px + j:px + j + w]
-                                       for i in range(2) for j in range(2)], axis=-1)
-            phases.append((patches.reshape(-1, 4 * c) @ k.reshape(4 * c, -1))
-                          .reshape(b, h, w, -1))
-    return _interleave(phases)
+    ks = [jnp.dot(_PHASE_TAPS[py, px].astype(kernel.dtype), taps).reshape(4 * c, -1)
+          for py in range(2) for px in range(2)]  # (4 taps * in, out) per phase
+
+    def band(i, out):
+        xs = jax.lax.dynamic_slice(xp, (0, rows * i, 0, 0), (b, rows + 2, w + 2, c))
+        phases = []
+        for k, (py, px) in zip(ks, [(0, 0), (0, 1), (1, 0), (1, 1)]):
+            patches = jnp.concatenate([xs[:, py + dy:py + dy + rows, px + dx:px + dx + w]
+                                       for dy in range(2) for dx in range(2)], axis=-1)
+            phases.append((patches.reshape(-1, 4 * c) @ k).reshape(b, rows, w, -1))
+        return jax.lax.dynamic_update_slice(out, _interleave(phases), (0, 2 * rows * i, 0, 0))
+
+    out0 = jnp.zeros((b, 2 * h, 2 * w, kernel.shape[-1]), x.dtype)
+    return jax.lax.fori_loop(0, h // rows, band, out0)
 
 
 class Conv(nn.Module):
