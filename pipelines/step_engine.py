@@ -42,10 +42,13 @@ setting) splits the slots and the ticks in two.
 CFG (SDXL-Lightning, LCM) it halves the step's cost.
 
 **Compiled programs** (bounded and known; :meth:`StepEngine.warmup` compiles all of them):
-two step programs (guided and unguided; one with ``cfg=False``), plus one admit (text-encode)
-program and one decode program per admit/decode batch size, the powers of two times the mesh
-size up to ``slots`` (``slots=8`` on one device: 1, 2, 4, 8), so
-``2 + 2 * len(engine.batch_sizes)`` programs: 10 for 8 slots on one device.
+per batch size (the powers of two times the mesh size up to ``slots``; ``slots=8`` on one
+device: 1, 2, 4, 8) a guided and an unguided step program (one with ``cfg=False``), an admit
+(text-encode) program and a decode program, so ``4 * len(engine.batch_sizes)`` programs: 16
+for 8 slots on one device. A tick runs the step program of the smallest batch size that holds
+its active images: it gathers their slots, steps them and scatters them back, so a tick with
+one image costs one image's UNet step, not ``slots`` of them (first measured with LoadGen:
+with one full-width program, a lone 30-step image paid for 8 slots at every step).
 New prompts, seeds, guidance, step counts (up to ``max_steps``) never compile anything.
 
 **Previews.** :meth:`StepEngine.preview` decodes a slot's current denoised estimate (the
@@ -231,7 +234,7 @@ class StepEngine:
         fn = self._programs.get((kind, *key))
         if fn is None:
             if kind == "step":
-                fn = jax.jit(self._build_step(*key), out_shardings=self._state_sharding,
+                fn = jax.jit(self._build_step(key[0]), out_shardings=self._state_sharding,
                              donate_argnums=self._donate(1))
             elif kind == "admit":
                 fn = jax.jit(self._build_admit(), out_shardings=self._state_sharding,
@@ -247,8 +250,8 @@ class StepEngine:
 
     @property
     def num_compiled(self) -> int:
-        """Programs compiled so far (at most ``2 + 2 * len(batch_sizes)``; one step program
-        fewer with ``cfg=False``)."""
+        """Programs compiled so far (at most ``4 * len(batch_sizes)``; ``3 *`` with
+        ``cfg=False``)."""
         return sum(fn._cache_size() for fn in self._programs.values())
 
     def _build_admit(self):
@@ -338,7 +341,14 @@ class StepEngine:
                          sched=jax.tree.map(keep, new_s, s))
             return state
 
-        return step
+        def step_rows(params, state, rows, active, index, local, short, ad=None):
+            # the slots in ``rows`` only (distinct; padding rows are inactive): gather, step,
+            # scatter back, so a tick costs what its active images need
+            sub = jax.tree.map(lambda a: a[rows], state)
+            sub = step(params, sub, active, index, local, short, ad)
+            return jax.tree.map(lambda a, v: a.at[rows].set(v), state, sub)
+
+        return step_rows
 
     def _build_decode(self):
         vae, as_uint8, tiled = self.pipe.vae, self.output_type != "np", self.tiled
@@ -419,23 +429,26 @@ class StepEngine:
                 h.on_progress(h)
         if not self.active:
             return out
-        n, s = self.max_steps, self.slots
-        active = np.zeros(s, bool)
-        index = np.zeros(s, np.int32)
-        local = np.zeros(s, np.int32)
-        short = np.zeros(s, bool)
-        for k, h in enumerate(self._slot_handles):
-            if h is not None:
-                active[k], local[k], index[k] = True, h.step, n - h.steps + h.step
-                short[k] = h.steps < 15
-        guided = self.cfg and any(h.request.guidance_scale > 1.0
-                                  for h in self._slot_handles if h is not None)
-        args = jax.device_put((active, index, local, short), self._sharded)
-        self._state = self._program("step", guided)(self.pipe.params, self._state, *args,
-                                                       *self._adapter_args())
+        n = self.max_steps
+        busy = [k for k, h in enumerate(self._slot_handles) if h is not None]
+        b = min(bucket_size(len(busy), self.pipe.mesh.size), self.slots)
+        rows = busy + [k for k, h in enumerate(self._slot_handles) if h is None][:b - len(busy)]
+        active = np.arange(b) < len(busy)
+        index = np.zeros(b, np.int32)
+        local = np.zeros(b, np.int32)
+        short = np.zeros(b, bool)
+        for r, k in enumerate(busy):
+            h = self._slot_handles[k]
+            local[r], index[r], short[r] = h.step, n - h.steps + h.step, h.steps < 15
+        guided = self.cfg and any(self._slot_handles[k].request.guidance_scale > 1.0
+                                  for k in busy)
+        args = jax.device_put((np.array(rows, np.int32), active, index, local, short),
+                              self._sharded)
+        self._state = self._program("step", guided, b)(self.pipe.params, self._state, *args,
+                                                          *self._adapter_args())
         self.stats["ticks"] += 1
         self.stats["guided_ticks"] += int(guided)
-        self.stats["slot_steps"] += int(active.sum())
+        self.stats["slot_steps"] += len(busy)
         finished = []
         for k, h in enumerate(self._slot_handles):
             if h is not None:
@@ -472,15 +485,16 @@ class StepEngine:
     def warmup(self) -> int:
         """Compile every program this engine can run (the step programs and the admit and
         decode programs of each batch size) without touching any slot; returns how many."""
-        s = self.slots
         for b in self.batch_sizes:
             self._run_admit([], [], b)
             self._decode(self._state["x"], [0] * b)
-        args = jax.device_put((np.zeros(s, bool), np.zeros(s, np.int32), np.zeros(s, np.int32),
-                               np.zeros(s, bool)), self._sharded)
-        for guided in sorted({False, self.cfg}):
-            self._state = self._program("step", guided)(self.pipe.params, self._state, *args,
-                                                           *self._adapter_args())
+        for b in self.batch_sizes:
+            args = jax.device_put((np.arange(b, dtype=np.int32), np.zeros(b, bool),
+                                   np.zeros(b, np.int32), np.zeros(b, np.int32),
+                                   np.zeros(b, bool)), self._sharded)
+            for guided in sorted({False, self.cfg}):
+                self._state = self._program("step", guided, b)(
+                    self.pipe.params, self._state, *args, *self._adapter_args())
         jax.block_until_ready(self._state)
         return self.num_compiled
 

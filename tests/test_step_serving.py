@@ -77,6 +77,17 @@ def _engine_stats(url):
     return replica["engines"][f"{SIZE}x{SIZE}"]
 
 
+def _wait_for_freed_slot(url: str, cancelled_before: int) -> dict:
+    """Engine stats once one more image was cancelled and no slot is active (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = _engine_stats(url)
+        if stats["cancelled"] > cancelled_before and stats["active"] == 0:
+            return stats
+        time.sleep(0.2)
+    pytest.fail(f"the slot was not freed: {stats}")
+
+
 def test_a_short_request_overtakes_a_long_one(step_app):
     long = requests.post(f"{step_app}/v1/generate", json={
         "prompt": "a long one", "steps": 40, "guidance_scale": 3.0, "seed": 1, "stream": True},
@@ -139,14 +150,7 @@ def test_a_client_disconnect_frees_its_slot(step_app):
         if name == "progress" and data["step"] >= 2:
             break
     r.close()  # the client goes away mid-stream
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        stats = _engine_stats(step_app)
-        if stats["cancelled"] > before and stats["active"] == 0:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"the slot was not freed: {stats}")
+    stats = _wait_for_freed_slot(step_app, before)
     assert stats["queued"] == 0
 
 
@@ -156,14 +160,7 @@ def test_a_deadline_cancels_the_image(step_app):
         "prompt": "too slow", "steps": 50, "guidance_scale": 3.0},
         headers={"X-Request-Timeout": "0.2"}, timeout=60)
     assert r.status_code == 504, r.text
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        stats = _engine_stats(step_app)
-        if stats["cancelled"] > before and stats["active"] == 0:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"the slot was not freed: {stats}")
+    _wait_for_freed_slot(step_app, before)
 
 
 @pytest.mark.slow

@@ -241,3 +241,18 @@ def make_sdxl_lora(model: str | Path, out: str | Path, rank: int = 4, seed: int 
     out.parent.mkdir(parents=True, exist_ok=True)
     save_safetensors(tensors, out)
     return out
+
+
+def run_on_host_devices(script: str, n: int = 4):
+    """Run ``script`` (Python source) in a fresh process whose CPU backend has ``n`` devices;
+    returns the JSON value of the last line it prints."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
