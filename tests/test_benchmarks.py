@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,6 +20,7 @@ def _env() -> dict:
     return env
 
 
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_accelerator_smoke_prints_the_table(tmp_path):
     """benchmarks.accelerator --smoke (tiny configs, 64², batches 1 and 2, on the CPU): the
     header, the table's columns, one row per batch with numbers, and the same in the JSON."""

@@ -302,6 +302,7 @@ def test_from_pipe_shares_text_to_image_weights(sdxl_dir):
 
 
 @pytest.mark.parity
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_img2img_vae_tiling_matches_diffusers_enable_tiling(sdxl_dir, pipe, torch_img2img):
     """vae_tiling=True at 48x40 (the tiny VAE's tiles are 32 px): the input is encoded tile by
     tile (diffusers' tiled encode) and the output decoded tile by tile; diffusers with

@@ -315,6 +315,7 @@ def test_vae_tiling_rule():
             use_tiling(bad, sdxl, 2048, 2048)
 
 
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_vae_tiling_auto_switches_at_the_threshold(sdxl_dir):
     """vae_tiling="auto" (the default) on the tiny model with the threshold lowered to
     2 x its VAE's sample_size² (2048 pixels): 64x32 (2048 pixels, at the threshold) gives

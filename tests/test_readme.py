@@ -250,6 +250,7 @@ def test_serve_run_with_a_model_folder_and_curl(paths):
         served.stop()
 
 
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_serve_yaml_openai_curl_and_a_size_too_large(paths):
     """``serve run configs/serve.yaml`` on the embedded model: the OpenAI and curl examples as
     written; then the most common OpenAI size, far above what the model is for, is a prompt

@@ -940,6 +940,7 @@ def _burst(url, n, body, timeout=120):
     return _concurrently(n, send)
 
 
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_burst_of_200_at_one_replica_with_a_queue_of_16(cluster, sdxl_dir):
     """Every request answered: 200 or 503 with Retry-After and the error body; no 500, no reset
     connection, no hang; the count adds up."""
