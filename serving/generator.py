@@ -322,15 +322,19 @@ class Generator:
                                   num_inference_steps=key.steps)
 
     # ------------------------------------------------------------------ step engine
+    def _new_engine(self, height: int, width: int):
+        """A step engine of a size (not compiled), ``engine_slots`` rounded up to a multiple
+        of the mesh size."""
+        from pipelines.step_engine import StepEngine
+
+        m = self.pipe.mesh.size
+        return StepEngine(self.pipe, height, width, slots=-(-self.settings.slots // m) * m)
+
     def _engine(self, height: int, width: int):
         """The step engine of a size, made (not compiled) on first use; blocking."""
         eng = self._engines.get((height, width))
         if eng is None:
-            from pipelines.step_engine import StepEngine
-
-            slots = -(-self.settings.slots // self.pipe.mesh.size) * self.pipe.mesh.size
-            eng = self._engines[(height, width)] = StepEngine(self.pipe, height, width,
-                                                              slots=slots)
+            eng = self._engines[(height, width)] = self._new_engine(height, width)
         return eng
 
     async def _ready_engine(self, height: int, width: int):
@@ -341,11 +345,8 @@ class Generator:
             return eng
         task = self._warming.get((height, width))
         if task is None:
-            from pipelines.step_engine import StepEngine
-
             def make():
-                slots = -(-self.settings.slots // self.pipe.mesh.size) * self.pipe.mesh.size
-                new = StepEngine(self.pipe, height, width, slots=slots)
+                new = self._new_engine(height, width)
                 new.warmup()
                 return new
 
