@@ -30,25 +30,27 @@ own key and its own step number, as the pipeline does. So an image's pixels do n
 when it joined or what shared its steps (to float32 rounding of differently sized batches:
 tested to 1e-5 on [0, 1] pixels).
 
-**CFG on and off side by side.** With ``cfg=True`` (the default) a tick where some active
-slot has guidance > 1 runs the *guided* step program: the UNet on ``2 * slots`` rows (text rows,
-then the negative rows); slots whose guidance is <= 1 take the text rows' prediction exactly
-(what the pipeline gives that image alone), the others get ``guide`` (CFG + guidance rescale)
-with their own scale. A tick where no active slot needs guidance runs the *unguided* step
-program on ``slots`` rows, so traffic without CFG (SDXL-Lightning, LCM) pays no negative rows.
-Every image shares every tick whatever its guidance; the alternative (one engine per CFG
-setting) splits the slots and the ticks in two.
-``cfg=False`` runs ``slots`` rows and refuses images with guidance > 1: for models used without
-CFG (SDXL-Lightning, LCM) it halves the step's cost.
+**CFG on and off side by side.** With ``cfg=True`` (the default) the UNet runs the text
+rows of every active slot plus negative rows for the slots whose guidance is > 1 only: a tick
+gathers its slots guided-first, so with ``g`` guided images among ``b`` the UNet sees
+``b + bucket(g)`` rows (``bucket``: the batch sizes below), the guided ones get ``guide``
+(CFG + guidance rescale) with their own scale and the others take the text rows' prediction
+exactly (what the pipeline gives that image alone). So an image without guidance never pays
+for negative rows, whatever shares its tick (LoadGen's mixed workload showed why: with one
+guided image in a tick every image paid twice), and traffic without CFG (SDXL-Lightning, LCM)
+runs ``b`` rows. ``cfg=False`` refuses images with guidance > 1 and compiles no guided
+programs.
 
 **Compiled programs** (bounded and known; :meth:`StepEngine.warmup` compiles all of them):
-per batch size (the powers of two times the mesh size up to ``slots``; ``slots=8`` on one
-device: 1, 2, 4, 8) a guided and an unguided step program (one with ``cfg=False``), an admit
-(text-encode) program and a decode program, so ``4 * len(engine.batch_sizes)`` programs: 16
-for 8 slots on one device. A tick runs the step program of the smallest batch size that holds
-its active images: it gathers their slots, steps them and scatters them back, so a tick with
-one image costs one image's UNet step, not ``slots`` of them (first measured with LoadGen:
-with one full-width program, a lone 30-step image paid for 8 slots at every step).
+the batch sizes ``B`` are the powers of two times the mesh size up to ``slots`` (``slots=8`` on
+one device: 1, 2, 4, 8). A tick runs the step program of the smallest batch size ``b`` that
+holds its active images and the smallest ``g`` in ``B`` that holds its guided ones (``g = 0``
+without any): it gathers their slots, steps them and scatters them back, so a tick with one
+image costs one image's UNet step, not ``slots`` of them (first measured with LoadGen: with one
+full-width program, a lone 30-step image paid for 8 slots at every step). Step programs: one
+per ``(b, g)`` with ``g = 0`` or ``g`` in ``B``, ``g <= b``: ``|B| (|B| + 3) / 2``; plus an
+admit (text-encode) and a decode program per ``b``: ``|B| (|B| + 7) / 2`` programs, 22 for 8
+slots on one device (``cfg=False``: ``3 |B|``, 12).
 New prompts, seeds, guidance, step counts (up to ``max_steps``) never compile anything.
 
 **Previews.** :meth:`StepEngine.preview` decodes a slot's current denoised estimate (the
@@ -183,9 +185,10 @@ class StepEngine:
         self._queue: list[Handle] = []
         self._slot_handles: list[Handle | None] = [None] * slots
         self._ids = itertools.count(1)
-        # ticks run, slot-steps done (active slots summed over ticks), images in and out
+        # images in and out, ticks run (and those with guided images), slot-steps done (active
+        # slots summed over ticks; guided_slot_steps: those with negative rows)
         self.stats = {"submitted": 0, "finished": 0, "cancelled": 0, "ticks": 0, "guided_ticks": 0,
-                      "slot_steps": 0}
+                      "slot_steps": 0, "guided_slot_steps": 0}
 
     # ------------------------------------------------------------------ state
     @functools.lru_cache(maxsize=None)
@@ -234,7 +237,7 @@ class StepEngine:
         fn = self._programs.get((kind, *key))
         if fn is None:
             if kind == "step":
-                fn = jax.jit(self._build_step(key[0]), out_shardings=self._state_sharding,
+                fn = jax.jit(self._build_step(key[1]), out_shardings=self._state_sharding,
                              donate_argnums=self._donate(1))
             elif kind == "admit":
                 fn = jax.jit(self._build_admit(), out_shardings=self._state_sharding,
@@ -250,9 +253,18 @@ class StepEngine:
 
     @property
     def num_compiled(self) -> int:
-        """Programs compiled so far (at most ``4 * len(batch_sizes)``; ``3 *`` with
-        ``cfg=False``)."""
+        """Programs compiled so far (at most :attr:`max_programs`)."""
         return sum(fn._cache_size() for fn in self._programs.values())
+
+    @property
+    def max_programs(self) -> int:
+        """The programs this engine can compile (all of them at :meth:`warmup`)."""
+        return len(self._step_keys()) + 2 * len(self.batch_sizes)
+
+    def _step_keys(self) -> list[tuple[int, int]]:
+        """(b, g) of every step program: b active rows, g of them with negative rows."""
+        return [(b, g) for b in self.batch_sizes
+                for g in [0, *(x for x in self.batch_sizes if x <= b and self.cfg)]]
 
     def _build_admit(self):
         p = self.pipe
@@ -285,12 +297,12 @@ class StepEngine:
 
         return admit
 
-    def _build_step(self, guided: bool):
-        """The step program; ``guided``: the UNet also runs the negative rows (CFG)."""
+    def _build_step(self, g: int):
+        """The step program whose first ``g`` gathered rows also run negative rows (CFG)."""
         p = self.pipe
         unet, sched = p.unet, self.sched
         lh, lw, ch = self.lh, self.lw, self.channels
-        cfg_engine, stochastic = self.cfg and guided, self.stochastic
+        stochastic = self.stochastic
         variants = _final_order_variants(sched)
 
         def step(params, state, active, index, local, short, ad=None):
@@ -299,19 +311,21 @@ class StepEngine:
             t = jax.vmap(sched.timestep_for_model)(s, index)
             emb, pooled, tids = state["emb"], state["pooled"], state["time_ids"]
             aidx = state["aidx"]
-            if cfg_engine:
-                xin, t = jnp.concatenate([xin, xin]), jnp.concatenate([t, t])
-                emb = jnp.concatenate([state["nemb"], emb])
-                pooled = jnp.concatenate([state["npooled"], pooled])
-                tids = jnp.concatenate([state["ntime_ids"], tids])
-                aidx = jnp.concatenate([aidx, aidx])
+            if g:  # negative rows first, for the first g rows (the guided ones)
+                xin, t = jnp.concatenate([xin[:g], xin]), jnp.concatenate([t[:g], t])
+                emb = jnp.concatenate([state["nemb"][:g], emb])
+                pooled = jnp.concatenate([state["npooled"][:g], pooled])
+                tids = jnp.concatenate([state["ntime_ids"][:g], tids])
+                aidx = jnp.concatenate([aidx[:g], aidx])
             with adapterlib.applied((ad or {}).get("unet"), aidx):
                 out = unet.apply({"params": params["unet"]}, xin, t, emb, pooled, tids)
             out = out.astype(jnp.float32)
-            if cfg_engine:
-                guided = guide(out, True, state["g"][:, None, None, None],
-                               state["r"][:, None, None, None])
-                out = jnp.where(state["cfg"][:, None, None, None], guided, jnp.split(out, 2)[1])
+            if g:
+                text = out[g:]
+                guided = guide(jnp.concatenate([out[:g], text[:g]]), True,
+                               state["g"][:g, None, None, None], state["r"][:g, None, None, None])
+                out = jnp.concatenate([
+                    jnp.where(state["cfg"][:g, None, None, None], guided, text[:g]), text[g:]])
             noise = None
             if stochastic:
                 keys = jax.random.wrap_key_data(state["keys"])
@@ -430,8 +444,13 @@ class StepEngine:
         if not self.active:
             return out
         n = self.max_steps
+        m = self.pipe.mesh.size
         busy = [k for k, h in enumerate(self._slot_handles) if h is not None]
-        b = min(bucket_size(len(busy), self.pipe.mesh.size), self.slots)
+        # guided slots first: the step program gives negative rows to its first g rows
+        guided = [k for k in busy if self._slot_handles[k].request.guidance_scale > 1.0]
+        busy = guided + [k for k in busy if k not in guided]
+        b = min(bucket_size(len(busy), m), self.slots)
+        g = min(bucket_size(len(guided), m), b) if guided else 0
         rows = busy + [k for k, h in enumerate(self._slot_handles) if h is None][:b - len(busy)]
         active = np.arange(b) < len(busy)
         index = np.zeros(b, np.int32)
@@ -440,15 +459,14 @@ class StepEngine:
         for r, k in enumerate(busy):
             h = self._slot_handles[k]
             local[r], index[r], short[r] = h.step, n - h.steps + h.step, h.steps < 15
-        guided = self.cfg and any(self._slot_handles[k].request.guidance_scale > 1.0
-                                  for k in busy)
         args = jax.device_put((np.array(rows, np.int32), active, index, local, short),
                               self._sharded)
-        self._state = self._program("step", guided, b)(self.pipe.params, self._state, *args,
-                                                          *self._adapter_args())
+        self._state = self._program("step", b, g)(self.pipe.params, self._state, *args,
+                                                  *self._adapter_args())
         self.stats["ticks"] += 1
-        self.stats["guided_ticks"] += int(guided)
+        self.stats["guided_ticks"] += int(bool(guided))
         self.stats["slot_steps"] += len(busy)
+        self.stats["guided_slot_steps"] += len(guided)
         finished = []
         for k, h in enumerate(self._slot_handles):
             if h is not None:
@@ -488,13 +506,12 @@ class StepEngine:
         for b in self.batch_sizes:
             self._run_admit([], [], b)
             self._decode(self._state["x"], [0] * b)
-        for b in self.batch_sizes:
+        for b, g in self._step_keys():
             args = jax.device_put((np.arange(b, dtype=np.int32), np.zeros(b, bool),
                                    np.zeros(b, np.int32), np.zeros(b, np.int32),
                                    np.zeros(b, bool)), self._sharded)
-            for guided in sorted({False, self.cfg}):
-                self._state = self._program("step", guided, b)(
-                    self.pipe.params, self._state, *args, *self._adapter_args())
+            self._state = self._program("step", b, g)(self.pipe.params, self._state, *args,
+                                                      *self._adapter_args())
         jax.block_until_ready(self._state)
         return self.num_compiled
 

@@ -29,7 +29,8 @@ first request, without the device lock, while the others keep ticking): a reques
 free slots between denoising steps and leave as soon as their own steps are done, so a 2-step
 image does not wait for a 40-step one. One asyncio task drives the engines: while any has work
 it runs a tick of each in a thread (under the device lock) and resolves the futures of finished
-images. A request whose client goes away
+images; engines starting from idle first wait up to ``batch_wait_timeout_s`` for their slots to
+fill. A request whose client goes away
 (Ray Serve cancels the call) or whose deadline passes has its images cancelled: their slots are
 freed at the next tick (``cancelled`` in ``/v1/stats``, ``maxdiff_cancelled_images``).
 :meth:`Generator.generate_stream` yields progress events, partial images (the engine's
@@ -379,6 +380,7 @@ class Generator:
             if all(e.idle for e in self._engines.values()):
                 self._engine_wake.clear()
                 await self._engine_wake.wait()
+                await self._gather_arrivals()
                 continue
             try:
                 async with self._device_lock:
@@ -405,6 +407,25 @@ class Generator:
                 self._m_cancelled.inc(cancelled, tags=self._tags)
             if ended:
                 self._report()
+
+    async def _gather_arrivals(self) -> None:
+        """Engines starting from idle wait up to ``batch_wait_timeout_s`` for their free slots
+        to fill (requests sent together arrive a few ms apart, and an image that misses the
+        first tick finishes a tick later than its batch-mates); a running engine never waits."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.batch_wait_timeout_s
+        while True:
+            busy = [e for e in self._engines.values() if not e.idle]
+            if any(e.active for e in busy) or all(e.queued >= e.slots for e in busy):
+                return
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._engine_wake.clear()
+            try:
+                await asyncio.wait_for(self._engine_wake.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     async def _submit(self, job: GenerationRequest, on_progress=None) -> list:
         eng = await self._ready_engine(job.height, job.width)

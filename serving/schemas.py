@@ -182,7 +182,8 @@ class ServeSettings(StrictConfig):
     resource_amount: float = Field(1.0, gt=0)  # of `resource` per replica (e.g. every chip)
     num_cpus: float = Field(1.0, ge=0)  # per generator replica
     max_replicas_per_node: int | None = Field(None, ge=1)  # 1: one replica per host
-    # per replica; None: 2 * max_batch_size (engine=step: 2 * engine_slots)
+    # per replica; None: 2 * max_batch_size (engine=step: 4 * engine_slots: the engine's own
+    # queue, which admits an image the moment a slot frees, holds 3 slots' worth)
     max_ongoing_requests: int | None = Field(None, ge=1)
     max_queued_requests: int = 64  # waiting for a generator replica, per caller; -1: no limit
     ingress_replicas: int = Field(1, ge=1)
@@ -299,7 +300,7 @@ class ServeSettings(StrictConfig):
     def generator_max_ongoing(self) -> int:
         if self.max_ongoing_requests:
             return self.max_ongoing_requests
-        return 2 * (self.slots if self.engine == "step" else self.max_batch_size)
+        return 4 * self.slots if self.engine == "step" else 2 * self.max_batch_size
 
     @property
     def slots(self) -> int:

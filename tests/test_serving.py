@@ -161,7 +161,7 @@ def test_settings_from_cli_strings():
     assert s.warmup_batch_sizes == (1, 2) and s.generator_max_ongoing == 16
     assert s.engine == "batch" and s.slots == 8  # default: whole requests batched per shape key
     step = ServeSettings.from_args({"engine": "step", "engine_slots": "16"})
-    assert (step.engine, step.engine_slots, step.generator_max_ongoing) == ("step", 16, 32)
+    assert (step.engine, step.engine_slots, step.generator_max_ongoing) == ("step", 16, 64)
     yaml_style = ServeSettings.from_args({"warmup_shapes": [{"size": "64x32", "cfg": "off"},
                                                             "default"], "max_queued_requests": -1})
     assert yaml_style.warmup_shapes == (WarmupShape(width=64, height=32, guidance=0.0),
