@@ -26,9 +26,11 @@ Scenarios:
   Then both engines run at the same rate (``--equal-load`` of the batch engine's capacity) and
   their p99 latencies are compared.
 
-Also the service's overhead: the same batch (``max_batch_size`` images, 4 and 30 steps)
-through the pipeline directly and through the service (all requests sent at once), alternated,
-medians of ``--repeats``.
+Also the service's overhead: the same batch (``max_batch_size`` images, ``--overhead-steps``,
+default 4 and 30) through the pipeline directly and through the service (all requests sent at
+once), alternated, medians of ``--repeats``. On the embedded model's 64x64 a batch of 8 takes
+0.1 s, so fixed per-request costs (HTTP, PNG, Ray hops) weigh a lot on 2 shared cores;
+``--parts overhead --size 256 256`` measures it against a batch of seconds.
 
 Not a test (minutes, and it wants an idle machine); figures go to ``docs/benchmarks.md``.
 """
@@ -240,6 +242,12 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--port", type=int, default=8012)
+    ap.add_argument("--parts", nargs="+", default=["loadgen", "overhead"],
+                    choices=["loadgen", "overhead"],
+                    help="loadgen: the Offline and Server scenarios; overhead: the service "
+                         "against the direct pipeline (alone, e.g. with --model on a larger "
+                         "checkpoint, where a batch takes seconds)")
+    ap.add_argument("--overhead-steps", type=int, nargs="+", default=[4, 30])
     ap.add_argument("--quick", action="store_true",
                     help="short runs (20 s, 3 bisection steps): a smoke run, not for publishing")
     ap.add_argument("--json", default=None)
@@ -258,7 +266,9 @@ def main(argv=None) -> None:
     w, h = a.size or (pipe.default_width, pipe.default_height)
     if w is None or h is None:
         ap.error("the model states no default size: give --size W H")
-    shapes = sorted({f"{w}x{h}:{s}:{a.cfg if g else 0:g}" for s, g in [(4, False), *MIXED]})
+    wanted = [(4, False), *MIXED] if "loadgen" in a.parts else []
+    wanted += [(s, False) for s in a.overhead_steps] if "overhead" in a.parts else []
+    shapes = sorted({f"{w}x{h}:{s}:{a.cfg if g else 0:g}" for s, g in wanted})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": a.port})
     url = f"http://127.0.0.1:{a.port}"
@@ -277,7 +287,7 @@ def main(argv=None) -> None:
             serve.run(build_app(args), name=f"lg-{engine}", route_prefix="/")
             res = results["engines"][engine] = {}
             try:
-                for wl in a.workloads:
+                for wl in a.workloads if "loadgen" in a.parts else ():
                     bodies = workload(wl, a.offline_queries, a.cfg)
                     off = run_scenario(lg, url, bodies, "offline", qps=1.0, p99=a.p99,
                                        seconds=1, min_queries=a.offline_queries,
@@ -288,12 +298,13 @@ def main(argv=None) -> None:
                     print(f"  {wl} server capacity at p99 <= {a.p99:g} s: {cap:.3f}/s", flush=True)
                     res[wl] = {"offline": off, "server_capacity_qps": round(cap, 4),
                                "server_runs": runs}
-                res["overhead"] = [overhead(url, pipe, (w, h), a.max_batch_size, steps,
-                                            a.repeats) for steps in (4, 30)]
-                print(f"  overhead: {res['overhead']}", flush=True)
+                if "overhead" in a.parts:
+                    res["overhead"] = [overhead(url, pipe, (w, h), a.max_batch_size, steps,
+                                                a.repeats) for steps in a.overhead_steps]
+                    print(f"  overhead: {res['overhead']}", flush=True)
                 # equal load: both engines at a fraction of the batch engine's capacity
                 base = results["engines"].get("batch", res)
-                for wl in a.workloads:
+                for wl in a.workloads if "loadgen" in a.parts else ():
                     qps = a.equal_load * base[wl]["server_capacity_qps"]
                     if qps > 0:
                         res[wl]["equal_load"] = run_scenario(
