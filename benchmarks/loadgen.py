@@ -56,13 +56,15 @@ PROMPTS = ["a red circle on a blue background", "small green triangle, top left,
 MIXED = [(4, False), (30, True), (8, False), (4, True), (30, False), (8, True)]
 
 
-def workload(name: str, n: int, cfg: float) -> list[dict]:
-    """``n`` request bodies for ``/v1/generate`` (seeds fixed, so a run repeats exactly)."""
+def workload(name: str, n: int, cfg: float, size: tuple[int, int]) -> list[dict]:
+    """``n`` request bodies for ``/v1/generate`` of ``size`` (width, height); seeds fixed, so a
+    run repeats exactly."""
     out = []
     for i in range(n):
         steps, guided = (4, False) if name == "uniform" else MIXED[i % len(MIXED)]
         out.append({"prompt": PROMPTS[i % len(PROMPTS)], "seed": i, "steps": steps,
-                    "guidance_scale": cfg if guided else 0.0})
+                    "guidance_scale": cfg if guided else 0.0, "width": size[0],
+                    "height": size[1]})
     return out
 
 
@@ -197,8 +199,8 @@ def overhead(url: str, pipe, size: tuple[int, int], batch: int, steps: int,
     w, h = size
     items = [ImageRequest(prompt=PROMPTS[i % len(PROMPTS)], seed=i, guidance_scale=0.0)
              for i in range(batch)]
-    body = [{"prompt": it.prompt, "seed": it.seed, "steps": steps, "guidance_scale": 0.0}
-            for it in items]
+    body = [{"prompt": it.prompt, "seed": it.seed, "steps": steps, "guidance_scale": 0.0,
+             "width": w, "height": h} for it in items]
 
     def direct():
         pipe.generate(items, height=h, width=w, num_inference_steps=steps)
@@ -288,7 +290,7 @@ def main(argv=None) -> None:
             res = results["engines"][engine] = {}
             try:
                 for wl in a.workloads if "loadgen" in a.parts else ():
-                    bodies = workload(wl, a.offline_queries, a.cfg)
+                    bodies = workload(wl, a.offline_queries, a.cfg, (w, h))
                     off = run_scenario(lg, url, bodies, "offline", qps=1.0, p99=a.p99,
                                        seconds=1, min_queries=a.offline_queries,
                                        timeout=a.timeout)
@@ -308,7 +310,7 @@ def main(argv=None) -> None:
                     qps = a.equal_load * base[wl]["server_capacity_qps"]
                     if qps > 0:
                         res[wl]["equal_load"] = run_scenario(
-                            lg, url, workload(wl, a.offline_queries, a.cfg), "server",
+                            lg, url, workload(wl, a.offline_queries, a.cfg, (w, h)), "server",
                             qps=qps, p99=a.p99, seconds=a.seconds, min_queries=a.min_queries,
                             timeout=a.timeout)
             finally:
