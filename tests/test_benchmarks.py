@@ -52,6 +52,7 @@ def test_accelerator_smoke_prints_the_table(tmp_path):
     assert result["rows"][0]["unet_tflop"] > 0 and result["rows"][0]["vae_tflop"] > 0
 
 
+@pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_cold_start_load_runs(sdxl_dir, tmp_path):
     """benchmarks.cold_start, load part only, one repeat, on the tiny checkpoint: it converts
     the folder with `maxdiff convert`, times from_pretrained in fresh processes from both

@@ -108,6 +108,7 @@ def test_tokenizer_is_clips(pipe):
     assert tokenize(pipe.tokenizer_2, ["a red circle"])[0, -1] == 0  # "!" pads
 
 
+@pytest.mark.slow  # default-suite time (42 s): make test-slow runs it
 def test_prompt_fidelity(pipe):
     """The held-out test combinations (252 pairs) at the model's measured steps/guidance."""
     res = evaluate.evaluate(pipe, DEMO["steps"], DEMO["guidance"], "test")

@@ -646,6 +646,7 @@ def test_edit_bodies_have_their_own_limit(main_app, edit_files):
 
 
 # ---------------------------------------------------------------------------------- hosts
+@pytest.mark.slow  # default-suite time (20 s): make test-slow runs it
 def test_one_replica_per_host_both_serving(cluster, sdxl_dir, main_app):
     """Two replicas that each need the hosts' `maxdiff_host` resource land on the two hosts."""
     from serving.app import build_app

@@ -108,6 +108,7 @@ def _check(eng, requests=REQUESTS):
     return mixed
 
 
+@pytest.mark.slow  # default-suite time: the DPM++ 2M test below covers the same paths
 def test_euler_trailing(engines):
     _check(engines("euler-trailing"))
 

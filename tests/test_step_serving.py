@@ -20,7 +20,7 @@ serve = pytest.importorskip("ray.serve")
 
 SIZE = 32
 STEP_ARGS = dict(
-    engine="step", engine_slots=4, steps=4, guidance=0.0, warmup_shapes=[f"{SIZE}x{SIZE}"],
+    engine="step", engine_slots=2, steps=4, guidance=0.0, warmup_shapes=[f"{SIZE}x{SIZE}"],
     max_steps=50, max_n=2, min_size=16, max_size=64, request_timeout_s=120, num_cpus=1,
     ingress_num_cpus=0, model_name="tiny-sdxl", max_cost=1.0, max_queued_requests=16,
 )
