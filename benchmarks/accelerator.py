@@ -392,7 +392,7 @@ def main(argv=None) -> int:
     print(f"# {header['device']} | jax {jax.__version__} | {header['setup']} configs, "
           f"{spec['size']}², 4 Euler trailing steps, no CFG | {args.dtype} (VAE {vae_dtype})",
           flush=True)
-    print(f"# parameters: " + ", ".join(f"{k} {v / 1e6:.1f} M" for k, v in n_params.items())
+    print("# parameters: " + ", ".join(f"{k} {v / 1e6:.1f} M" for k, v in n_params.items())
           + f" | built in {t_built - t_start:.1f} s", flush=True)
     print(f"# attention {args.attention}: UNet -> {impl_unet}, VAE -> {impl_vae}", flush=True)
 

@@ -193,6 +193,7 @@ def test_non_square_parity(pipe, torch_pipe, height, width):
     assert np.abs(ours - theirs).max() <= 2e-3
 
 
+@pytest.mark.slow  # default-suite time (17 s): make test-slow runs it
 def test_bfloat16_pixels_stay_close_to_float32(pipe, sdxl_dir):
     """bf16 end to end (text encoders, UNet, VAE) against fp32 on the same weights and noise:
     measured max abs 0.027 and PSNR 44 dB on [0, 1] pixels; asserted: PSNR >= 35 dB."""
@@ -238,6 +239,7 @@ def test_unet_variant_is_read(sdxl_dir, tmp_path):
 
 
 @pytest.mark.parity
+@pytest.mark.slow  # default-suite time (19 s; tests/test_vae.py checks tiled decode parity)
 def test_vae_tiling_matches_diffusers_tiled_pipeline(sdxl_dir, torch_pipe):
     """vae_tiling=True at 48x40 (the tiny VAE's tiles are 32 px): diffusers with
     vae.enable_tiling() gives the same pixels."""

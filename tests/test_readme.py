@@ -161,6 +161,7 @@ def test_python_examples(paths):
     assert (work / "astronaut.png").is_file()
 
 
+@pytest.mark.slow  # default-suite time (45 s; tests/test_cli.py covers the CLI): make test-slow
 def test_cli_examples(paths):
     work, subs = paths
     jobs = the("jobs")
@@ -235,6 +236,7 @@ def _serve_lines(subs) -> list[str]:
     return [localize(line, subs) for line in lines if line]
 
 
+@pytest.mark.slow  # default-suite time (44 s; tests/test_serving.py covers the service)
 def test_serve_run_with_a_model_folder_and_curl(paths):
     work, subs = paths
     served = Served(_serve_lines(subs)[0], work)

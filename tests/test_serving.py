@@ -173,11 +173,11 @@ def test_settings_adapters():
 
     want = (AdapterSpec(name="pixel", path="/l/pixel.safetensors", scale=0.7),
             AdapterSpec(name="ink", path="/l/ink", scale=1.0))
-    for given in ("pixel=/l/pixel.safetensors:0.7, ink=/l/ink",
-                  '{"pixel": {"path": "/l/pixel.safetensors", "scale": 0.7}, "ink": "/l/ink"}',
-                  "{pixel: {path: /l/pixel.safetensors, scale: 0.7}, ink: /l/ink}",
-                  {"pixel": {"path": "/l/pixel.safetensors", "scale": 0.7}, "ink": "/l/ink"}):
-        assert ServeSettings.from_args({"adapters": given}).adapters == want, given
+    for spec in ("pixel=/l/pixel.safetensors:0.7, ink=/l/ink",
+                 '{"pixel": {"path": "/l/pixel.safetensors", "scale": 0.7}, "ink": "/l/ink"}',
+                 "{pixel: {path: /l/pixel.safetensors, scale: 0.7}, ink: /l/ink}",
+                 {"pixel": {"path": "/l/pixel.safetensors", "scale": 0.7}, "ink": "/l/ink"}):
+        assert ServeSettings.from_args({"adapters": spec}).adapters == want, spec
     assert ServeSettings.from_args({}).adapters == ()
     for bad, message in (("pixel", "name=path"), ("a=/x,a=/y", "'a' is given twice"),
                          ("a:b=/x", "should match pattern"), ({"a": {"path": "/x", "rank": 2}},
@@ -811,19 +811,6 @@ def test_fuzz_against_the_openapi_schema(guarded):
 # ---------------------------------------------------------------------------------- playground
 ARTIFACTS = Path(os.environ.get("MAXDIFF_TEST_ARTIFACTS", Path(__file__).parent.parent / "out"
                                 / "test-artifacts"))
-
-
-@pytest.fixture(scope="module")
-def browser():
-    """Headless Chromium (Debian's package) driven by Playwright; skipped loudly without one."""
-    sync_api = pytest.importorskip("playwright.sync_api",
-                                   reason="BROWSER TESTS SKIPPED: playwright is not installed")
-    import browser as chromium
-
-    with sync_api.sync_playwright() as pw:
-        b = chromium.launch(pw)
-        yield b
-        b.close()
 
 
 def _data_url_pixels(src: str) -> np.ndarray:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import socket
 import time
 
@@ -152,6 +153,44 @@ def test_a_client_disconnect_frees_its_slot(step_app):
     r.close()  # the client goes away mid-stream
     stats = _wait_for_freed_slot(step_app, before)
     assert stats["queued"] == 0
+
+
+def test_playground_streams_steps_and_previews(step_app, browser):
+    """On a step-engine server the playground asks for a stream: a step progress bar and VAE
+    previews while the image is made, then the usual card, with the pixels of the same request
+    sent without streaming."""
+    page = browser.new_page(viewport={"width": 1100, "height": 760}, bypass_csp=True)
+    problems, bodies = [], []
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("request", lambda r: r.method == "POST" and bodies.append(r.post_data_json))
+    page.goto(f"{step_app}/")
+    page.wait_for_function("document.getElementById('scheduler').textContent.endsWith('Scheduler')")
+    page.evaluate("""() => { window.labels = [];
+        new MutationObserver(() => { const l = document.getElementById('step-label');
+            if (l && l.textContent) window.labels.push(l.textContent); })
+        .observe(document.getElementById('status'),
+                 {subtree: true, childList: true, characterData: true}); }""")
+    settings = {"#prompt": "a red circle", "#width": str(SIZE), "#height": str(SIZE),
+                "#steps": "40", "#guidance_scale": "3", "#seed": "5"}
+    for sel, value in settings.items():
+        page.fill(sel, value)
+    page.click("#generate")
+    page.wait_for_selector("figure.card img", timeout=120_000)
+    assert bodies[-1]["stream"] is True and bodies[-1]["partial_images"] == 2
+    labels = page.evaluate("window.labels")
+    assert labels and all(re.fullmatch(r"step \d+ of 40|queued \(position \d+\)", t)
+                          for t in labels), labels
+    # the last preview stays in its (now hidden) figure: a real image, from step 13 or 27
+    assert page.is_hidden("#preview")
+    assert page.text_content("#preview-caption") in ("preview at step 13", "preview at step 27")
+    preview = _png(page.get_attribute("#preview-img", "src").split(",", 1)[1])
+    final = _png(page.get_attribute("figure.card img", "src").split(",", 1)[1])
+    assert preview.shape == final.shape == (SIZE, SIZE, 3)
+    plain = _generate(step_app, prompt="a red circle", width=SIZE, height=SIZE, steps=40,
+                      guidance_scale=3.0, seed=5)
+    assert np.abs(_png(plain["images"][0]["b64_json"]).astype(int) - final).max() <= 1
+    assert not problems, problems
+    page.close()
 
 
 @pytest.mark.slow  # default-suite time: make test-slow runs it
