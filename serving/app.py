@@ -52,7 +52,7 @@ from pipelines.requests import (EDIT_STRENGTH, INPAINT_STRENGTH, EditRequest, Ge
                                 image_seeds, parse_size, repaint_mask, size_problems)
 from serving import security
 from serving.generator import Expired, Generator, InvalidJob, StatsBoard
-from serving.schemas import (ERROR_RESPONSES, EditRequest as EditBody, EditResponse,
+from serving.schemas import (ERROR_RESPONSES, EditRequest as EditBody, EditResponse, ErrorResponse,
                              GenerateRequest, GenerateResponse, ImageFormat,
                              ImagesGenerationRequest, ImagesResponse, JobResult, ServeSettings)
 
@@ -898,7 +898,9 @@ class Ingress:
 
     @api.post("/v1/images/edits", response_model=ImagesResponse, tags=["OpenAI-compatible"],
               summary="Edit an image (OpenAI Images API)",
-              responses={k: v for k, v in ERROR_RESPONSES.items() if k != 406})
+              responses={**{k: v for k, v in ERROR_RESPONSES.items() if k != 406},
+                         400: {"model": ErrorResponse,
+                               "description": "The multipart body could not be parsed."}})
     async def images_edits(
             self, request: Request,
             prompt: str = Form(min_length=1, description="What the edited image should show."),
