@@ -268,7 +268,8 @@ def main(argv=None) -> None:
     w, h = a.size or (pipe.default_width, pipe.default_height)
     if w is None or h is None:
         ap.error("the model states no default size: give --size W H")
-    wanted = [(4, False), *MIXED] if "loadgen" in a.parts else []
+    workloads = a.workloads if "loadgen" in a.parts else []
+    wanted = [(4, False), *MIXED] if workloads else []
     wanted += [(s, False) for s in a.overhead_steps] if "overhead" in a.parts else []
     shapes = sorted({f"{w}x{h}:{s}:{a.cfg if g else 0:g}" for s, g in wanted})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -289,7 +290,7 @@ def main(argv=None) -> None:
             serve.run(build_app(args), name=f"lg-{engine}", route_prefix="/")
             res = results["engines"][engine] = {}
             try:
-                for wl in a.workloads if "loadgen" in a.parts else ():
+                for wl in workloads:
                     bodies = workload(wl, a.offline_queries, a.cfg, (w, h))
                     off = run_scenario(lg, url, bodies, "offline", qps=1.0, p99=a.p99,
                                        seconds=1, min_queries=a.offline_queries,
@@ -306,7 +307,7 @@ def main(argv=None) -> None:
                     print(f"  overhead: {res['overhead']}", flush=True)
                 # equal load: both engines at a fraction of the batch engine's capacity
                 base = results["engines"].get("batch", res)
-                for wl in a.workloads if "loadgen" in a.parts else ():
+                for wl in workloads:
                     qps = a.equal_load * base[wl]["server_capacity_qps"]
                     if qps > 0:
                         res[wl]["equal_load"] = run_scenario(
