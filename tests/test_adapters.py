@@ -49,6 +49,7 @@ def plain(sdxl_dir):
     return TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
 
 
+@pytest.mark.slow  # default-suite time (22-26 s): make test-slow runs it
 def test_mixed_batch_equals_fused_pipelines(sdxl_dir, plain, lora_files):
     mix = [None, "a", "b", "a", None, "b"]  # 6 images: padded to a batch of 8
     pipe = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)

@@ -179,6 +179,7 @@ def test_cli_examples(paths):
     assert (work / "sdxl-base-bf16" / "model_index.json").is_file()
 
 
+@pytest.mark.slow  # default-suite time (14-23 s): make test-slow runs it
 def test_tiny_checkpoint_example(paths):
     work, subs = paths
     run_bash(localize(the("tiny"), subs), ROOT)
