@@ -10,10 +10,27 @@ pipeline's batch). Each :meth:`StepEngine.tick`:
 2. admits queued images into free slots: one batched text-encode program writes their text
    embeddings, time ids, guidance, initial latents (from each image's seed, exactly as the
    pipeline draws them) and scheduler tables into their slots,
-3. runs ONE jitted step program that advances every active slot by one denoising step, each
+3. queues ONE jitted step program that advances every active slot by one denoising step, each
    with its own timestep, sigma, step count and scheduler memory (idle slots are masked: their
    state does not change),
-4. VAE-decodes the images that took their last step (one batched decode) and frees their slots.
+4. queues the VAE decode of the images that take their last step (one batched decode) and frees
+   their slots for the next tick,
+5. waits for the device (below) and reports what it ran: steps, previews, finished images.
+
+**Pacing: the host follows the device.** A jitted call returns as soon as its work is queued
+(JAX dispatches asynchronously), so a loop of ticks that never waits runs an image's step
+counter to its end in a fraction of a second while the device is still on its third step; an
+image submitted meanwhile is admitted only once the first host read (the decode) has waited for
+every queued step, and progress, previews, cancellation and deadlines all describe work not yet
+done (first seen at real sizes, where a step costs hundreds of ms). So a tick ends by waiting
+until at most ``lookahead`` ticks are left unfinished on the device (default 1: the host
+prepares and queues tick k + 1 while the device runs tick k, so its per-tick work overlaps the
+step instead of adding to it; 0: a tick returns only after its own step ran). An image's
+``step`` is what the step program returned for it (each row's step count after the step), read
+back when the tick completes; admission, cancellation (no step of a cancelled image is queued
+after the next tick) and queue positions therefore act within ``lookahead + 1`` steps of device
+time. ``stats["host_s"]`` and ``stats["wait_s"]`` split the ticking thread's time between its
+own work and waiting for the device.
 
 **Per-slot schedules.** Each image's schedule comes from the pipeline's own
 ``scheduler.set_timesteps(steps)`` on the host; its tables (timesteps, sigmas / alpha-bars) are
@@ -53,11 +70,12 @@ admit (text-encode) and a decode program per ``b``: ``|B| (|B| + 7) / 2`` progra
 slots on one device (``cfg=False``: ``3 |B|``, 12).
 New prompts, seeds, guidance, step counts (up to ``max_steps``) never compile anything.
 
-**Previews.** :meth:`StepEngine.preview` decodes a slot's current denoised estimate (the
-scheduler's x0 prediction at its last step, kept per slot) with the real VAE, through the same
-decode programs: no extra compiled program and a faithful picture, at the cost of one VAE
-decode per preview (fine for the few partial images a stream asks for; a linear latent-to-RGB
-projection would be cheaper but model specific).
+**Previews.** ``submit(..., previews=[k, ...])`` decodes the image's denoised estimate (the
+scheduler's x0 prediction, kept per slot) after step ``k`` with the real VAE, queued in the
+tick that runs step ``k`` (so the picture is that step's, however far the host has got), through
+the same decode programs: no extra compiled program and a faithful picture, at the cost of one
+VAE decode per preview (fine for the few partial images a stream asks for; a linear
+latent-to-RGB projection would be cheaper but model specific).
 
 Per-image adapters (``ImageRequest.adapter``, ``TextToImagePipeline.add_adapter``) are applied
 per slot like the pipeline applies them per row; ``pipe.vae_tiling`` is honoured at decode.
@@ -65,13 +83,14 @@ per slot like the pipeline applies them per row; ``pipe.vae_tiling`` is honoured
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -93,21 +112,29 @@ TABLES = ("timesteps", "sigmas", "alphas_cumprod", "alphas_cumprod_prev")
 @dataclass(eq=False)
 class Handle:
     """One image in a :class:`StepEngine`. ``status``: ``queued``, ``running``, ``done`` or
-    ``cancelled``; ``step``: denoising steps taken of ``steps``; ``queue_position``: 1 + the
-    images queued before it as of the last tick (0 once it holds a slot); ``image``: the result
-    once done (PIL image, or float32 (H, W, 3) in [0, 1] with ``output_type="np"``); ``seed``:
-    the seed used (drawn at admission when the request has none)."""
+    ``cancelled``; ``step``: denoising steps the device has *executed* of ``steps`` (read back
+    from the step program's output, never counted ahead); ``dispatched``: steps queued on the
+    device (at most ``lookahead + 1`` ahead of ``step``); ``queue_position``: 1 + the images
+    queued before it as of the last tick (0 once it holds a slot); ``image``: the result once
+    done (PIL image, or float32 (H, W, 3) in [0, 1] with ``output_type="np"``); ``seed``: the
+    seed used (drawn at admission when the request has none); ``preview`` / ``preview_step``:
+    the latest decoded denoised estimate asked for with ``submit(previews=...)`` and the step it
+    was taken after."""
 
     request: ImageRequest
     steps: int
     on_progress: Callable[["Handle"], None] | None = None
+    previews: frozenset = frozenset()
     id: int = 0
     status: str = "queued"
     step: int = 0
+    dispatched: int = 0
     queue_position: int = 0
     slot: int | None = None
     seed: int | None = None
     image: Any = None
+    preview: Any = None
+    preview_step: int = 0
     submitted_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     finished_at: float | None = None
@@ -116,6 +143,20 @@ class Handle:
     @property
     def done(self) -> bool:
         return self.status in ("done", "cancelled")
+
+
+@dataclass
+class _Tick:
+    """A tick queued on the device, and what the host learns once it has run: ``executed`` is
+    the step program's own output (each row's step count after the step; 0 for padding rows),
+    ``images`` / ``previews`` the decode programs' outputs for ``finishing`` / ``previewed``."""
+
+    rows: list[Handle]
+    executed: Any
+    finishing: list[Handle]
+    images: Any
+    previewed: list[Handle]
+    previews: Any
 
 
 def _denoised(sched, state, out, x, i):
@@ -149,14 +190,18 @@ class StepEngine:
     ``slots``: images advanced together per tick (a multiple of the mesh size); ``cfg``: see the
     module docstring; ``max_steps``: the most steps an image may take (default: the
     scheduler's limit; the per-slot tables have this length, the programs do not depend on it);
-    ``output_type``: ``"pil"`` or ``"np"`` (float32 [0, 1]).
+    ``output_type``: ``"pil"`` or ``"np"`` (float32 [0, 1]); ``lookahead``: ticks left queued
+    on the device when :meth:`tick` returns (see *Pacing* in the module docstring): 1 (default)
+    overlaps the host's work for the next tick with the device's step, 0 returns only once the
+    tick's own step has run.
 
     Not thread-safe for concurrent :meth:`tick` calls; :meth:`submit` and :meth:`cancel` may be
     called from other threads while one thread ticks.
     """
 
     def __init__(self, pipe, height: int | None = None, width: int | None = None, slots: int = 8,
-                 *, cfg: bool = True, max_steps: int | None = None, output_type: str = "pil"):
+                 *, cfg: bool = True, max_steps: int | None = None, output_type: str = "pil",
+                 lookahead: int = 1):
         self.pipe = pipe
         self.height = pipe.default_height if height is None else height
         self.width = pipe.default_width if width is None else width
@@ -169,7 +214,11 @@ class StepEngine:
         if not isinstance(slots, int) or slots < 1 or slots % m:
             raise ValueError(f"slots={slots!r}; it must be a positive multiple of the mesh "
                              f"size {m}")
+        if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
+            raise ValueError(f"lookahead={lookahead!r}; it must be an integer >= 0 (ticks left "
+                             "queued on the device when tick() returns)")
         self.slots, self.cfg, self.output_type = slots, bool(cfg), output_type
+        self.lookahead = lookahead
         f = pipe.vae_scale_factor
         self.lh, self.lw, self.channels = self.height // f, self.width // f, pipe.latent_channels
         self.sched = pipe.scheduler
@@ -185,10 +234,15 @@ class StepEngine:
         self._queue: list[Handle] = []
         self._slot_handles: list[Handle | None] = [None] * slots
         self._ids = itertools.count(1)
-        # images in and out, ticks run (and those with guided images), slot-steps done (active
-        # slots summed over ticks; guided_slot_steps: those with negative rows)
+        self._inflight: collections.deque[_Tick] = collections.deque()  # oldest first
+        # images in and out; ticks run (and those with guided images); slot-steps done (active
+        # slots summed over ticks; guided_slot_steps: those with negative rows); tick_images:
+        # ticks by the number of images they stepped ({"1": 40, "2": 12}); host_s: seconds the
+        # ticking thread spent working (scheduling, dispatch, callbacks), wait_s: seconds it
+        # waited for the device (a tick's step, its decodes)
         self.stats = {"submitted": 0, "finished": 0, "cancelled": 0, "ticks": 0, "guided_ticks": 0,
-                      "slot_steps": 0, "guided_slot_steps": 0}
+                      "slot_steps": 0, "guided_slot_steps": 0, "tick_images": {},
+                      "host_s": 0.0, "wait_s": 0.0}
 
     # ------------------------------------------------------------------ state
     @functools.lru_cache(maxsize=None)
@@ -237,7 +291,8 @@ class StepEngine:
         fn = self._programs.get((kind, *key))
         if fn is None:
             if kind == "step":
-                fn = jax.jit(self._build_step(key[1]), out_shardings=self._state_sharding,
+                fn = jax.jit(self._build_step(key[1]),
+                             out_shardings=(self._state_sharding, self._sharded),
                              donate_argnums=self._donate(1))
             elif kind == "admit":
                 fn = jax.jit(self._build_admit(), out_shardings=self._state_sharding,
@@ -357,10 +412,13 @@ class StepEngine:
 
         def step_rows(params, state, rows, active, index, local, short, ad=None):
             # the slots in ``rows`` only (distinct; padding rows are inactive): gather, step,
-            # scatter back, so a tick costs what its active images need
+            # scatter back, so a tick costs what its active images need. Also returns each
+            # row's step count after this step (0 for padding): the host reads its progress
+            # from what the device ran
             sub = jax.tree.map(lambda a: a[rows], state)
             sub = step(params, sub, active, index, local, short, ad)
-            return jax.tree.map(lambda a, v: a.at[rows].set(v), state, sub)
+            executed = jnp.where(active, local + 1, 0).astype(jnp.int32)
+            return jax.tree.map(lambda a, v: a.at[rows].set(v), state, sub), executed
 
         return step_rows
 
@@ -382,10 +440,15 @@ class StepEngine:
 
     # ------------------------------------------------------------------ public API
     def submit(self, request: ImageRequest, steps: int | None = None,
-               on_progress: Callable[[Handle], None] | None = None) -> Handle:
+               on_progress: Callable[[Handle], None] | None = None,
+               previews: Iterable[int] = ()) -> Handle:
         """Queue one image (``steps`` None: the pipeline's default). It joins a free slot at
-        the next tick; ``on_progress(handle)`` is called (from the ticking thread) after each of
-        its steps, and at ticks where it stays queued but its ``queue_position`` changed."""
+        the next tick. ``on_progress(handle)`` is called from the ticking thread once the
+        device has run each of its steps (``handle.step`` is then that step), and at ticks
+        where it stays queued but its ``queue_position`` changed. ``previews``: steps (1 to
+        ``steps``) after which its denoised estimate is VAE-decoded on the device, in the tick
+        that runs that step; ``handle.preview`` / ``preview_step`` hold it when ``on_progress``
+        reports that step."""
         steps = self.pipe.default_steps if steps is None else steps
         self.pipe._check(steps, self.height, self.width, self.output_type)
         if steps > self.max_steps:
@@ -396,7 +459,14 @@ class StepEngine:
         if not self.cfg and request.guidance_scale > 1.0:
             raise ValueError(f"guidance_scale={request.guidance_scale}: this engine runs without "
                              "classifier-free guidance (cfg=False); use guidance <= 1")
-        h = Handle(request=request, steps=int(steps), on_progress=on_progress, id=next(self._ids))
+        previews = frozenset(previews)
+        bad = sorted(k for k in previews if not isinstance(k, (int, np.integer))
+                     or isinstance(k, bool) or not 1 <= k <= steps)
+        if bad:
+            raise ValueError(f"previews={sorted(previews, key=str)}: {bad} not in 1..{steps} "
+                             "(the steps after which to decode a preview)")
+        h = Handle(request=request, steps=int(steps), on_progress=on_progress,
+                   previews=previews, id=next(self._ids))
         with self._lock:
             self._queue.append(h)
             self.stats["submitted"] += 1
@@ -404,7 +474,8 @@ class StepEngine:
 
     def cancel(self, handle: Handle) -> None:
         """Cancel an image: a queued one leaves the queue, a running one frees its slot at the
-        next tick. Finished images are not affected."""
+        next tick (no step of it is queued on the device after that; one already queued still
+        runs). Images whose last step is already queued are not affected."""
         with self._lock:
             if not handle.done:
                 handle.cancel_requested = True
@@ -416,6 +487,7 @@ class StepEngine:
 
     @property
     def active(self) -> int:
+        """Slots held by images with steps still to queue."""
         return sum(h is not None for h in self._slot_handles)
 
     @property
@@ -424,65 +496,25 @@ class StepEngine:
 
     @property
     def idle(self) -> bool:
-        return not self._queue and not self.active
+        """Nothing queued, no slot held, no tick left on the device."""
+        return not self._queue and not self.active and not self._inflight
 
     def tick(self) -> list[Handle]:
-        """Free cancelled slots, admit queued images into free slots, run one step for every
-        active slot, decode and release the finished ones. Returns the images finished (or
-        cancelled) in this tick."""
+        """One scheduling round, paced by the device. Frees the slots of cancelled images,
+        admits queued images into free slots, queues one step of every active slot on the
+        device (and the VAE decode of the images that take their last step), then waits until
+        at most ``lookahead`` ticks are left unfinished on the device (all of them when nothing
+        was queued) and reports those that finished: progress from the step program's output,
+        previews, finished images. Returns the images finished or cancelled in this call."""
+        t0, waited = time.perf_counter(), self.stats["wait_s"]
         out = self._reap_cancelled()
         self._admit()
-        moved = []
-        with self._lock:
-            for k, h in enumerate(self._queue, start=1):
-                if h.queue_position != k:
-                    h.queue_position = k
-                    moved.append(h)
-        for h in moved:
-            if h.on_progress is not None:
-                h.on_progress(h)
-        if not self.active:
-            return out
-        n = self.max_steps
-        m = self.pipe.mesh.size
-        busy = [k for k, h in enumerate(self._slot_handles) if h is not None]
-        # guided slots first: the step program gives negative rows to its first g rows
-        guided = [k for k in busy if self._slot_handles[k].request.guidance_scale > 1.0]
-        busy = guided + [k for k in busy if k not in guided]
-        b = min(bucket_size(len(busy), m), self.slots)
-        g = min(bucket_size(len(guided), m), b) if guided else 0
-        rows = busy + [k for k, h in enumerate(self._slot_handles) if h is None][:b - len(busy)]
-        active = np.arange(b) < len(busy)
-        index = np.zeros(b, np.int32)
-        local = np.zeros(b, np.int32)
-        short = np.zeros(b, bool)
-        for r, k in enumerate(busy):
-            h = self._slot_handles[k]
-            local[r], index[r], short[r] = h.step, n - h.steps + h.step, h.steps < 15
-        args = jax.device_put((np.array(rows, np.int32), active, index, local, short),
-                              self._sharded)
-        self._state = self._program("step", b, g)(self.pipe.params, self._state, *args,
-                                                  *self._adapter_args())
-        self.stats["ticks"] += 1
-        self.stats["guided_ticks"] += int(bool(guided))
-        self.stats["slot_steps"] += len(busy)
-        self.stats["guided_slot_steps"] += len(guided)
-        finished = []
-        for k, h in enumerate(self._slot_handles):
-            if h is not None:
-                h.step += 1
-                if h.step == h.steps:
-                    finished.append(h)
-                if h.on_progress is not None:
-                    h.on_progress(h)
-        if finished:
-            images = self._decode(self._state["x"], [h.slot for h in finished])
-            now = time.perf_counter()
-            for h, im in zip(finished, images):
-                h.image, h.status, h.finished_at = im, "done", now
-                self._slot_handles[h.slot] = None
-            self.stats["finished"] += len(finished)
-        return out + finished
+        self._report_queue_positions()
+        launched = self._launch()
+        while self._inflight and (launched is None or len(self._inflight) > self.lookahead):
+            out += self._complete(self._inflight.popleft())
+        self.stats["host_s"] += time.perf_counter() - t0 - (self.stats["wait_s"] - waited)
+        return out
 
     def run_until_idle(self, max_ticks: int | None = None) -> list[Handle]:
         """Tick until no image is queued or running; returns the finished handles in order."""
@@ -493,29 +525,38 @@ class StepEngine:
             done += self.tick()
         return done
 
-    def preview(self, handle: Handle):
-        """The image's current denoised estimate decoded with the VAE (same kind as the final
-        image), or None before its first step or once it has left its slot."""
-        if handle.status != "running" or handle.step == 0 or handle.slot is None:
-            return None
-        return self._decode(self._state["x0"], [handle.slot])[0]
+    def abort(self) -> list[Handle]:
+        """Give up on every image not finished (after a failed tick): they are marked cancelled,
+        the queue, the slots and the ticks in flight are dropped; returns them. The engine is
+        usable afterwards."""
+        with self._lock:
+            queued, self._queue = self._queue, []
+        held = [h for h in self._slot_handles if h is not None]
+        ticks, self._inflight = list(self._inflight), collections.deque()
+        draining = [h for t in ticks for h in t.finishing]
+        self._slot_handles = [None] * self.slots
+        lost = list({id(h): h for h in [*queued, *held, *draining] if not h.done}.values())
+        for h in lost:
+            h.status, h.finished_at, h.slot = "cancelled", time.perf_counter(), None
+        self.stats["cancelled"] += len(lost)
+        return lost
 
     def warmup(self) -> int:
         """Compile every program this engine can run (the step programs and the admit and
         decode programs of each batch size) without touching any slot; returns how many."""
         for b in self.batch_sizes:
             self._run_admit([], [], b)
-            self._decode(self._state["x"], [0] * b)
+            self._dispatch_decode(self._state["x"], [0] * b)
         for b, g in self._step_keys():
             args = jax.device_put((np.arange(b, dtype=np.int32), np.zeros(b, bool),
                                    np.zeros(b, np.int32), np.zeros(b, np.int32),
                                    np.zeros(b, bool)), self._sharded)
-            self._state = self._program("step", b, g)(self.pipe.params, self._state, *args,
-                                                      *self._adapter_args())
+            self._state, _ = self._program("step", b, g)(self.pipe.params, self._state, *args,
+                                                         *self._adapter_args())
         jax.block_until_ready(self._state)
         return self.num_compiled
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ scheduling
     def _reap_cancelled(self) -> list[Handle]:
         out = []
         with self._lock:
@@ -546,6 +587,95 @@ class StepEngine:
         for h, k in zip(take, free):
             h.slot, h.status, h.started_at, h.queue_position = k, "running", now, 0
             self._slot_handles[k] = h
+
+    def _report_queue_positions(self) -> None:
+        moved = []
+        with self._lock:
+            for k, h in enumerate(self._queue, start=1):
+                if h.queue_position != k:
+                    h.queue_position = k
+                    moved.append(h)
+        for h in moved:
+            if h.on_progress is not None:
+                h.on_progress(h)
+
+    # ------------------------------------------------------------------ execution
+    def _launch(self) -> _Tick | None:
+        """Queue one step of every active slot on the device (gathered guided-first into the
+        smallest step program that holds them), then the decodes of the images that took their
+        last step (their slots are free for the next tick: the decode reads this tick's
+        latents, whatever is admitted there later) and of the previews asked for at this step.
+        Returns the tick, or None when no slot is active."""
+        busy = [k for k, h in enumerate(self._slot_handles) if h is not None]
+        if not busy:
+            return None
+        n, m = self.max_steps, self.pipe.mesh.size
+        # guided slots first: the step program gives negative rows to its first g rows
+        guided = [k for k in busy if self._slot_handles[k].request.guidance_scale > 1.0]
+        busy = guided + [k for k in busy if k not in guided]
+        b = min(bucket_size(len(busy), m), self.slots)
+        g = min(bucket_size(len(guided), m), b) if guided else 0
+        rows = busy + [k for k, h in enumerate(self._slot_handles) if h is None][:b - len(busy)]
+        active = np.arange(b) < len(busy)
+        index = np.zeros(b, np.int32)
+        local = np.zeros(b, np.int32)
+        short = np.zeros(b, bool)
+        stepped = [self._slot_handles[k] for k in busy]
+        for r, h in enumerate(stepped):
+            local[r], index[r], short[r] = h.dispatched, n - h.steps + h.dispatched, h.steps < 15
+        args = jax.device_put((np.array(rows, np.int32), active, index, local, short),
+                              self._sharded)
+        self._state, executed = self._program("step", b, g)(
+            self.pipe.params, self._state, *args, *self._adapter_args())
+        for h in stepped:
+            h.dispatched += 1
+        finishing = [h for h in stepped if h.dispatched == h.steps]
+        previewed = [h for h in stepped if h.dispatched in h.previews]
+        images = (self._dispatch_decode(self._state["x"], [h.slot for h in finishing])
+                  if finishing else None)
+        previews = (self._dispatch_decode(self._state["x0"], [h.slot for h in previewed])
+                    if previewed else None)
+        for h in finishing:
+            self._slot_handles[h.slot] = None
+        st = self.stats
+        st["ticks"] += 1
+        st["guided_ticks"] += int(bool(guided))
+        st["slot_steps"] += len(busy)
+        st["guided_slot_steps"] += len(guided)
+        key = str(len(busy))
+        st["tick_images"][key] = st["tick_images"].get(key, 0) + 1
+        tick = _Tick(stepped, executed, finishing, images, previewed, previews)
+        self._inflight.append(tick)
+        return tick
+
+    def _complete(self, tick: _Tick) -> list[Handle]:
+        """Wait for a queued tick to run and report it: each image's step as the step program
+        returned it, then its preview, then the finished images. Returns those."""
+        t0 = time.perf_counter()
+        executed = np.asarray(jax.device_get(tick.executed))  # blocks until the step has run
+        self.stats["wait_s"] += time.perf_counter() - t0
+        live = [h for h in tick.rows if h.status == "running"]  # not cancelled meanwhile
+        for h, k in zip(tick.rows, executed):
+            if h.status == "running":
+                h.step = int(k)
+        for h in live:
+            if h.on_progress is not None and h not in tick.previewed and h not in tick.finishing:
+                h.on_progress(h)
+        if tick.previewed:
+            for h, im in zip(tick.previewed, self._fetch(tick.previews, len(tick.previewed))):
+                h.preview, h.preview_step = im, h.step
+                if h.on_progress is not None and h.status == "running" and h not in tick.finishing:
+                    h.on_progress(h)
+        if not tick.finishing:
+            return []
+        images = self._fetch(tick.images, len(tick.finishing))
+        now = time.perf_counter()
+        for h, im in zip(tick.finishing, images):
+            h.image, h.status, h.finished_at, h.slot = im, "done", now, None
+            if h.on_progress is not None:
+                h.on_progress(h)
+        self.stats["finished"] += len(tick.finishing)
+        return list(tick.finishing)
 
     def _run_admit(self, take: list[Handle], free: list[int], b: int) -> None:
         """Write ``take`` into slots ``free`` (batch padded to ``b``; ``take`` may be empty)."""
@@ -581,14 +711,22 @@ class StepEngine:
         self._state = self._program("admit", b)(p.params, self._state, *args,
                                                 *self._adapter_args())
 
-    def _decode(self, latents, slots: list[int]) -> list:
+    def _dispatch_decode(self, latents, slots: list[int]):
+        """Queue the VAE decode of ``slots`` of ``latents`` (batch padded to a bucket); returns
+        the device output for :meth:`_fetch`."""
         n = len(slots)
         b = min(bucket_size(n, self.pipe.mesh.size), self.slots)
         idx = jax.device_put(np.array(slots + [slots[-1]] * (b - n), np.int32), self._sharded)
         out = self._program("decode", b)(self.pipe.params, latents, idx)
         if self.tiled:
             out = self.pipe._decode_tiled(out, self.output_type != "np")
+        return out
+
+    def _fetch(self, out, n: int) -> list:
+        """The first ``n`` decoded images of a decode output, on the host (waits for it)."""
+        t0 = time.perf_counter()
         images = np.asarray(jax.device_get(out))[:n]
+        self.stats["wait_s"] += time.perf_counter() - t0
         if self.output_type == "pil":
             from PIL import Image
 

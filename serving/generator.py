@@ -30,7 +30,9 @@ free slots between denoising steps and leave as soon as their own steps are done
 image does not wait for a 40-step one. One asyncio task drives the engines: while any has work
 it runs a tick of each in a thread (under the device lock) and resolves the futures of finished
 images; engines starting from idle first wait up to ``batch_wait_timeout_s`` for their slots to
-fill. A request whose client goes away
+fill. A tick returns only once the device has run the tick before it (the engine's pacing), so
+admission, progress events, previews and cancellation follow the steps the device has run, not
+the ones the host has queued. A request whose client goes away
 (Ray Serve cancels the call) or whose deadline passes has its images cancelled: their slots are
 freed at the next tick (``cancelled`` in ``/v1/stats``, ``maxdiff_cancelled_images``).
 :meth:`Generator.generate_stream` yields progress events, partial images (the engine's
@@ -388,8 +390,7 @@ class Generator:
             except Exception as e:  # a failed tick fails its images, never the loop
                 logger.error("step engine tick failed: %s", e)
                 for eng in self._engines.values():
-                    for h in [*eng._queue, *filter(None, eng._slot_handles)]:
-                        eng.cancel(h)
+                    for h in eng.abort():
                         fut = getattr(h, "future", None)
                         if fut is not None and not fut.done():
                             fut.set_exception(RuntimeError(f"generation failed: {e}"))
@@ -427,12 +428,12 @@ class Generator:
             except asyncio.TimeoutError:
                 return
 
-    async def _submit(self, job: GenerationRequest, on_progress=None) -> list:
+    async def _submit(self, job: GenerationRequest, on_progress=None, previews=()) -> list:
         eng = await self._ready_engine(job.height, job.width)
         loop = asyncio.get_running_loop()
         handles = []
         for item in job.images():
-            h = eng.submit(item, job.steps, on_progress)
+            h = eng.submit(item, job.steps, on_progress, previews)
             h.future = loop.create_future()
             h.engine = eng
             handles.append(h)
@@ -503,16 +504,16 @@ class Generator:
         partial_at = sorted({max(1, min(n - 1, round(n * (k + 1) / (partial_images + 1))))
                              for k in range(partial_images)}) if n > 1 else []
 
-        def progress(h):  # in the ticking thread: after a step, or a new queue position
+        def progress(h):  # in the ticking thread: after a step ran, or a new queue position
             ev = [{"type": "progress", "step": h.step, "total": h.steps,
                    "queue_position": h.queue_position}]
-            if h.step in partial_at:
+            if h.step in partial_at and h.preview_step == h.step:  # decoded after this step
                 ev.append({"type": "partial_image", "index": partial_at.index(h.step),
-                           "step": h.step, "image": np.asarray(h.engine.preview(h))})
+                           "step": h.step, "image": np.asarray(h.preview)})
             for e in ev:
                 loop.call_soon_threadsafe(events.put_nowait, e)
 
-        handles = await self._submit(job, progress)
+        handles = await self._submit(job, progress, partial_at)
         h = handles[0]
         deadline = None if timeout_s is None else arrived + timeout_s
         try:

@@ -63,7 +63,10 @@ def engines(sdxl_dir):
         if name not in made:
             pipe = TextToImagePipeline.from_pretrained(sdxl_dir, scheduler=SCHEDULERS[name],
                                                        compile_cache_dir=None)
-            made[name] = StepEngine(pipe, SIZE, SIZE, slots=2, output_type="np")
+            # DPM++ 2M's engine (in the default suite) waits for each tick's own step
+            # (lookahead 0), the others keep one tick queued ahead (the default)
+            made[name] = StepEngine(pipe, SIZE, SIZE, slots=2, output_type="np",
+                                    lookahead=0 if name == "dpm++2m" else 1)
         return made[name]
 
     return get
@@ -145,17 +148,20 @@ def test_cancel_progress_preview_and_programs(engines):
 
     def progress(h):
         seen.append((h.id, h.step))
-        if h.step == h.steps:  # the last step's x0 estimate is the final latents (Euler, sigma 0)
-            previews[h.id] = eng.preview(h)
+        if h.preview is not None:
+            previews.setdefault(h.id, []).append((h.step, h.preview_step, h.preview))
 
+    # previews after steps 2 and 4: the last step's x0 estimate is the final latents (Euler,
+    # sigma 0), so the step-4 preview is the image
     a = eng.submit(ImageRequest("a red circle", seed=1, guidance_scale=3.0), 4,
-                   on_progress=progress)
+                   on_progress=progress, previews=[2, 4])
     b = eng.submit(ImageRequest("a blue square", seed=2, guidance_scale=0.0), 6)
     c = eng.submit(ImageRequest("queued", seed=3), 2, on_progress=progress)
     eng.tick()
     assert (a.status, b.status, c.status) == ("running", "running", "queued")
     assert c.queue_position == 1 and (c.id, 0) in seen and a.queue_position == 0
-    assert eng.preview(a) is not None and eng.preview(c) is None
+    # the step is queued; the host learns it ran only when it has (lookahead 1: next tick)
+    assert a.dispatched == 1 and a.step == 0 and a.preview is None
     eng.cancel(b)
     eng.cancel(c)
     out = eng.tick()
@@ -164,7 +170,10 @@ def test_cancel_progress_preview_and_programs(engines):
     eng.run_until_idle()
     assert a.status == "done" and [s for s in seen if s[0] == a.id] == [(a.id, k)
                                                                         for k in range(1, 5)]
-    np.testing.assert_allclose(previews[a.id], a.image, atol=2e-3)
+    # the previews arrive with the steps they show (progress at step 3 still carries step 2's)
+    assert [(step, at) for step, at, _ in previews[a.id]] == [(2, 2), (3, 2), (4, 4)]
+    assert np.abs(previews[a.id][0][2] - a.image).max() > 1e-2  # a step-2 estimate is not final
+    np.testing.assert_allclose(previews[a.id][-1][2], a.image, atol=2e-3)
     eng.cancel(a)  # finished: nothing happens
     assert a.status == "done" and eng.idle
     # every program is compiled, no more: step programs for (b, g) in (1, 0), (1, 1), (2, 0),
@@ -178,6 +187,10 @@ def test_bad_submissions(engines):
         eng.submit(ImageRequest("x"), 0)
     with pytest.raises(ValueError, match="guidance_scale=-1"):
         eng.submit(ImageRequest("x", guidance_scale=-1.0), 2)
+    with pytest.raises(ValueError, match=r"previews=\[0, 3\]: \[0, 3\] not in 1..2"):
+        eng.submit(ImageRequest("x"), 2, previews=[3, 0])
+    with pytest.raises(ValueError, match="lookahead=-1"):
+        StepEngine(eng.pipe, SIZE, SIZE, slots=2, lookahead=-1)
     with pytest.raises(ValueError, match="adapter='nope' is not added"):
         eng.submit(ImageRequest("x", adapter="nope"), 2)
     with pytest.raises(ValueError, match="multiple of the mesh size"):
