@@ -69,3 +69,20 @@ def test_cold_start_load_runs(sdxl_dir, tmp_path):
         assert 0 < m["import_s"] < m["loaded_s"] <= m["total_s"]
     assert (tmp_path / "w" / "converted-bfloat16" / "model_index.json").is_file()
     assert "first_image" not in result
+
+
+def test_loadgen_flags_a_capacity_above_the_offline_throughput():
+    """benchmarks.loadgen's consistency check (a sustained rate cannot exceed the peak): a row
+    whose Server capacity is above the better of its two Offline runs is named, one at or below
+    it is not."""
+    pytest.importorskip("requests")
+    from benchmarks.loadgen import inconsistent_rows
+
+    def row(before, after, cap):
+        return {"offline": {"samples_per_s": before}, "offline_after": {"samples_per_s": after},
+                "offline_best": max(before, after), "server_capacity_qps": cap}
+
+    results = {"engines": {"batch": {"uniform": row(15.4, 20.0, 17.3), "overhead": []},
+                           "step": {"uniform": row(20.9, 21.8, 21.8),
+                                    "mixed": row(5.5, 5.9, 6.2)}}}
+    assert inconsistent_rows(results) == ["step/mixed: capacity 6.200/s > Offline 5.900 images/s"]
