@@ -3,7 +3,8 @@
 Playwright's own browser download cannot run here (no network to its CDN), so the tests use
 Debian's ``chromium`` package through ``executable_path``: found on the PATH (or
 ``MAXDIFF_CHROMIUM``), else installed with apt-get when the tests run as root. Where neither
-works the tests are skipped with the reason, loudly (a warning as well as the skip).
+works the tests are skipped with the reason, loudly (a warning as well as the skip), except
+where ``CI`` is set (``.ci/run`` sets it): there they fail.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def launch(playwright):
 
     path, how = chromium()
     if path is None:
+        if os.environ.get("CI"):  # CI must run them: a missing browser is a failure there
+            pytest.fail(f"BROWSER TESTS CANNOT RUN (CI is set): {how}")
         warnings.warn(f"BROWSER TESTS SKIPPED: {how}", stacklevel=2)
         pytest.skip(f"BROWSER TESTS SKIPPED: {how}")
     return playwright.chromium.launch(executable_path=path, headless=True, args=ARGS)

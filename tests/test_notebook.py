@@ -10,10 +10,9 @@ from nbclient import NotebookClient
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "quickstart.ipynb"
 
 
-def test_quickstart_notebook_runs(sdxl_dir, tmp_path, monkeypatch):
+def test_quickstart_notebook_runs(sdxl_dir, monkeypatch):
     monkeypatch.setenv("MAXDIFF_MODEL", str(sdxl_dir))
-    monkeypatch.setenv("MAXDIFF_STEPS", "2")
-    monkeypatch.setenv("MAXDIFF_COMPILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MAXDIFF_STEPS", "2")  # MAXDIFF_COMPILE_CACHE: the run's (conftest.py)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOK.parent.parent)}}).execute()

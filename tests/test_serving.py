@@ -62,10 +62,10 @@ def _concurrently(n, fn):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(compile_cache):
     from ray.cluster_utils import Cluster
 
-    cache = tmp_path_factory.mktemp("jax-cache")
+    cache = compile_cache  # the run's: the replicas start with the programs already compiled
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "include_dashboard": False,
         "_system_config": {"metrics_report_interval_ms": 1000}})
@@ -734,12 +734,13 @@ def test_rate_limit_per_key(guarded):
     limit, codes = GUARDED_ARGS["rate_limit_per_minute"], []
     t0 = time.monotonic()
     while 429 not in codes and len(codes) < 3 * limit:
-        codes.append(session.get(f"{guarded}/v1/models", headers=_auth(KEY_B)).status_code)
+        r = session.get(f"{guarded}/v1/models", headers=_auth(KEY_B))
+        codes.append(r.status_code)
     refilled = (time.monotonic() - t0) * limit / 60
     assert codes[-1] == 429 and set(codes[:-1]) == {200}, codes
     assert limit <= len(codes) - 1 <= limit + refilled + 1, (len(codes), refilled)
-    r = session.get(f"{guarded}/v1/models", headers=_auth(KEY_B))
-    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+    # the 429 itself (a request after it may already find a token: one refills every 0.15 s)
+    assert int(r.headers["Retry-After"]) >= 1
     assert r.json()["error"]["code"] == "rate_limit_exceeded"
     assert session.get(f"{guarded}/v1/models", headers=_auth(KEY_A)).status_code == 200
 

@@ -3,7 +3,6 @@ get the pixels they get alone and from TextToImagePipeline, for every scheduler.
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
@@ -34,25 +33,6 @@ REQUESTS = [
                   guidance_rescale=0.5, original_size=(16, 24)), 5),
     (ImageRequest("a green triangle", seed=14, guidance_scale=4.0), 2),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """A persistent compilation cache for this module: the decode programs (and the text-encode
-    programs of schedulers with the same state layout) compile once for all the engines."""
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    before = {k: getattr(jax.config, k) for k in keys}
-    jax.config.update(keys[0], str(tmp_path_factory.mktemp("jax-cache")))
-    jax.config.update(keys[1], 0.5)
-    yield
-    for k, v in before.items():
-        jax.config.update(k, v)
-    try:  # let the rest of the session run without it
-        from jax._src import compilation_cache
-
-        compilation_cache.reset_cache()
-    except (ImportError, AttributeError):
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -58,10 +58,10 @@ def _events(response):
 
 
 @pytest.fixture(scope="module")
-def step_app(tmp_path_factory, sdxl_dir):
+def step_app(compile_cache, sdxl_dir):
     from serving.app import build_app
 
-    cache = tmp_path_factory.mktemp("jax-cache")
+    cache = compile_cache  # the run's (tests/conftest.py)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"MAXDIFF_COMPILE_CACHE": str(cache)}})
     port = _free_port()
