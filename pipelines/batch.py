@@ -35,11 +35,13 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from pipelines.requests import (MAX_SEED, EditKey, ImageRequest, ShapeKey, check_strength,
-                                decode_image, derive_seed, encode_image, image_info, image_seeds,
-                                parse_size, repaint_mask)
+from pipelines.limits import (STRENGTH, Problem, cfg_on, describe, guidance_problem, n_problem,
+                              seed_problem, size_problems, steps_problem,
+                              strength_problem)
+from pipelines.requests import (EditKey, ImageRequest, ShapeKey, decode_image, derive_seed,
+                                encode_image, image_info, image_seeds, parse_size, repaint_mask)
 
 LINE_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "n", "image",
                "mask", "strength")
@@ -76,25 +78,23 @@ class PromptLine:
 
 
 def check_size(size: tuple[int, int], factor: int | None) -> None:
-    w, h = size
-    if factor and (w % factor or h % factor):
-        raise ValueError(f"{w}x{h} is not a multiple of {factor} (this model's VAE scale factor) "
-                         "in both width and height")
+    """ValueError when a (width, height) breaks :func:`pipelines.limits.size_problems` for a
+    model whose sides are multiples of ``factor`` (None: not known yet, not checked)."""
+    if factor:
+        found = size_problems(*size, factor)
+        if found:
+            raise ValueError("; ".join(dict.fromkeys(p.message for p in found)))
 
 
-def _int(value: Any, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
-            hi is not None and value > hi):
-        rng = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
-        raise ValueError(f"must be an integer {rng}, got {value!r}")
-    return value
-
-
-def _number(value: Any, lo: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= lo or (
-            value == float("inf")):
-        raise ValueError(f"must be a number >= {lo:g}, got {value!r}")
-    return float(value)
+def _rule(check: Callable[[Any], Problem | None], convert: Callable[[Any], Any] = int):
+    """A JSONL field's check from a :mod:`pipelines.limits` rule: the value converted, or a
+    ValueError with the rule's message and the value given."""
+    def run(value: Any) -> Any:
+        problem = check(value)
+        if problem is not None:
+            raise ValueError(f"{problem.message}, got {value!r}")
+        return convert(value)
+    return run
 
 
 def _text(value: Any, *, empty_ok: bool) -> str:
@@ -108,21 +108,16 @@ def _text(value: Any, *, empty_ok: bool) -> str:
 _CHECKS = {
     "prompt": lambda v: _text(v, empty_ok=False),
     "negative_prompt": lambda v: None if v is None else _text(v, empty_ok=True),
-    "seed": lambda v: _int(v, 0, MAX_SEED),
-    "steps": lambda v: _int(v, 1),
-    "guidance": lambda v: _number(v, 0),
+    "seed": _rule(lambda v: seed_problem(v, optional=False)),  # null: omit the field
+    "steps": _rule(steps_problem),
+    "guidance": _rule(guidance_problem, float),
     "size": parse_size,
-    "n": lambda v: _int(v, 1, 10_000),
+    "n": _rule(lambda v: n_problem(v, MAX_IMAGES_PER_LINE)),
     "image": lambda v: _text(v, empty_ok=False),
     "mask": lambda v: None if v is None else _text(v, empty_ok=False),
-    "strength": lambda v: None if v is None else _strength(v),
+    "strength": lambda v: None if v is None else _rule(strength_problem, float)(v),
 }
-
-
-def _strength(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-        raise ValueError(f"must be a number in (0, 1], got {v!r}")
-    return float(v)
+MAX_IMAGES_PER_LINE = 10_000  # a line's n (the CLI's --num-images)
 
 
 def edit_size(path: str, factor: int | None) -> tuple[int, int]:
@@ -209,9 +204,9 @@ def _jsonl_line(text: str, where: str, index: int, factor: int | None,
                 values[key] = check(obj[key])
                 if key == "size":
                     check_size(values[key], factor)
-                if key == "steps" and steps_limit and values[key] > steps_limit[0]:
-                    raise ValueError(f"must be in 1..{steps_limit[0]} ({steps_limit[1]} allows "
-                                     f"no more), got {values[key]}")
+                if key == "steps" and steps_limit:
+                    _rule(lambda v: steps_problem(v, steps_limit[0],
+                                                  f"what {steps_limit[1]} allows"))(values[key])
             except ValueError as e:
                 errors.append(f"{where}: field {key!r}: {e}")
     if len(errors) > before:
@@ -255,11 +250,8 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
         image, mask, problems = check_edit_files(image, mask, strength, None,
                                                  ("--image", "--mask"))
         errors += problems
-        if strength is not None:
-            try:
-                _strength(strength)
-            except ValueError as e:
-                errors.append(f"--strength: {e}")
+        if strength is not None and (p := strength_problem(strength)) is not None:
+            errors.append(describe(p, "cli"))
         if image is not None and not problems:
             edit = dict(image=image, mask=mask, strength=strength,
                         size=size or edit_size(image, factor))
@@ -299,10 +291,9 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
             errors.append(f"--prompts {name}: no prompts in it (blank lines and # comments only)")
     for line in lines:
         if line.image is not None and (line.steps or steps):
-            try:
-                check_strength(edit_strength(line), line.steps or steps)
-            except ValueError as e:
-                errors.append(f"{line.where}: {e}")
+            p = strength_problem(edit_strength(line), line.steps or steps)
+            if p is not None:
+                errors.append(f"{line.where}: {describe(p)}")
     if errors:
         raise InputError(errors)
     if not lines:
@@ -311,10 +302,10 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
 
 
 def edit_strength(line: PromptLine) -> float:
-    """An edit line's strength: its own, else the Python API's default for its kind."""
+    """An edit line's strength: its own, else every front door's default for its kind."""
     if line.strength is not None:
         return line.strength
-    return INPAINT_STRENGTH if line.mask else IMG2IMG_STRENGTH
+    return STRENGTH["inpaint" if line.mask else "img2img"]
 
 
 # ---------------------------------------------------------------------------------- planning
@@ -360,7 +351,7 @@ class ImageJob:
         """What selects the compiled program (and, for an edit, the strength)."""
         if self.line.image is not None:
             return EditKey("inpaint" if self.line.mask else "img2img", self.height, self.width,
-                           self.steps, self.guidance > 1.0, self.strength)
+                           self.steps, cfg_on(self.guidance), self.strength)
         return ShapeKey.of(self.height, self.width, self.steps, self.guidance)
 
     def request(self) -> ImageRequest:
@@ -398,10 +389,6 @@ def identity(line: int, image: int, prompt: str, negative_prompt: str | None, se
                 **({"lora": s.lora} if s.lora else {}))  # (ids of runs without LoRA unchanged)
 
 
-IMG2IMG_STRENGTH = 0.3  # ImageToImagePipeline's default
-INPAINT_STRENGTH = 0.9999  # InpaintPipeline's default
-
-
 def _sha256(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
@@ -431,17 +418,14 @@ def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[ImageJob]:
         steps = line.steps if line.steps is not None else s.steps
         guidance = line.guidance if line.guidance is not None else s.guidance
         neg = line.negative_prompt if line.negative_prompt is not None else s.negative_prompt
-        try:
-            seeds = image_seeds(line.seed, n)
-        except ValueError as e:
-            raise InputError([f"{line.where}: field 'seed': {e}"]) from None
+        if (p := seed_problem(line.seed, n)) is not None:
+            raise InputError([f"{line.where}: {describe(p, 'jsonl')}"])
+        seeds = image_seeds(line.seed, n)
         strength, edit = None, {}
         if line.image is not None:
             strength = edit_strength(line)
-            try:
-                check_strength(strength, steps)
-            except ValueError as e:
-                raise InputError([f"{line.where}: {e}"]) from None
+            if (p := strength_problem(strength, steps)) is not None:
+                raise InputError([f"{line.where}: {describe(p)}"])
             edit = dict(strength=strength, image_sha256=_sha256(line.image),
                         mask_sha256=line.mask and _sha256(line.mask))
         for k, seed in enumerate(seeds):

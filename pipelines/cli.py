@@ -25,9 +25,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from pipelines.batch import (METADATA, TMP_MARK, InputError, OutputDir, RunSettings, check_size,
-                             load_edit_inputs, plan_jobs, read_prompts)
-from pipelines.requests import FORMATS, MAX_SEED, EditKey, pad_to, parse_size, plan_batches
+from pipelines.batch import (MAX_IMAGES_PER_LINE, METADATA, TMP_MARK, InputError, OutputDir,
+                             RunSettings, check_size, load_edit_inputs, plan_jobs, read_prompts)
+from pipelines.limits import (MAX_SEED, STRENGTH, guidance_problem, n_problem, seed_problem,
+                              steps_problem)
+from pipelines.requests import FORMATS, EditKey, pad_to, parse_size, plan_batches
 
 PROG = "maxdiff"
 
@@ -73,14 +75,18 @@ def _int_at_least(lo: int, hi: int | None = None):
     return parse
 
 
-def _guidance(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return v
+def _rule(check, convert=int):
+    """An argument type from a :mod:`pipelines.limits` rule: argparse reports its message."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = text
+        problem = check(value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(f"{problem.message}, got {text!r}")
+        return value
+    return parse
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -129,14 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts", metavar="FILE",
                      help="text file (one prompt a line) or .jsonl with per-line settings; "
                           "- for stdin")
-    gen.add_argument("--steps", type=_int_at_least(1), metavar="N", help="denoising steps")
-    gen.add_argument("--guidance", type=_guidance, metavar="G",
+    gen.add_argument("--steps", type=_rule(steps_problem), metavar="N", help="denoising steps")
+    gen.add_argument("--guidance", type=_rule(guidance_problem, float), metavar="G",
                      help="classifier-free guidance scale (<= 1: off, one UNet pass per step)")
     gen.add_argument("--negative", metavar="TEXT", help="negative prompt for every line")
     gen.add_argument("--size", type=_size, metavar="WxH", help="image size, e.g. 1024x768")
-    gen.add_argument("--seed", type=_int_at_least(0, MAX_SEED), metavar="S",
+    gen.add_argument("--seed", type=_rule(lambda v: seed_problem(v, optional=False)), metavar="S",
                      help="run seed: makes the whole run reproducible")
-    gen.add_argument("--num-images", type=_int_at_least(1, 10_000), default=1, metavar="N",
+    gen.add_argument("--num-images", type=_rule(lambda v: n_problem(v, MAX_IMAGES_PER_LINE)),
+                     default=1, metavar="N",
                      help="images per prompt (default 1)")
     gen.add_argument("--batch-size", type=_int_at_least(1), default=4, metavar="B",
                      help="images per device batch (default 4; padded up to a power of two "
@@ -150,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(a mask with transparent pixels: transparent = repaint)")
     gen.add_argument("--strength", type=float, metavar="S",
                      help="edit strength in (0, 1]: int(steps * S) denoising steps run "
-                          "(default 0.3, 0.9999 with --mask)")
+                          f"(default {STRENGTH['img2img']}, {STRENGTH['inpaint']} with --mask)")
     gen.add_argument("--out", default="out", metavar="DIR", help="output folder (default out/)")
     gen.add_argument("--format", choices=sorted(FORMATS), default="png")
     gen.add_argument("--quiet", action="store_true", help="no progress bar, plain log lines only")
@@ -292,9 +299,10 @@ def cmd_generate(args) -> int:
             except ValueError as e:
                 errors.append(f"{'--size' if args.size else 'config size'}: {e}")
         steps_limit = _step_limit(cfg) if cfg else None
-        if steps_limit and cfg.steps is not None and cfg.steps > steps_limit[0]:
-            errors.append(f"{'--steps' if args.steps else 'config steps'}: {cfg.steps} is above "
-                          f"what {steps_limit[1]} allows (1..{steps_limit[0]})")
+        if steps_limit and cfg.steps is not None and (p := steps_problem(
+                cfg.steps, steps_limit[0], f"what {steps_limit[1]} allows")) is not None:
+            errors.append(f"{'--steps' if args.steps else 'config steps'}: {p.message}, got "
+                          f"{cfg.steps}")
         try:
             lines = read_prompts(args.prompt, args.prompts, factor=factor,
                                  steps_limit=steps_limit, image=args.image, mask=args.mask,

@@ -45,6 +45,7 @@ import numpy as np
 
 from maxdiff import mesh as meshlib
 from maxdiff.schedulers import EulerAncestralDiscreteScheduler, LCMScheduler
+from pipelines.limits import STRENGTH, check, strength_problem
 from pipelines.requests import ImageRequest, bucket_size
 from pipelines.text_to_image import (PipelineOutput, TextToImagePipeline, _to_pixels,
                                      conditioning, guide)
@@ -57,19 +58,6 @@ def start_step(num_inference_steps: int, strength: float) -> int:
     scheduler steps that is run, ``steps - min(int(steps * strength), steps)``."""
     init = min(int(num_inference_steps * strength), num_inference_steps)
     return max(num_inference_steps - init, 0)
-
-
-def _check_strength(strength, steps: int) -> int:
-    if (isinstance(strength, bool) or not isinstance(strength, (int, float, np.floating))
-            or not np.isfinite(strength) or not 0.0 < strength <= 1.0):
-        raise ValueError(f"strength={strength!r}; it must be a number in (0, 1] "
-                         "(1 repaints everything, small values stay close to the image)")
-    t_start = start_step(steps, float(strength))
-    if t_start >= steps:
-        raise ValueError(f"strength={strength} with num_inference_steps={steps} leaves no "
-                         f"denoising step (int({steps} * {strength}) = 0); raise strength or "
-                         "num_inference_steps")
-    return t_start
 
 
 # ---------------------------------------------------------------------- host preprocessing
@@ -163,7 +151,6 @@ class _EditPipeline(TextToImagePipeline):
     """What image-to-image and inpainting share: loading, sharing weights, the program."""
 
     kind = "img2img"
-    default_strength = 0.3
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -316,7 +303,7 @@ class _EditPipeline(TextToImagePipeline):
             raise ValueError(f"give one mask_image per item: {n} item(s), "
                              f"{0 if masks is None else len(masks)} mask(s)")
         steps = self.default_steps if num_inference_steps is None else num_inference_steps
-        strength = self.default_strength if strength is None else strength
+        strength = STRENGTH[self.kind] if strength is None else strength
         f = self.vae_scale_factor
         for k, img in enumerate(images):
             if not _is_image(img):
@@ -334,7 +321,8 @@ class _EditPipeline(TextToImagePipeline):
         height = h0 - h0 % f if height is None else height
         width = w0 - w0 % f if width is None else width
         self._check(steps, height, width, output_type)
-        t_start = _check_strength(strength, steps)
+        check([strength_problem(strength, steps)])
+        t_start = start_step(steps, float(strength))
         for k, it in enumerate(items):
             it.validate(k)
         lh, lw = height // f, width // f
@@ -422,9 +410,8 @@ class ImageToImagePipeline(_EditPipeline):
     ``strength``."""
 
     kind = "img2img"
-    default_strength = 0.3
 
-    def __call__(self, prompt: str | list[str], image: Any = None, strength: float = 0.3,
+    def __call__(self, prompt: str | list[str], image: Any = None, strength: float | None = None,
                  num_inference_steps: int | None = None, guidance_scale: float | None = None,
                  negative_prompt: str | list[str] | None = None, *,
                  prompt_2: str | list[str] | None = None,
@@ -436,13 +423,14 @@ class ImageToImagePipeline(_EditPipeline):
                  original_size: tuple[int, int] | None = None,
                  crops_coords_top_left: tuple[int, int] = (0, 0),
                  target_size: tuple[int, int] | None = None) -> PipelineOutput:
-        """Repaint ``image`` (a PIL image or float (H, W, 3) array in [0, 1], or one per
-        prompt) following ``prompt``. ``strength`` in (0, 1]: the run starts at step
-        ``steps - int(steps * strength)`` of ``num_inference_steps`` from the image's latents
-        noised to that step's level (diffusers' rule), so ``int(steps * strength)`` UNet steps
-        run. ``height``/``width``: default the image's size (rounded down to a multiple of the
-        VAE scale factor). ``noise`` / ``image_latents_noise``: the add-noise noise and the VAE
-        posterior's standard normal draw, (N, C, H/f, W/f); by default drawn from the seeds.
+        """Repaint ``image`` (a PIL image or float (H, W, 3) array in [0, 1], or one per prompt)
+        following ``prompt``. ``strength`` in (0, 1] (default 0.75, every front door's:
+        :data:`pipelines.limits.STRENGTH`; diffusers' SDXL pipeline defaults to 0.3): the run
+        starts at step ``steps - int(steps * strength)`` of ``num_inference_steps`` from the
+        image's latents noised to that step's level (diffusers' rule), so ``int(steps * strength)``
+        UNet steps run. ``height``/``width``: default the image's size (rounded down to a multiple
+        of the VAE scale factor). ``noise`` / ``image_latents_noise``: the add-noise noise and the
+        VAE posterior's standard normal draw, (N, C, H/f, W/f); by default drawn from the seeds.
         The other arguments mean what they mean for :class:`TextToImagePipeline`."""
         return self._call(prompt, image, None, strength=strength, prompt_2=prompt_2,
                           negative_prompt=negative_prompt, negative_prompt_2=negative_prompt_2,
@@ -462,10 +450,9 @@ class InpaintPipeline(_EditPipeline):
     inputs."""
 
     kind = "inpaint"
-    default_strength = 0.9999
 
     def __call__(self, prompt: str | list[str], image: Any = None, mask_image: Any = None,
-                 strength: float = 0.9999, num_inference_steps: int | None = None,
+                 strength: float | None = None, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None,
                  negative_prompt: str | list[str] | None = None, *,
                  prompt_2: str | list[str] | None = None,
@@ -478,12 +465,12 @@ class InpaintPipeline(_EditPipeline):
                  output_type: str = "pil", original_size: tuple[int, int] | None = None,
                  crops_coords_top_left: tuple[int, int] = (0, 0),
                  target_size: tuple[int, int] | None = None) -> PipelineOutput:
-        """Repaint the white part of ``mask_image`` (PIL image or float (H, W) array in
-        [0, 1], binarised at 0.5, the image's size) in ``image``. ``strength`` as for
-        :class:`ImageToImagePipeline`, default 0.9999; at exactly 1 the latents start from pure
-        noise (diffusers). ``masked_image_latents_noise``: the posterior draw for the masked
-        image (9-channel UNets only). ``height``/``width`` default to the image's size (diffusers
-        defaults to the model's size)."""
+        """Repaint the white part of ``mask_image`` (PIL image or float (H, W) array in [0, 1],
+        binarised at 0.5, the image's size) in ``image``. ``strength`` as for
+        :class:`ImageToImagePipeline`, default 0.9999 (diffusers'); at exactly 1 the latents start
+        from pure noise (diffusers). ``masked_image_latents_noise``: the posterior draw for the
+        masked image (9-channel UNets only). ``height``/``width`` default to the image's size
+        (diffusers defaults to the model's size)."""
         return self._call(prompt, image, mask_image, strength=strength, prompt_2=prompt_2,
                           negative_prompt=negative_prompt, negative_prompt_2=negative_prompt_2,
                           num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,

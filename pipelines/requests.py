@@ -2,10 +2,10 @@
 
 JAX-free (NumPy and Pillow only), so the HTTP ingress imports it without loading a model:
 
-- :func:`parse_size`: ``"1024x768"``, ``"512"`` or ``512`` -> (width, height);
-  :func:`size_problems`: a size against the model's multiple and the allowed range.
+- :func:`parse_size`: ``"1024x768"``, ``"512"`` or ``512`` -> (width, height). What a size,
+  a step count, a seed, a guidance or a strength may be is :mod:`pipelines.limits`' to say.
 - :class:`ShapeKey`: (height, width, steps, CFG on/off): requests with equal keys run in the
-  same compiled program; :func:`cfg_on` is the one rule for "guidance turns CFG on".
+  same compiled program (:func:`pipelines.limits.cfg_on` says when guidance turns CFG on).
 - :func:`image_seeds`: image k of a request gets ``seed + k``; :func:`derive_seed`: the
   CLI's per-(line, image) seed from a run seed.
 - :class:`ImageRequest`: one image (prompt, negative prompt, seed, guidance); a batch is a list
@@ -14,8 +14,8 @@ JAX-free (NumPy and Pillow only), so the HTTP ingress imports it without loading
   padded so that every batch of a shape runs one compiled program.
 - :func:`encode_image` / :func:`read_image_info`: PNG/JPEG/WebP bytes carrying the settings.
 - Editing (image-to-image, inpainting): :func:`decode_image` (bytes -> uint8 RGB + alpha),
-  :func:`repaint_mask` (a mask file's pixels -> uint8 255 = repaint), :func:`check_strength`,
-  :class:`EditRequest` and its :class:`EditKey`.
+  :func:`repaint_mask` (a mask file's pixels -> uint8 255 = repaint), :class:`EditRequest`
+  and its :class:`EditKey`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Type
 
 import numpy as np
 
-MAX_SEED = 2**32 - 1
+from pipelines.limits import (STRENGTH, cfg_on, describe, guidance_problem, n_problem,
+                              seed_problem, strength_problem)
+
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 T = TypeVar("T")
 
@@ -54,35 +56,7 @@ def parse_size(value: Any) -> tuple[int, int]:
     return w, h
 
 
-def size_problems(width: int | None, height: int | None, multiple: int, lo: int | None = None,
-                  hi: int | None = None, names: tuple[str, str] = ("width", "height"),
-                  hint: str = "") -> list[tuple[str, str, Any]]:
-    """(field, message, value) for each side that is missing, outside ``[lo, hi]`` or not a
-    multiple of ``multiple``; ``hint`` is added to range messages (how to raise the limit)."""
-    lo = lo or multiple
-    out = []
-    for name, v in zip(names, (width, height)):
-        if v is None:
-            out.append((name, "this model has no default size: give one", None))
-        elif hi is not None and not lo <= v <= hi:
-            out.append((name, f"{v} pixels is out of range; image sides must be between {lo} "
-                        f"and {hi}{hint}", v))
-        elif v < lo:
-            out.append((name, f"{v} pixels is too small; image sides must be at least {lo}", v))
-        elif v % multiple:
-            out.append((name, f"{v} is not a multiple of {multiple}; image sides must be "
-                        f"multiples of {multiple} for this model", v))
-    if names[0] == names[1]:  # one "size" field: report it once
-        out = list({m: (f, m, v) for f, m, v in out}.values())
-    return out
-
-
 # ---------------------------------------------------------------------------------- shapes
-def cfg_on(guidance: float) -> bool:
-    """Classifier-free guidance runs (two UNet passes a step) only for guidance > 1."""
-    return guidance > 1.0
-
-
 class ShapeKey(NamedTuple):
     """What selects a compiled program (besides the padded batch size)."""
 
@@ -100,21 +74,12 @@ class ShapeKey(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------- seeds
-def check_seed(seed: Any, where: str = "") -> None:
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
-                             or not 0 <= seed <= MAX_SEED):
-        raise ValueError(f"{where}seed {seed!r} is out of range; seeds are integers in "
-                         f"0..{MAX_SEED}")
-
-
 def image_seeds(seed: int | None, n: int) -> list[int | None]:
     """Seeds of a request's ``n`` images: ``seed + k`` (None: n random draws, made later)."""
     if seed is None:
         return [None] * n
-    check_seed(seed)
-    if seed + n - 1 > MAX_SEED:
-        raise ValueError(f"seed {seed} + {n} images - 1 is above {MAX_SEED}; image k gets "
-                         "seed + k, so seed + n - 1 must stay in range")
+    if (p := seed_problem(seed, n)) is not None:
+        raise ValueError(describe(p))
     return [int(seed) + k for k in range(n)]
 
 
@@ -156,12 +121,9 @@ class ImageRequest:
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 raise ValueError(f"{where}{name} must be a string, got {type(v).__name__}")
-        check_seed(self.seed, where)
-        g = self.guidance_scale
-        if (isinstance(g, bool) or not isinstance(g, (int, float, np.floating))
-                or not np.isfinite(g) or g < 0):
-            raise ValueError(f"{where}guidance_scale={g!r}; it must be a number >= 0 "
-                             "(<= 1 turns classifier-free guidance off)")
+        for p in (seed_problem(self.seed), guidance_problem(self.guidance_scale)):
+            if p is not None:
+                raise ValueError(where + describe(p))
         r = self.guidance_rescale
         if not isinstance(r, (int, float, np.floating)) or not 0.0 <= r <= 1.0:
             raise ValueError(f"{where}guidance_rescale={r!r}; it must be in [0, 1]")
@@ -205,8 +167,8 @@ class GenerationRequest:
                 for s in image_seeds(self.seed, self.n)]
 
     def validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n={self.n!r}; it must be an integer >= 1")
+        if (p := n_problem(self.n)) is not None:
+            raise ValueError(f"n={self.n!r}: {p.message}")
         for k, item in enumerate(self.images()):
             item.validate(k)
 
@@ -303,8 +265,6 @@ def read_image_info(path: str | os.PathLike) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------------- editing
 MAX_INPUT_SIDE = 8192  # pixels per side of an image to edit (decoded before any resize)
-EDIT_STRENGTH = 0.75  # the service's image-to-image strength when a request gives none
-INPAINT_STRENGTH = 0.9999  # its inpainting strength (diffusers' default)
 
 
 def decode_image(data: bytes, name: str = "image") -> tuple[np.ndarray, np.ndarray | None]:
@@ -356,18 +316,6 @@ def repaint_mask(rgb: np.ndarray, alpha: np.ndarray | None, transparent: bool | 
     return np.where(gray >= 128, 255, 0).astype(np.uint8)
 
 
-def check_strength(strength: Any, steps: int) -> None:
-    """``strength`` in (0, 1] leaving at least one of ``steps`` denoising steps (the edit
-    pipelines run ``int(steps * strength)`` of them); ValueError otherwise."""
-    if (isinstance(strength, bool) or not isinstance(strength, (int, float, np.floating))
-            or not np.isfinite(strength) or not 0.0 < strength <= 1.0):
-        raise ValueError(f"strength={strength!r}; it must be a number in (0, 1] (1 repaints "
-                         "everything, small values stay close to the image)")
-    if min(int(steps * strength), steps) < 1:
-        raise ValueError(f"strength={strength} with {steps} step(s) leaves no denoising step "
-                         f"(int({steps} * {strength}) = 0); raise strength or steps")
-
-
 class EditKey(NamedTuple):
     """What one batch of edit jobs shares: the compiled program (kind, size, steps, CFG on/off)
     and the strength (a traced input: a new strength never recompiles, but a device batch runs
@@ -393,9 +341,10 @@ class EditKey(NamedTuple):
 class EditRequest(GenerationRequest):
     """A :class:`GenerationRequest` that starts from ``image`` (uint8 (H, W, 3)) and, for
     inpainting, ``mask`` (uint8 (H, W), 255 = repaint, the image's size); ``strength`` as for
-    :class:`pipelines.edit.ImageToImagePipeline`. What the service's ``edit`` queues."""
+    :class:`pipelines.edit.ImageToImagePipeline` (default: :data:`pipelines.limits.STRENGTH`).
+    What the service's ``edit`` queues."""
 
-    strength: float = EDIT_STRENGTH
+    strength: float = STRENGTH["img2img"]
     image: np.ndarray | None = None
     mask: np.ndarray | None = None
 
@@ -410,7 +359,8 @@ class EditRequest(GenerationRequest):
 
     def validate(self) -> None:
         super().validate()
-        check_strength(self.strength, self.steps)
+        if (p := strength_problem(self.strength, self.steps)) is not None:
+            raise ValueError(describe(p))
         img = self.image
         if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 3 \
                 or img.shape[-1] != 3:

@@ -102,6 +102,7 @@ from maxdiff.schedulers import (DPMSolverMultistepScheduler, EulerAncestralDiscr
 from maxdiff.schedulers.common import SigmaState, at
 from maxdiff.schedulers.ddim import x0_and_eps
 from maxdiff.schedulers.euler import denoised_from_sigma
+from pipelines.limits import cfg_on, check, steps_problem
 from pipelines.requests import ImageRequest, bucket_size
 from pipelines.text_to_image import _to_pixels, conditioning, encode_prompts, guide
 
@@ -451,12 +452,11 @@ class StepEngine:
         reports that step."""
         steps = self.pipe.default_steps if steps is None else steps
         self.pipe._check(steps, self.height, self.width, self.output_type)
-        if steps > self.max_steps:
-            raise ValueError(f"steps={steps}; this engine allows 1..{self.max_steps} (max_steps)")
+        check([steps_problem(steps, self.max_steps, "this engine's max_steps")])
         request.validate()
         if self.pipe._adapter_index([request]) is None and request.adapter is not None:
             raise ValueError(f"adapter={request.adapter!r} is not added; no adapters are added")
-        if not self.cfg and request.guidance_scale > 1.0:
+        if not self.cfg and cfg_on(request.guidance_scale):
             raise ValueError(f"guidance_scale={request.guidance_scale}: this engine runs without "
                              "classifier-free guidance (cfg=False); use guidance <= 1")
         previews = frozenset(previews)
@@ -611,7 +611,7 @@ class StepEngine:
             return None
         n, m = self.max_steps, self.pipe.mesh.size
         # guided slots first: the step program gives negative rows to its first g rows
-        guided = [k for k in busy if self._slot_handles[k].request.guidance_scale > 1.0]
+        guided = [k for k in busy if cfg_on(self._slot_handles[k].request.guidance_scale)]
         busy = guided + [k for k in busy if k not in guided]
         b = min(bucket_size(len(busy), m), self.slots)
         g = min(bucket_size(len(guided), m), b) if guided else 0
@@ -685,7 +685,7 @@ class StepEngine:
          rescale) = p._host_inputs(items, self.height, self.width)
         for h, sd in zip(take, seeds):
             h.seed = int(sd)
-        cfg = np.array([it.guidance_scale > 1.0 for it in items])
+        cfg = np.array([cfg_on(it.guidance_scale) for it in items])
         steps = [h.steps for h in take] or [1]
         scheds = [self._schedule(k) for k in steps]
         sched = jax.tree.map(lambda *a: np.stack(a), *[sc for sc, _ in scheds])

@@ -36,7 +36,9 @@ from maxdiff.tokenizers import load_tokenizer, tokenize
 from maxdiff.models.vae_tiling import (check_tiling_setting, tile_decoder, tile_encoder,
                                        tiled_decode, tiled_encode, use_tiling)
 from pipelines.config import ModelDefaults, RunConfig, load_run_config
-from pipelines.requests import MAX_SEED, ImageRequest, bucket_size, check_seed, image_seeds
+from pipelines.limits import (MAX_SEED, Limits, cfg_on, check, n_problem, problems,
+                              seed_problem)
+from pipelines.requests import ImageRequest, bucket_size, image_seeds
 
 DEFAULT_COMPILE_CACHE = Path(os.environ.get("MAXDIFF_COMPILE_CACHE",
                                             Path.home() / ".cache" / "maxdiff" / "jax"))
@@ -515,9 +517,7 @@ class TextToImagePipeline:
         if not prompts:
             raise ValueError("prompt is empty: give a prompt string or a non-empty list of prompts")
         n_prompts = len(prompts)
-        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt={num_images_per_prompt!r}; it must be an "
-                             "integer >= 1")
+        check([n_problem(num_images_per_prompt)])
         lists = {"prompt_2": _as_list(prompt_2, "prompt_2") or prompts,
                  "negative_prompt": _as_list(negative_prompt, "negative_prompt"),
                  "negative_prompt_2": _as_list(negative_prompt_2, "negative_prompt_2"),
@@ -622,7 +622,7 @@ class TextToImagePipeline:
         guidance (1 where CFG is off for that image), guidance rescale)."""
         seeds = [it.seed if it.seed is not None else secrets.randbelow(MAX_SEED + 1)
                  for it in items]
-        cfg = any(it.guidance_scale > 1.0 for it in items)
+        cfg = any(cfg_on(it.guidance_scale) for it in items)
         ids = np.stack([tokenize(self.tokenizer, [it.prompt for it in items]),
                         tokenize(self.tokenizer_2, [it.prompt_2 or it.prompt for it in items])])
         negs = [it.negative_prompt or "" for it in items]
@@ -633,7 +633,7 @@ class TextToImagePipeline:
                                   for it in items])
         time_ids = np.array([it.time_ids(height, width) for it in items], np.float32)
         neg_time_ids = np.array([it.negative_time_ids(height, width) for it in items], np.float32)
-        guidance = np.array([it.guidance_scale if it.guidance_scale > 1.0 else 1.0
+        guidance = np.array([it.guidance_scale if cfg_on(it.guidance_scale) else 1.0
                              for it in items], np.float32)
         rescale = np.array([it.guidance_rescale for it in items], np.float32)
         return (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
@@ -648,26 +648,21 @@ class TextToImagePipeline:
             raise ValueError(f"seed={seed!r}; give one int in 0..{MAX_SEED}, a list of one int "
                              "per image, or None")
         seeds = list(seed)
-        for s in seeds:
-            check_seed(s)
+        check(seed_problem(s) for s in seeds)
         seeds = [int(s) for s in seeds]
         if len(seeds) != n:
             raise ValueError(f"seed has {len(seeds)} values but {n} image(s) are generated; "
                              "give one int, or one per image")
         return seeds
 
+    @property
+    def limits(self) -> Limits:
+        """What a request may ask of this pipeline: sides multiples of the VAE's scale factor,
+        at most the scheduler's step limit (the rules: :mod:`pipelines.limits`)."""
+        return Limits(multiple=self.vae_scale_factor, max_steps=self.max_steps,
+                      steps_why=f"what {type(self.scheduler).__name__} allows")
+
     def _check(self, steps, height, width, output_type):
-        f = self.vae_scale_factor
-        if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"num_inference_steps={steps!r}; it must be an integer >= 1")
-        if steps > self.max_steps:
-            raise ValueError(f"num_inference_steps={steps}; {type(self.scheduler).__name__} "
-                             f"allows 1..{self.max_steps}")
-        for name, v in (("height", height), ("width", width)):
-            if v is None:
-                raise ValueError(f"{name} is required: this model's unet config has no sample_size")
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < f or v % f:
-                raise ValueError(f"{name}={v!r}; it must be a positive multiple of {f} "
-                                 f"(the VAE's scale factor)")
+        check(problems(self.limits, steps=steps, width=width, height=height))
         if output_type not in ("pil", "np"):
             raise ValueError(f"output_type={output_type!r}; use 'pil' or 'np'")

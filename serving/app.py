@@ -47,9 +47,9 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from pipelines.requests import (EDIT_STRENGTH, INPAINT_STRENGTH, EditRequest, GenerationRequest,
-                                check_strength, decode_image, encode_image, image_info,
-                                image_seeds, parse_size, repaint_mask, size_problems)
+from pipelines.limits import STRENGTH, Limits, field_name, problems
+from pipelines.requests import (EditRequest, GenerationRequest, decode_image, encode_image,
+                                image_info, parse_size, repaint_mask)
 from serving import security
 from serving.generator import Expired, Generator, InvalidJob, StatsBoard
 from serving.schemas import (ERROR_RESPONSES, EditRequest as EditBody, EditResponse, ErrorResponse,
@@ -94,8 +94,13 @@ def _rid(request: Request) -> str | None:
 
 def invalid(field: str, message: str, value: Any = None, where: str = "body"):
     """A 422 naming ``field``, in FastAPI's validation-error format."""
-    return RequestValidationError([{"type": "value_error", "loc": (where, field), "msg": message,
-                                    "input": value}])
+    return invalid_all([(field, message, value)], where)
+
+
+def invalid_all(errors: list[tuple[str, str, Any]], where: str = "body"):
+    """A 422 naming every (field, message, value) of ``errors``."""
+    return RequestValidationError([{"type": "value_error", "loc": (where, f), "msg": m,
+                                    "input": v} for f, m, v in errors])
 
 
 api = FastAPI(
@@ -506,59 +511,42 @@ class Ingress:
         self._ready_seen = True
         return result
 
-    def _limits(self, info: dict) -> dict:
+    def _limits(self, info: dict) -> Limits:
         """What requests may ask for on this server: the serve args, tightened by the model
-        (its scheduler's step limit, its size multiple, its maxdiff.json max_size). Each value
-        comes with why (``*_why``), for error messages."""
+        (its scheduler's step limit, its size multiple, its maxdiff.json max_size), with whose
+        limit each is (``*_why``) for error messages."""
         s = self.s
         steps, steps_why = s.max_steps, "the serve arg max_steps"
         if info.get("max_steps") and info["max_steps"] < steps:
             steps, steps_why = info["max_steps"], f"what this model's {info['scheduler']} allows"
         multiple = math.lcm(s.size_multiple or 1, info["size_multiple"])  # config: stricter only
-        hi, size_why = s.max_size, " (the serve arg max_size)"
+        hi, size_why = s.max_size, "the serve arg max_size"
         if hi is None and info.get("max_size"):
-            hi, size_why = info["max_size"], (" for this model (its maxdiff.json max_size; the "
-                                              "serve arg max_size raises it)")
+            hi, size_why = info["max_size"], ("this model's maxdiff.json max_size; the serve arg "
+                                              "max_size raises it")
         elif hi is None:
             hi, size_why = DEFAULT_MAX_SIZE, ""
-        return {"min_size": s.min_size or multiple, "max_size": hi, "size_multiple": multiple,
-                "max_steps": steps, "max_guidance": s.max_guidance, "max_n": s.max_n,
-                "max_prompt_chars": s.max_prompt_chars, "max_cost": s.max_cost,
-                "steps_why": steps_why, "size_why": size_why}
+        return Limits(multiple=multiple, min_size=s.min_size, max_size=hi, max_steps=steps,
+                      max_guidance=s.max_guidance, max_n=s.max_n, max_cost=s.max_cost,
+                      steps_why=steps_why, size_why=size_why,
+                      guidance_why="the serve arg max_guidance", n_why="the serve arg max_n")
 
-    def _check_common(self, info: dict, prompt: str, n: int, n_field: str,
-                      width: int | None, height: int | None, size_fields: tuple[str, str],
-                      steps: int):
-        s = self.s
-        lim = self._limits(info)
-        errors = []
-        limit = lim["max_steps"]
-        if steps > limit:
-            errors.append(("steps", f"{steps} steps asked for; steps must be in 1..{limit} "
-                           f"({lim['steps_why']})", steps))
-        elif (width and height and n and steps and not size_problems(
-                width, height, lim["size_multiple"], s.min_size, lim["max_size"])):  # else moot
-            mp = width * height / 2**20
-            cost = n * steps * mp
-            if cost > s.max_cost:
-                most = math.floor(s.max_cost / (steps * mp))
-                field, msg = (n_field, f"at most {most} image(s)") if most >= 1 else (
-                    "steps", f"at most {math.floor(s.max_cost / mp)} step(s) for one image")
-                errors.append((field, f"{n} image(s) x {steps} steps x {width}x{height} "
-                               f"({cost:.0f} image-step-megapixels) is above this server's "
-                               f"max_cost of {s.max_cost:g}; {msg} at this size and step "
-                               "count", None))
-        if len(prompt) > s.max_prompt_chars:
-            errors.append(("prompt", f"prompt has {len(prompt)} characters; at most "
-                           f"{s.max_prompt_chars} are accepted", None))
-        if n > s.max_n:
-            errors.append((n_field, f"{n} images asked for; this server allows at most {s.max_n} "
-                           "per request", n))
-        errors += size_problems(width, height, lim["size_multiple"], s.min_size, lim["max_size"],
-                                size_fields, lim["size_why"])
-        if errors:
-            raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
-                                           "input": v} for f, m, v in errors])
+    def _problems(self, info: dict, door: str, *, prompt: str, negative_prompt: str | None = None,
+                  steps, guidance=None, seed=None, n, width, height, strength=None
+                  ) -> list[tuple[str, str, Any]]:
+        """Every problem of a request, (field in ``door``'s words, message, value): the rules of
+        :mod:`pipelines.limits` against this server's limits, and the prompts' lengths."""
+        found = problems(self._limits(info), steps=steps, guidance=guidance, seed=seed, n=n,
+                         width=width, height=height, strength=strength)
+        out = {}  # one entry per (field, message): OpenAI's one "size" field, both sides
+        for p in found:
+            out.setdefault((field_name(p.field, door), p.message), p.value)
+        errors = [(f, m, v) for (f, m), v in out.items()]
+        for field, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
+            if text is not None and len(text) > self.s.max_prompt_chars:
+                errors.append((field, f"{field} has {len(text)} characters; at most "
+                               f"{self.s.max_prompt_chars} are accepted", None))
+        return errors
 
     @staticmethod
     def _adapter_problem(info: dict, name: str | None, field: str):
@@ -592,12 +580,13 @@ class Ingress:
 
     async def _edit_job(self, info: dict, *, prompt: str, negative_prompt: str | None,
                         image: bytes | None, mask: bytes | None, transparent_mask: bool | None,
-                        strength: float | None, seed: int | None, n: int, n_field: str,
-                        width: int | None, height: int | None, size_fields: tuple[str, str],
-                        steps: int, guidance: float, errors: list | None = None) -> EditRequest:
+                        strength: float | None, seed: int | None, n: int, door: str,
+                        width: int | None, height: int | None, steps: int, guidance: float,
+                        errors: list | None = None) -> EditRequest:
         """Decode the image (and mask) and check an edit request: every problem is a 422 naming
-        its field. ``transparent_mask``: see :func:`pipelines.requests.repaint_mask`. Width and
-        height default to the image's size rounded down to the size multiple."""
+        its field in ``door``'s words ("native" or "openai"). ``transparent_mask``: see
+        :func:`pipelines.requests.repaint_mask`. Width and height default to the image's size
+        rounded down to the size multiple."""
         errors = list(errors or [])
 
         def decode(data: bytes | None, field: str):
@@ -621,32 +610,18 @@ class Ingress:
             else:
                 repaint = repaint_mask(*msk, transparent=transparent_mask)
         if errors and img is None:  # no image: sizes and costs cannot be checked
-            raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
-                                           "input": v} for f, m, v in errors])
-        multiple = self._limits(info)["size_multiple"]
+            raise invalid_all(errors)
+        multiple = self._limits(info).multiple
         ih, iw = img[0].shape[:2]
         width = iw - iw % multiple if width is None else width
         height = ih - ih % multiple if height is None else height
         if strength is None:
-            strength = INPAINT_STRENGTH if mask is not None else EDIT_STRENGTH
-        try:
-            check_strength(strength, steps)
-        except ValueError as e:
-            errors.append(("strength", str(e), strength))
-        try:
-            image_seeds(seed, min(n, self.s.max_n))  # more: max_n's 422
-        except ValueError as e:
-            errors.append(("seed", str(e), seed))
-        if negative_prompt is not None and len(negative_prompt) > self.s.max_prompt_chars:
-            errors.append(("negative_prompt", f"at most {self.s.max_prompt_chars} characters",
-                           None))
-        try:
-            self._check_common(info, prompt, n, n_field, width, height, size_fields, steps)
-        except RequestValidationError as e:
-            errors += [(err["loc"][1], err["msg"], err.get("input")) for err in e.errors()]
+            strength = STRENGTH["inpaint" if mask is not None else "img2img"]
+        errors += self._problems(info, door, prompt=prompt, negative_prompt=negative_prompt,
+                                 steps=steps, guidance=guidance, seed=seed, n=n, width=width,
+                                 height=height, strength=strength)
         if errors:
-            raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
-                                           "input": v} for f, m, v in errors])
+            raise invalid_all(errors)
         return EditRequest(prompt, negative_prompt, seed, n, width, height, steps, guidance,
                            strength=float(strength), image=img[0], mask=repaint)
 
@@ -754,11 +729,11 @@ class Ingress:
                 width, height = parse_size(body.size)
             except ValueError as e:
                 raise invalid("size", f"{e}, or 'auto'", body.size) from None
-        problems = self._stream_problems(body.stream, n, "n")
-        if problems:
-            raise invalid(*problems[0])
-        self._check_common(info, body.prompt, n, "n", width, height, ("size", "size"),
-                           info["default_steps"])
+        errors = self._stream_problems(body.stream, n, "n")
+        errors += self._problems(info, "openai", prompt=body.prompt, steps=info["default_steps"],
+                                 n=n, width=width, height=height)
+        if errors:
+            raise invalid_all(errors)
         adapter = self._openai_adapter(info, body)
         job = GenerationRequest(body.prompt, None, None, n, width, height,
                                 info["default_steps"], info["default_guidance"], adapter)
@@ -823,35 +798,23 @@ class Ingress:
         width = info["default_width"] if body.width is None else body.width
         height = info["default_height"] if body.height is None else body.height
         errors = []
-        if guidance > self.s.max_guidance:
-            errors.append(("guidance_scale", f"{guidance} is above the limit of "
-                           f"{self.s.max_guidance:g}", guidance))
         if body.scheduler is not None and body.scheduler.lower() not in [
                 s.lower() for s in info["scheduler_names"]]:
             errors.append(("scheduler", f"this server runs {info['scheduler']!r}; the scheduler "
                            "is chosen when the server starts (config / scheduler args)",
                            body.scheduler))
-        try:
-            image_seeds(body.seed, min(body.num_images, self.s.max_n))  # more: max_n's 422
-        except ValueError as e:
-            errors.append(("seed", str(e), body.seed))
-        if body.negative_prompt is not None and len(body.negative_prompt) > self.s.max_prompt_chars:
-            errors.append(("negative_prompt", f"at most {self.s.max_prompt_chars} characters",
-                           None))
         if (problem := self._adapter_problem(info, body.lora, "lora")) is not None:
             errors.append(problem)
         errors += self._stream_problems(body.stream, body.num_images, "num_images")
         if body.stream and wanted is not None:
             errors.append(("stream", "a stream answers text/event-stream, not an image Accept "
                            "type", True))
-        try:
-            self._check_common(info, body.prompt, body.num_images, "num_images", width, height,
-                               ("width", "height"), steps)
-        except RequestValidationError as e:
-            errors += [(err["loc"][1], err["msg"], err.get("input")) for err in e.errors()]
+        errors += self._problems(info, "native", prompt=body.prompt,
+                                 negative_prompt=body.negative_prompt, steps=steps,
+                                 guidance=guidance, seed=body.seed, n=body.num_images,
+                                 width=width, height=height)
         if errors:
-            raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
-                                           "input": v} for f, m, v in errors])
+            raise invalid_all(errors)
         job = GenerationRequest(body.prompt, body.negative_prompt, body.seed, body.num_images,
                                 width, height, steps, guidance, body.lora)
 
@@ -913,7 +876,8 @@ class Ingress:
                                            "fully transparent pixels (alpha 0) mark what to "
                                            "repaint (OpenAI's convention; a mask without alpha: "
                                            "white = repaint). Omitted: image-to-image."),
-            n: int | None = Form(1, ge=1, description="How many images (up to max_n)."),
+            n: int | None = Form(1, description="How many images (up to max_n).",
+                                 json_schema_extra={"minimum": 1}),
             size: str | None = Form("auto", description="'WIDTHxHEIGHT' or 'auto' (the "
                                     "image's size, rounded down to the size multiple)."),
             response_format: str | None = Form("b64_json",
@@ -924,10 +888,10 @@ class Ingress:
                                                   description="jpeg/webp quality, 0-100."),
             stream: bool | None = Form(None, description="Streaming is not supported.")):
         """Same request and response as OpenAI's ``images.edit`` with ``b64_json``: with a
-        ``mask``, inpainting (strength 0.9999); without, image-to-image (strength
-        0.75). Steps and guidance are the served model's defaults, seeds random (use
-        ``/v1/edit`` for control). ``model``, ``user``, ``quality``, ``background``,
-        ``input_fidelity`` and other OpenAI fields are accepted and ignored."""
+        ``mask``, inpainting (strength 0.9999); without, image-to-image (strength 0.75;
+        :data:`pipelines.limits.STRENGTH`). Steps and guidance are the served model's defaults,
+        seeds random (use ``/v1/edit`` for control). ``model``, ``user``, ``quality``,
+        ``background``, ``input_fidelity`` and other OpenAI fields are accepted and ignored."""
         deadline = self._deadline(request)
         errors = []
         if response_format not in (None, "b64_json"):
@@ -950,9 +914,8 @@ class Ingress:
             info, prompt=prompt, negative_prompt=None,
             image=None if upload is None else await upload.read(),
             mask=None if mask is None else await mask.read(), transparent_mask=True,
-            strength=None, seed=None, n=1 if n is None else n, n_field="n", width=width,
-            height=height, size_fields=("size", "size"), steps=steps,
-            guidance=info["default_guidance"], errors=errors)
+            strength=None, seed=None, n=1 if n is None else n, door="openai", width=width,
+            height=height, steps=steps, guidance=info["default_guidance"], errors=errors)
         result = await self._generate(job, deadline, request)
         fmt = output_format or "png"
         blobs = await asyncio.to_thread(
@@ -976,9 +939,6 @@ class Ingress:
         steps = info["default_steps"] if body.steps is None else body.steps
         guidance = info["default_guidance"] if body.guidance_scale is None else body.guidance_scale
         errors = []
-        if guidance > self.s.max_guidance:
-            errors.append(("guidance_scale", f"{guidance} is above the limit of "
-                           f"{self.s.max_guidance:g}", guidance))
         raw = {}
         for field in ("image", "mask"):
             value = getattr(body, field)
@@ -991,13 +951,12 @@ class Ingress:
         if "image" not in raw and not any(f == "image" for f, _, _ in errors):
             errors.append(("image", "an image to edit is required", None))
         if any(f in ("image", "mask") for f, _, _ in errors):
-            raise RequestValidationError([{"type": "value_error", "loc": ("body", f), "msg": m,
-                                           "input": v} for f, m, v in errors])
+            raise invalid_all(errors)
         job = await self._edit_job(
             info, prompt=body.prompt, negative_prompt=body.negative_prompt, image=raw["image"],
             mask=raw.get("mask"), transparent_mask=None, strength=body.strength, seed=body.seed,
-            n=body.num_images, n_field="num_images", width=body.width, height=body.height,
-            size_fields=("width", "height"), steps=steps, guidance=guidance, errors=errors)
+            n=body.num_images, door="native", width=body.width, height=body.height,
+            steps=steps, guidance=guidance, errors=errors)
         result = await self._generate(job, deadline, request)
         t1 = time.perf_counter()
         size = f"{job.width}x{job.height}"
@@ -1062,8 +1021,12 @@ class Ingress:
                 "scheduler", "default_steps", "default_guidance", "default_width",
                 "default_height", "size_multiple", "max_size", "dtype", "devices")}
             entry["maxdiff"]["engine"] = self.s.engine  # "step": streaming is available
-            entry["maxdiff"]["limits"] = {k: v for k, v in self._limits(self._info).items()
-                                          if not k.endswith("_why")}
+            lim = self._limits(self._info)
+            entry["maxdiff"]["limits"] = {
+                "min_size": lim.min_size or lim.multiple, "max_size": lim.max_size,
+                "size_multiple": lim.multiple, "max_steps": lim.max_steps,
+                "max_guidance": lim.max_guidance, "max_n": lim.max_n,
+                "max_prompt_chars": self.s.max_prompt_chars, "max_cost": lim.max_cost}
             entry["maxdiff"]["adapters"] = self._info.get("adapters") or []
         extra = [{"id": f"{self.model_id}:{a['name']}", "object": "model",
                   "created": self.started, "owned_by": "maxdiff", "parent": self.model_id,

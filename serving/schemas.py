@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from maxdiff.config import StrictConfig, parse_overrides, validate, yaml_scalar
 from pipelines.config import RunConfig
-from pipelines.requests import EDIT_STRENGTH, INPAINT_STRENGTH, MAX_SEED, parse_size
+from pipelines.limits import MAX_SEED, STRENGTH
+from pipelines.requests import parse_size
 
 # build_app args that go to the run config; the rest are ServeSettings.
 RUN_CONFIG_KEYS = tuple(RunConfig.model_fields)
@@ -35,8 +36,8 @@ ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 class WarmupShape(StrictConfig):
     """One program to compile before a replica reports ready. None: the model's default."""
 
-    width: int | None = Field(None, ge=1)
-    height: int | None = Field(None, ge=1)
+    width: int | None = Field(None, json_schema_extra={"minimum": 1})
+    height: int | None = Field(None, json_schema_extra={"minimum": 1})
     steps: int | None = Field(None, ge=1)
     guidance: float | None = Field(None, ge=0)  # > 1: classifier-free guidance on
 
@@ -321,7 +322,8 @@ class ImagesGenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     prompt: str = Field(min_length=1, description="What to draw.")
-    n: int | None = Field(1, ge=1, description="How many images (up to the server's max_n).")
+    n: int | None = Field(1, description="How many images (up to the server's max_n).",
+                          json_schema_extra={"minimum": 1})
     size: str | None = Field("auto", description="'WIDTHxHEIGHT' (e.g. '1024x1024') or 'auto' "
                              "for the model's default size.")
     response_format: str | None = Field("b64_json", description="Only 'b64_json' is supported.")
@@ -391,6 +393,23 @@ class ImagesResponse(BaseModel):
     size: str | None = None
 
 
+# The native routes' shared settings. Their ranges are pipelines.limits' rules, checked by the
+# ingress against the server's limits (so a 422 states the same range as the Python API and the
+# CLI); the schema only shows them.
+def _seed_field():
+    return Field(None, description="Image k gets seed + k; omitted: random (reported).",
+                 json_schema_extra={"minimum": 0, "maximum": MAX_SEED})
+
+
+def _steps_field():
+    return Field(None, description="Default: the model's / run config's.",
+                 json_schema_extra={"minimum": 1})
+
+
+def _guidance_field():
+    return Field(None, description="<= 1 turns CFG off.", json_schema_extra={"minimum": 0})
+
+
 class GenerateRequest(BaseModel):
     """Native generation: every setting explicit, seeds reported, unknown fields refused."""
 
@@ -398,13 +417,12 @@ class GenerateRequest(BaseModel):
 
     prompt: str = Field(min_length=1)
     negative_prompt: str | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED,
-                             description="Image k gets seed + k; omitted: random (reported).")
-    steps: int | None = Field(None, ge=1, description="Default: the model's / run config's.")
-    guidance_scale: float | None = Field(None, ge=0, description="<= 1 turns CFG off.")
-    width: int | None = Field(None, ge=1)
-    height: int | None = Field(None, ge=1)
-    num_images: int = Field(1, ge=1)
+    seed: int | None = _seed_field()
+    steps: int | None = _steps_field()
+    guidance_scale: float | None = _guidance_field()
+    width: int | None = Field(None, json_schema_extra={"minimum": 1})
+    height: int | None = Field(None, json_schema_extra={"minimum": 1})
+    num_images: int = Field(1, json_schema_extra={"minimum": 1})
     scheduler: str | None = Field(None, description="Must name the loaded scheduler (see "
                                   "/v1/models); the scheduler is chosen when the server starts.")
     lora: str | None = Field(None, description="A LoRA adapter the server loaded (its name, see "
@@ -433,18 +451,20 @@ class EditRequest(BaseModel):
                              "image's size: white = repaint, black = keep; a mask with "
                              "transparent pixels (alpha < 255 somewhere) is read the OpenAI way "
                              "instead: fully transparent = repaint. Omitted: image-to-image.")
-    strength: float | None = Field(None, gt=0, le=1, description="In (0, 1]: how far from the image to go "
-                                   "(int(steps * strength) denoising steps run). Default: "
-                                   f"{EDIT_STRENGTH} without a mask, {INPAINT_STRENGTH} with "
-                                   "one.")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED,
-                             description="Image k gets seed + k; omitted: random (reported).")
-    steps: int | None = Field(None, ge=1, description="Default: the model's / run config's.")
-    guidance_scale: float | None = Field(None, ge=0, description="<= 1 turns CFG off.")
-    width: int | None = Field(None, ge=1, description="Default: the image's width (rounded "
-                              "down to the model's size multiple); the image is resized to it.")
-    height: int | None = Field(None, ge=1, description="Default: the image's height.")
-    num_images: int = Field(1, ge=1)
+    strength: float | None = Field(
+        None, description="In (0, 1]: how far from the image to go (int(steps * strength) "
+        f"denoising steps run). Default: {STRENGTH['img2img']} without a mask, "
+        f"{STRENGTH['inpaint']} with one.",
+        json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    seed: int | None = _seed_field()
+    steps: int | None = _steps_field()
+    guidance_scale: float | None = _guidance_field()
+    width: int | None = Field(None, json_schema_extra={"minimum": 1}, description="Default: "
+                              "the image's width (rounded down to the model's size multiple); "
+                              "the image is resized to it.")
+    height: int | None = Field(None, json_schema_extra={"minimum": 1},
+                               description="Default: the image's height.")
+    num_images: int = Field(1, json_schema_extra={"minimum": 1})
     output_format: ImageFormat = "png"
 
 

@@ -265,7 +265,7 @@ def test_strength_out_of_range(pipe, strength):
 
 
 def test_strength_too_small_for_steps(pipe):
-    with pytest.raises(ValueError, match=r"strength=0.1 with num_inference_steps=5 leaves no"):
+    with pytest.raises(ValueError, match=r"strength=0.1: with 5 step\(s\) leaves no"):
         pipe("a cat", image=_image(0), strength=0.1, num_inference_steps=5)
 
 

@@ -134,13 +134,13 @@ def test_new_prompt_seed_guidance_never_recompile(sdxl_dir):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(height=31), r"height=31; it must be a positive multiple of 2"),
+    (dict(height=31), r"height=31: 31 is not a multiple of 2"),
     (dict(width=0), r"width=0"),
-    (dict(num_inference_steps=0), r"num_inference_steps=0; it must be an integer >= 1"),
+    (dict(num_inference_steps=0), r"num_inference_steps=0: must be an integer in 1\.\.1000"),
     (dict(prompt=[]), r"prompt is empty"),
     (dict(latents=np.zeros((1, 4, 8, 8), np.float32)), r"latents has shape \(1, 4, 8, 8\).*\(1, 4, 16, 16\)"),
     (dict(seed=[1, 2]), r"seed has 2 values but 1 image"),
-    (dict(seed=-1), r"seed -1 is out of range"),
+    (dict(seed=-1), r"seed=-1: out of range"),
     (dict(guidance_scale=-1.0), r"guidance_scale=-1.0"),
     (dict(output_type="jpg"), r"output_type='jpg'"),
     (dict(negative_prompt=["a", "b"]), r"negative_prompt has 2 entries but prompt has 1"),

@@ -272,7 +272,8 @@ def test_serve_yaml_openai_curl_and_a_size_too_large(paths):
         with pytest.raises(openai.UnprocessableEntityError) as err:
             client.images.generate(prompt="a red circle", size="1024x1024")
         assert time.monotonic() - t0 < 10
-        assert re.search(r"between \d+ and 256 for this model", str(err.value)), err.value
+        assert re.search(r"between \d+ and 256 \(this model's maxdiff.json max_size", str(err.value)), \
+            err.value
         assert "max_size" in str(err.value)
         t0 = time.monotonic()
         assert len(client.images.generate(prompt="a red circle", size="64x64").data) == 1

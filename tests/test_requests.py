@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipelines.requests import (MAX_SEED, GenerationRequest, ImageRequest, ShapeKey, bucket_size,
-                                cfg_on, derive_seed, encode_image, image_seeds, pad_to,
-                                parse_size, plan_batches, read_image_info, size_problems)
+from pipelines.limits import MAX_SEED, cfg_on
+from pipelines.requests import (GenerationRequest, ImageRequest, ShapeKey, bucket_size, derive_seed,
+                                encode_image, image_seeds, pad_to, parse_size, plan_batches,
+                                read_image_info)
 
 
 @pytest.mark.parametrize("text, want", [("1024x768", (1024, 768)), ("512", (512, 512)),
@@ -23,18 +24,6 @@ def test_parse_size(text, want):
 def test_parse_size_refuses(bad):
     with pytest.raises(ValueError, match="WIDTHxHEIGHT|positive"):
         parse_size(bad)
-
-
-def test_size_problems_name_the_field_and_the_range():
-    assert size_problems(64, 96, 8, None, 256) == []
-    (f, msg, v), = size_problems(1024, 64, 8, None, 256, hint=" (max_size)")
-    assert (f, v) == ("width", 1024) and "between 8 and 256 (max_size)" in msg
-    (f, msg, v), = size_problems(64, 60, 8, 16, 256)
-    assert f == "height" and "multiple of 8" in msg
-    # one "size" field: one message for a square that is too big on both sides
-    assert len(size_problems(1024, 1024, 8, None, 256, names=("size", "size"))) == 1
-    (f, msg, _), = size_problems(None, None, 8, names=("size", "size"))
-    assert f == "size" and "no default size" in msg
 
 
 def test_shape_key_and_cfg_rule():
@@ -105,7 +94,7 @@ def test_encode_image_carries_settings(tmp_path):
 
 
 def test_decode_image_and_repaint_masks():
-    from pipelines.requests import EditRequest, check_strength, decode_image, repaint_mask
+    from pipelines.requests import EditRequest, decode_image, repaint_mask
 
     pixels = np.random.default_rng(0).integers(0, 256, (8, 16, 3), np.uint8)
     rgb, alpha = decode_image(encode_image(pixels))
@@ -131,13 +120,12 @@ def test_decode_image_and_repaint_masks():
     opaque = np.full((8, 16), 255, np.uint8)  # an opaque RGBA mask: white = repaint, or
     assert np.array_equal(repaint_mask(np.dstack([white] * 3), opaque), white)
     assert not repaint_mask(np.dstack([white] * 3), opaque, transparent=True).any()  # OpenAI
-    check_strength(0.5, 2)
+    job = EditRequest("x", None, 1, 1, 16, 8, 2, 0.0, strength=0.5, image=pixels, mask=white)
+    job.validate()
     for s, msg in ((0, r"\(0, 1\]"), (1.5, r"\(0, 1\]"), (True, r"\(0, 1\]"),
                    (0.25, "leaves no denoising step")):
         with pytest.raises(ValueError, match=msg):
-            check_strength(s, 2)
-    job = EditRequest("x", None, 1, 1, 16, 8, 2, 0.0, strength=0.5, image=pixels, mask=white)
-    job.validate()
+            EditRequest("x", None, 1, 1, 16, 8, 2, 0.0, strength=s, image=pixels).validate()
     assert str(job.key) == "inpaint:16x8:2:nocfg:s0.5" and job.key.program == (
         "inpaint", 8, 16, 2, False)
     with pytest.raises(ValueError, match="mask is 5x8 but image is 16x8"):

@@ -396,14 +396,14 @@ BAD_REQUESTS = [
     ("/v1/generate", {"prompt": "x", "width": 64, "height": 64, "steps": 8}, "steps",
      "at most 5 step(s) for one image"),
     ("/v1/images/generations", {"prompt": "x", "size": "64x64", "n": 4}, "n", "max_cost of 0.02"),
-    ("/v1/generate", {"prompt": "x", "steps": 0}, "steps", "greater than or equal to 1"),
+    ("/v1/generate", {"prompt": "x", "steps": 0}, "steps", "must be an integer in 1..8"),
     ("/v1/generate", {"prompt": "x", "width": 31}, "width", "multiple of 2"),
     ("/v1/generate", {"prompt": "x", "height": 8}, "height", "between 16 and 64"),
     ("/v1/generate", {"prompt": "x", "num_images": 5}, "num_images", "at most 4"),
     # found by schemathesis: a huge count was a MemoryError (500) while seeds were expanded
     ("/v1/generate", {"prompt": "x", "num_images": 10**15}, "num_images", "at most 4"),
     ("/v1/generate", {"prompt": "x", "width": 1000, "steps": 8}, "width", "between 16 and 64"),
-    ("/v1/generate", {"prompt": "x", "seed": -1}, "seed", "greater than or equal to 0"),
+    ("/v1/generate", {"prompt": "x", "seed": -1}, "seed", "seeds are integers in 0..4294967295"),
     ("/v1/generate", {"prompt": "x", "guidance_scale": "high"}, "guidance_scale", "number"),
     ("/v1/generate", {"prompt": "x", "scheduler": "DDIMScheduler"}, "scheduler",
      "EulerDiscreteScheduler"),
@@ -582,12 +582,12 @@ EDIT_ERRORS = [
     (dict(image=base64.b64encode(b"not an image").decode()), "image", "could not be decoded"),
     (dict(image="%%%"), "image", "not valid base64"),
     (dict(image=None), "image", "required"),
-    (dict(strength=1.5), "strength", "less than or equal to 1"),
+    (dict(strength=1.5), "strength", "must be a number in (0, 1]"),
     (dict(strength=0.25), "strength", "leaves no denoising step"),
     (dict(width=128, height=128), "width", "between 16 and 64"),
     (dict(num_images=5), "num_images", "at most 4"),
     (dict(width=64, height=64, num_images=4), "num_images", "max_cost"),
-    (dict(seed=-1), "seed", "greater than or equal to 0"),
+    (dict(seed=-1), "seed", "seeds are integers in 0..4294967295"),
 ]
 
 
@@ -629,6 +629,70 @@ def test_invalid_openai_edits_are_422(main_app, edit_files):
         err = r.json()
         assert any(field in d["loc"] for d in err["detail"]), err
         assert message in err["error"]["message"], err
+
+
+def test_http_names_the_field_and_the_range_like_every_front_door(main_app, edit_files):
+    """tests/test_limits.py's table of bad values, which the Python API, the CLI and JSONL lines
+    refuse there: each is a 422 naming the field in the dialect's words and stating the same
+    range, through /v1/generate (/v1/edit for strength) and, for the settings OpenAI's API has
+    (n, size), through /v1/images/generations and /v1/images/edits."""
+    import re
+
+    from pipelines.limits import FIELDS
+    from test_limits import BAD_VALUES
+
+    def refused(r, field, says):
+        assert r.status_code == 422, (field, r.text)
+        err = r.json()
+        assert any(field in d["loc"] for d in err["detail"]), err
+        assert re.search(says, err["error"]["message"]), (field, err)
+
+    image = _b64file(edit_files.image_png)
+    for field, value, says in BAD_VALUES:
+        name = FIELDS[field]["native"]
+        if field == "strength":
+            r = _edit(main_app.url, image=image, steps=STEPS, strength=value)
+        else:
+            r = requests.post(f"{main_app.url}/v1/generate", json={"prompt": "x", name: value},
+                              timeout=30)
+        refused(r, name, says)
+        if field in ("n", "width"):
+            name = FIELDS[field]["openai"]
+            text = str(value) if field == "n" else f"{value}x{SIZE}"
+            r = requests.post(f"{main_app.url}/v1/images/generations",
+                              json={"prompt": "x", name: value if field == "n" else text},
+                              timeout=30)
+            refused(r, name, says)
+            r = requests.post(f"{main_app.url}/v1/images/edits", data={"prompt": "x", name: text},
+                              files={"image": ("i.png", edit_files.image_png.read_bytes())},
+                              timeout=30)
+            refused(r, name, says)
+
+
+def test_an_omitted_strength_is_the_same_in_every_front_door(main_app, pipe, edit_files):
+    """No strength given: /v1/edit answers with limits.STRENGTH and the pixels of the Python
+    API's ImageToImagePipeline called without one; OpenAI's images.edit (which has no strength
+    field) batches at the same strength; the CLI plans its edit lines with it."""
+    from pipelines import ImageToImagePipeline
+    from pipelines.batch import PromptLine, edit_strength
+    from pipelines.limits import STRENGTH
+
+    r = _edit(main_app.url, prompt="a photo of a cat", image=_b64file(edit_files.image_png),
+              seed=22, steps=STEPS, guidance_scale=0.0)
+    assert r.status_code == 200, r.text
+    assert r.json()["strength"] == STRENGTH["img2img"]
+    ours = ImageToImagePipeline.from_pipe(pipe)(
+        "a photo of a cat", image=Image.fromarray(edit_files.image), seed=22,
+        num_inference_steps=STEPS, guidance_scale=0.0).images[0]
+    got = _png(r.json()["images"][0]["b64_json"]).astype(int)
+    assert np.abs(got - np.asarray(ours, int)).max() <= 1
+    r = requests.post(f"{main_app.url}/v1/images/edits", data={"prompt": "x"},
+                      files={"image": ("i.png", edit_files.image_png.read_bytes())}, timeout=120)
+    assert r.status_code == 200, r.text
+    (rep,) = requests.get(f"{main_app.url}/v1/stats").json()["replicas"].values()
+    newest = rep["batches"][-1]["shape"]  # this request's batch (newest last)
+    assert newest == f"img2img:{SIZE}x{SIZE}:{STEPS}:nocfg:s{STRENGTH['img2img']:g}", newest
+    assert edit_strength(PromptLine(0, "x", "x", image="photo.png")) == STRENGTH["img2img"]
 
 
 def test_edit_bodies_have_their_own_limit(main_app, edit_files):
@@ -762,15 +826,15 @@ def test_limits_that_know_the_model(guarded, pipe):
     r = requests.post(f"{guarded}/v1/generate", json={"prompt": "x", "steps": 1001},
                       headers=_auth(KEY_A))
     assert r.status_code == 422, r.text
-    assert "steps must be in 1..1000 (what this model's EulerDiscreteScheduler allows)" in \
+    assert "must be an integer in 1..1000 (what this model's EulerDiscreteScheduler allows)" in \
         r.json()["error"]["message"] and r.json()["error"]["param"] == "steps"
     r = requests.post(f"{guarded}/v1/generate", json={"prompt": "x", "steps": 3},
                       headers=_auth(KEY_A))
     assert r.status_code == 422 and "at most 2 step(s) for one image" in r.text
     r = requests.post(f"{guarded}/v1/generate", json={"prompt": "x" * 5000}, headers=_auth(KEY_A))
     assert r.status_code == 413 and "larger than 4096 bytes" in r.text  # the serve arg applies
-    with pytest.raises(ValueError, match=r"num_inference_steps=1001; EulerDiscreteScheduler "
-                                         r"allows 1..1000"):
+    with pytest.raises(ValueError, match=r"num_inference_steps=1001: must be an integer in "
+                                         r"1\.\.1000 \(what EulerDiscreteScheduler allows\)"):
         pipe("x", num_inference_steps=1001, height=SIZE, width=SIZE)
 
 

@@ -1,0 +1,255 @@
+"""What a request may ask for: the one home of every request rule, for every front door.
+
+JAX-free (NumPy only), so the HTTP ingress and the CLI's argument parser use it without loading
+a model. The Python API, the CLI (arguments and JSONL lines), the HTTP service (native and
+OpenAI routes), the generator replicas and the step engine all check requests here:
+
+- :data:`STRENGTH`: the edit strength used when a request gives none, per mode (one default
+  for every front door; see below).
+- :func:`cfg_on`: guidance turns classifier-free guidance on above 1.
+- one rule per setting: :func:`steps_problem`, :func:`guidance_problem`, :func:`seed_problem`,
+  :func:`n_problem`, :func:`strength_problem`, :func:`size_problems` and :func:`cost_problem`.
+  Each returns :class:`Problem` (canonical field, message, value) or None; the message states
+  the allowed range and never the field's name, because
+- :data:`FIELDS` names each setting in each front door's vocabulary (``num_inference_steps``
+  in Python, ``--steps`` on the command line, ``steps`` in a JSONL line and in JSON bodies,
+  ``num_images`` / ``n``, ``width`` / ``size`` ...), and :func:`describe` / :func:`check` say
+  a problem the way that door's user wrote it.
+- :class:`Limits` + :func:`problems`: every rule of one request at once, against what this
+  model (its scheduler's step limit, its size multiple) and this server (its serve args) allow.
+
+The default strength: image-to-image runs ``int(steps * strength)`` denoising steps, so a
+default must leave steps on the short schedules maxdiff serves (SDXL-Lightning's 2, 4 and 8
+steps) and make a visible edit where a request cannot say more (OpenAI's ``images.edit`` has no
+strength field). 0.75 does both (diffusers' SDXL image-to-image pipeline defaults to 0.3,
+which leaves no step at 2 steps and one at 4; its SD 1.x one to 0.8). Inpainting keeps
+diffusers' 0.9999.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, NamedTuple
+
+import numpy as np
+
+MAX_SEED = 2**32 - 1
+STRENGTH = {"img2img": 0.75, "inpaint": 0.9999}  # when a request gives none
+
+# The name of each setting in each front door: the Python API's keyword, the CLI's flag, a
+# JSONL line's field, the native JSON routes' field and the OpenAI routes' field.
+DOORS = ("python", "cli", "jsonl", "native", "openai")
+FIELDS: dict[str, dict[str, str]] = {
+    "steps": {"python": "num_inference_steps", "cli": "--steps", "jsonl": "steps",
+              "native": "steps", "openai": "steps"},
+    "guidance": {"python": "guidance_scale", "cli": "--guidance", "jsonl": "guidance",
+                 "native": "guidance_scale", "openai": "guidance_scale"},
+    "seed": {"python": "seed", "cli": "--seed", "jsonl": "seed", "native": "seed",
+             "openai": "seed"},
+    "n": {"python": "num_images_per_prompt", "cli": "--num-images", "jsonl": "n",
+          "native": "num_images", "openai": "n"},
+    "strength": {"python": "strength", "cli": "--strength", "jsonl": "strength",
+                 "native": "strength", "openai": "strength"},
+    "width": {"python": "width", "cli": "--size", "jsonl": "size", "native": "width",
+              "openai": "size"},
+    "height": {"python": "height", "cli": "--size", "jsonl": "size", "native": "height",
+               "openai": "size"},
+    "prompt": {"python": "prompt", "cli": "prompt", "jsonl": "prompt", "native": "prompt",
+               "openai": "prompt"},
+}
+
+
+class Problem(NamedTuple):
+    """One broken rule: the canonical field (a key of :data:`FIELDS`), a message stating the
+    allowed range (without the field's name), and the value given (None when it adds
+    nothing)."""
+
+    field: str
+    message: str
+    value: Any = None
+
+
+def field_name(field: str, door: str) -> str:
+    """``field``'s name in ``door`` (one of :data:`DOORS`); unknown fields keep their name."""
+    return FIELDS.get(field, {}).get(door, field)
+
+
+def describe(problem: Problem, door: str = "python") -> str:
+    """``problem`` as the user of ``door`` reads it: ``num_inference_steps=0: must be ...``
+    (Python), ``--steps: must be ...`` (CLI), ``field 'steps': must be ..., got 0`` (JSONL),
+    ``steps: must be ...`` (HTTP; the 422 names the field in ``loc`` too)."""
+    name = field_name(problem.field, door)
+    if door == "python":
+        return (f"{name}: {problem.message}" if problem.value is None
+                else f"{name}={problem.value!r}: {problem.message}")
+    if door == "jsonl":
+        got = "" if problem.value is None else f", got {problem.value!r}"
+        return f"field {name!r}: {problem.message}{got}"
+    return f"{name}: {problem.message}"
+
+
+def check(problems: Iterable[Problem | None], door: str = "python") -> None:
+    """ValueError naming every problem (None entries are skipped) in ``door``'s words."""
+    found = [p for p in problems if p is not None]
+    if found:
+        raise ValueError("; ".join(describe(p, door) for p in found))
+
+
+# ---------------------------------------------------------------------------------- rules
+def is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    """A finite int or float (not a bool, NaN or infinity)."""
+    if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond any float
+        return False
+
+
+def _why(why: str) -> str:
+    return f" ({why})" if why else ""
+
+
+def cfg_on(guidance: float) -> bool:
+    """Classifier-free guidance runs (two UNet passes a step) only for guidance > 1."""
+    return guidance > 1.0
+
+
+def steps_problem(steps: Any, hi: int | None = None, why: str = "") -> Problem | None:
+    """Denoising steps: an integer in 1..``hi`` (``why``: whose limit ``hi`` is)."""
+    if is_int(steps) and steps >= 1 and (hi is None or steps <= hi):
+        return None
+    rng = ">= 1" if hi is None else f"in 1..{hi}"
+    return Problem("steps", f"must be an integer {rng}{_why(why) if hi else ''}", steps)
+
+
+def guidance_problem(guidance: Any, hi: float | None = None, why: str = "") -> Problem | None:
+    """Guidance scale: a number in [0, ``hi``]; <= 1 turns classifier-free guidance off."""
+    if is_number(guidance) and guidance >= 0 and (hi is None or guidance <= hi):
+        return None
+    rng = ">= 0" if hi is None else f"in [0, {hi:g}]{_why(why)}"
+    return Problem("guidance", f"must be a number {rng} (<= 1 turns classifier-free guidance "
+                   "off)", guidance)
+
+
+def seed_problem(seed: Any, n: int = 1, optional: bool = True) -> Problem | None:
+    """A seed: None (random; unless not ``optional``) or an integer in 0..MAX_SEED; image k of
+    ``n`` gets seed + k, so seed + n - 1 must stay in range too."""
+    if seed is None and optional:
+        return None
+    if not is_int(seed) or not 0 <= seed <= MAX_SEED:
+        return Problem("seed", f"out of range; seeds are integers in 0..{MAX_SEED}", seed)
+    if is_int(n) and n >= 1 and seed + n - 1 > MAX_SEED:
+        return Problem("seed", f"seed + {n} images - 1 is above {MAX_SEED}; image k gets seed "
+                       "+ k, so seed + n - 1 must stay in range", seed)
+    return None
+
+
+def n_problem(n: Any, hi: int | None = None, why: str = "") -> Problem | None:
+    """Images per request: an integer in 1..``hi``."""
+    if is_int(n) and n >= 1 and (hi is None or n <= hi):
+        return None
+    if hi is None:
+        return Problem("n", "must be an integer >= 1", n)
+    return Problem("n", f"must be an integer in 1..{hi} (at most {hi} images per "
+                   f"request{', ' + why if why else ''})", n)
+
+
+def strength_problem(strength: Any, steps: Any = None) -> Problem | None:
+    """Edit strength: a number in (0, 1] that leaves at least one of ``steps`` denoising
+    steps (edits run ``int(steps * strength)`` of them; diffusers' rule)."""
+    if not is_number(strength) or not 0.0 < strength <= 1.0:
+        return Problem("strength", "must be a number in (0, 1] (1 repaints everything, small "
+                       "values stay close to the image)", strength)
+    if is_int(steps) and steps >= 1 and min(int(steps * strength), steps) < 1:
+        return Problem("strength", f"with {steps} step(s) leaves no denoising step "
+                       f"(int({steps} * {strength}) = 0); raise strength or steps", strength)
+    return None
+
+
+def size_problems(width: int | None, height: int | None, multiple: int, lo: int | None = None,
+                  hi: int | None = None, why: str = "") -> list[Problem]:
+    """One problem for each side that is missing, not an integer, outside ``[lo, hi]`` (``lo``
+    None: ``multiple``) or not a multiple of ``multiple``; ``why`` follows range messages
+    (whose limit ``hi`` is, how to raise it)."""
+    lo = lo or multiple
+    out = []
+    for name, v in (("width", width), ("height", height)):
+        if v is None:
+            out.append(Problem(name, "this model has no default size: give one"))
+        elif not is_int(v):
+            out.append(Problem(name, "must be an integer number of pixels", v))
+        elif hi is not None and not lo <= v <= hi:
+            out.append(Problem(name, f"{v} pixels is out of range; image sides must be between "
+                               f"{lo} and {hi}{_why(why)}", v))
+        elif v < lo:
+            out.append(Problem(name, f"{v} pixels is too small; image sides must be at least "
+                               f"{lo}", v))
+        elif v % multiple:
+            out.append(Problem(name, f"{v} is not a multiple of {multiple}; image sides must be "
+                               f"multiples of {multiple} for this model", v))
+    return out
+
+
+def cost_problem(n: int, steps: int, width: int, height: int, max_cost: float,
+                 n_field: str = "n") -> Problem | None:
+    """A request's cost, images x steps x megapixels (width x height / 2**20), against
+    ``max_cost``; the problem names what to lower (the images, else the steps)."""
+    mp = width * height / 2**20
+    cost = n * steps * mp
+    if cost <= max_cost:
+        return None
+    most = math.floor(max_cost / (steps * mp))
+    field, msg = (n_field, f"at most {most} image(s)") if most >= 1 else (
+        "steps", f"at most {math.floor(max_cost / mp)} step(s) for one image")
+    return Problem(field, f"{n} image(s) x {steps} steps x {width}x{height} ({cost:.0f} "
+                   f"image-step-megapixels) is above this server's max_cost of {max_cost:g}; "
+                   f"{msg} at this size and step count")
+
+
+# ---------------------------------------------------------------------------------- requests
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask for here. ``None``: no limit beyond the rule itself. ``*_why``:
+    whose limit it is, for messages ("what EulerDiscreteScheduler allows", "the serve arg
+    max_steps")."""
+
+    multiple: int = 1  # image sides: multiples of this (the VAE's scale factor at least)
+    min_size: int | None = None  # None: multiple
+    max_size: int | None = None
+    max_steps: int | None = None
+    max_guidance: float | None = None
+    max_n: int | None = None
+    max_cost: float | None = None
+    steps_why: str = ""
+    size_why: str = ""
+    guidance_why: str = ""
+    n_why: str = ""
+
+
+def problems(limits: Limits, *, steps: Any, guidance: Any = None, seed: Any = None,
+             n: Any = 1, width: Any = None, height: Any = None, strength: Any = None,
+             sized: bool = True) -> list[Problem]:
+    """Every rule of one request (``guidance`` / ``strength`` None: not checked; ``sized``
+    False: width and height are not checked). The cost rule runs only when the others hold
+    (a cost of out-of-range values is moot)."""
+    lim = limits
+    out = [steps_problem(steps, lim.max_steps, lim.steps_why),
+           None if guidance is None else guidance_problem(guidance, lim.max_guidance,
+                                                          lim.guidance_why),
+           n_problem(n, lim.max_n, lim.n_why),
+           seed_problem(seed, n if is_int(n) and (lim.max_n is None or n <= lim.max_n) else 1),
+           None if strength is None else strength_problem(
+               strength, steps if steps_problem(steps, lim.max_steps) is None else None)]
+    out = [p for p in out if p is not None]
+    if sized:
+        out += size_problems(width, height, lim.multiple, lim.min_size, lim.max_size,
+                             lim.size_why)
+    if not out and lim.max_cost is not None and sized:
+        out += [p for p in [cost_problem(n, steps, width, height, lim.max_cost)] if p]
+    return out
