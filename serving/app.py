@@ -18,7 +18,8 @@ Endpoints (OpenAPI at ``/docs``): ``GET /`` (the web playground, ``serving/playg
 ``POST /v1/images/edits`` (OpenAI Images API edits, multipart), ``POST /v1/generate`` (native),
 ``POST /v1/edit`` (native image-to-image and inpainting, JSON), ``GET /healthz``, ``GET /v1/models``, ``GET /v1/stats``.
 
-Streaming (serve arg ``engine=step``; 422 naming ``stream`` otherwise): ``"stream": true`` on
+Streaming (both engines; only ``engine=step`` has steps and partial images to send):
+``"stream": true`` on
 ``/v1/images/generations`` answers Server-Sent Events in the OpenAI Images API format
 (``image_generation.partial_image`` events for ``partial_images``, then
 ``image_generation.completed``); on ``/v1/generate``, ``progress`` events, ``partial_image``
@@ -628,9 +629,6 @@ class Ingress:
     def _stream_problems(self, stream: bool | None, n: int, n_field: str) -> list:
         if not stream:
             return []
-        if self.s.engine != "step":
-            return [("stream", "streaming needs step-level batching: this server runs "
-                     "engine=batch (serve arg engine=step turns it on)", stream)]
         if n != 1:
             return [(n_field, "a stream returns one image; ask for 1", n)]
         return []

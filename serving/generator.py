@@ -259,15 +259,22 @@ class Generator:
         """Queue ``job`` with the jobs of its shape key; returns when its batch has run.
         ``timeout_s``: seconds the caller still waits; past that the job is dropped before its
         images start (:class:`Expired`)."""
+        self._validate(job)
+        if self.settings.engine == "step":
+            return await self._on_engine(job, timeout_s)
+        return await self._queue(job, timeout_s)
+
+    def _validate(self, job: GenerationRequest, stream: bool = False) -> None:
+        """:class:`InvalidJob` unless this replica can run ``job`` (the request rules, an
+        adapter it added, one image when streamed)."""
         try:
+            if stream and job.n != 1:
+                raise ValueError("streaming returns one image; ask for one")
             self.pipe._check(job.steps, job.height, job.width, "pil")
             job.validate()
             self.pipe._adapter_index(job.images()[:1])  # an adapter this replica added
         except ValueError as e:
             raise InvalidJob(str(e)) from None
-        if self.settings.engine == "step":
-            return await self._on_engine(job, timeout_s)
-        return await self._queue(job, timeout_s)
 
     async def edit(self, job: EditRequest, timeout_s: float | None = None) -> JobResult:
         """Like :meth:`generate` for an image-to-image (no mask) or inpainting job; edit jobs
@@ -482,21 +489,22 @@ class Generator:
 
     async def generate_stream(self, job: GenerationRequest, timeout_s: float | None = None,
                               partial_images: int = 0):
-        """engine=step only: yield ``{"type": "progress", "step", "total", "queue_position"}``
-        once when queued, whenever its queue position changes and after each step;
+        """Yield ``{"type": "progress", "step", "total", "queue_position"}`` once when queued,
+        then (engine=step) whenever its queue position changes and after each step, and
         ``{"type": "partial_image", "index", "step", "image"}`` for ``partial_images`` previews
         spread over the steps (uint8 (H, W, 3)); then ``{"type": "result", "result":
-        JobResult}``. One image per job."""
-        try:
-            if self.settings.engine != "step":
-                raise ValueError("streaming needs the serve arg engine=step")
-            if job.n != 1:
-                raise ValueError("streaming returns one image; ask for one")
-            self.pipe._check(job.steps, job.height, job.width, "pil")
-            job.validate()
-            self.pipe._adapter_index(job.images()[:1])
-        except ValueError as e:
-            raise InvalidJob(str(e)) from None
+        JobResult}``. One image per job. engine=batch runs the job like :meth:`generate`: it
+        has no steps to report, so it yields the queued event (``queue_position`` None: request
+        batching does not know it), then the result, and no partial images (OpenAI's streaming
+        allows fewer than asked)."""
+        self._validate(job, stream=True)
+        if self.settings.engine != "step":
+            yield {"type": "progress", "step": 0, "total": job.steps, "queue_position": None}
+            result = await self._queue(job, timeout_s)
+            yield {"type": "progress", "step": job.steps, "total": job.steps,
+                   "queue_position": 0}
+            yield {"type": "result", "result": result}
+            return
         arrived = time.perf_counter()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()

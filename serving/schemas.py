@@ -173,7 +173,7 @@ class ServeSettings(StrictConfig):
     batch_wait_timeout_s: float = Field(0.05, ge=0)
     # "batch": whole requests batched per shape key (above); "step": step-level continuous
     # batching (pipelines.step_engine), images join and leave between denoising steps, one
-    # engine of engine_slots slots per image size; streaming needs it
+    # engine of engine_slots slots per image size; streamed progress and partial images need it
     engine: Literal["batch", "step"] = "batch"
     # images per step-engine tick (rounded up to a multiple of the devices); None: max_batch_size
     engine_slots: int | None = Field(None, ge=1)
@@ -340,8 +340,8 @@ class ImagesGenerationRequest(BaseModel):
     background: str | None = None
     moderation: str | None = None
     stream: bool | None = Field(None, description="Server-Sent Events: `partial_images` "
-                                "`image_generation.partial_image` events, then "
-                                "`image_generation.completed` (servers with engine=step; n=1).")
+                                "`image_generation.partial_image` events (servers with "
+                                "engine=step), then `image_generation.completed`; n=1.")
     partial_images: int | None = Field(None, ge=0, le=3, description="Partial images to stream "
                                        "before the final one (0-3; with stream).")
 
@@ -430,9 +430,9 @@ class GenerateRequest(BaseModel):
                              "with different adapters share batches.")
     output_format: ImageFormat = "png"
     stream: bool = Field(False, description="Server-Sent Events: `progress` events (step, "
-                         "total, queue_position), `partial_image` events (partial_images), then "
-                         "`result` (this route's JSON response). Servers with engine=step; "
-                         "num_images=1.")
+                         "total, queue_position; engine=batch: queued and done only), "
+                         "`partial_image` events (partial_images; engine=step), then `result` "
+                         "(this route's JSON response). num_images=1.")
     partial_images: int = Field(0, ge=0, le=3, description="Partial images (the current "
                                 "denoised estimate) to stream before the result (with stream).")
 

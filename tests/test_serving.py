@@ -470,13 +470,42 @@ def test_burst_beyond_the_queue_is_503_with_retry_after(main_app):
     assert requests.get(f"{main_app.url}/healthz").status_code == 200
 
 
-def test_stream_needs_the_step_engine(main_app):
-    """engine=batch (this app) answers a stream request with a 422 naming stream."""
-    for path in ("/v1/generate", "/v1/images/generations"):
-        r = requests.post(f"{main_app.url}{path}", json={"prompt": "x", "stream": True},
-                          timeout=30)
-        assert r.status_code == 422 and r.json()["error"]["param"] == "stream", r.text
-        assert "engine=step" in r.json()["error"]["message"]
+def test_the_batch_engine_streams_too(main_app):
+    """engine=batch (this app) answers "stream": true as well, so a client never needs to know
+    the engine: /v1/generate sends the queued progress event, the finished one and the result,
+    whose image is the one the same request gets without streaming; the official openai
+    client's images.generate(stream=True) gets its completed event (no partial images: request
+    batching has no steps to show, and OpenAI allows fewer than asked). A stream is still one
+    image."""
+    openai = pytest.importorskip("openai")
+
+    body = {"prompt": "a blue square", "seed": 5, "steps": STEPS}
+    with requests.post(f"{main_app.url}/v1/generate", json={**body, "stream": True},
+                       stream=True, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = []
+        name = None
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[len("data: "):])))
+    assert [n for n, _ in events] == ["progress", "progress", "result"], events
+    assert events[0][1] == {"step": 0, "total": STEPS, "queue_position": None}
+    assert events[1][1]["step"] == STEPS
+    plain = requests.post(f"{main_app.url}/v1/generate", json=body, timeout=120).json()
+    assert events[2][1]["seeds"] == plain["seeds"] == [5]
+    np.testing.assert_array_equal(_png(events[2][1]["images"][0]["b64_json"]),
+                                  _png(plain["images"][0]["b64_json"]))
+
+    client = openai.OpenAI(base_url=f"{main_app.url}/v1", api_key="unused", max_retries=0)
+    got = list(client.images.generate(model="tiny-sdxl", prompt="a green triangle",
+                                      size=f"{SIZE}x{SIZE}", stream=True, partial_images=2))
+    assert [e.type for e in got] == ["image_generation.completed"]
+    assert _png(got[0].b64_json).shape == (SIZE, SIZE, 3)
+    r = requests.post(f"{main_app.url}/v1/generate", json={"prompt": "x", "stream": True,
+                                                            "num_images": 2}, timeout=30)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "num_images", r.text
 
 
 def test_openapi_docs(main_app):
