@@ -712,7 +712,9 @@ class Ingress:
     # ------------------------------------------------------------------ routes
     @api.post("/v1/images/generations", response_model=ImagesResponse, tags=["OpenAI-compatible"],
               summary="Create images (OpenAI Images API)",
-              responses={k: v for k, v in ERROR_RESPONSES.items() if k != 406})
+              responses={200: {"content": {"text/event-stream": {}},
+                               "description": "JSON, or with `stream` Server-Sent Events."},
+                         **{k: v for k, v in ERROR_RESPONSES.items() if k != 406}})
     async def images_generations(self, body: ImagesGenerationRequest, request: Request):
         """Same request and response as OpenAI's ``images.generate`` with
         ``response_format="b64_json"``. Steps and guidance are the served model's defaults;
@@ -770,9 +772,11 @@ class Ingress:
 
     @api.post("/v1/generate", response_model=GenerateResponse, tags=["native"],
               summary="Generate images with explicit settings",
-              responses={200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}},
+              responses={200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {},
+                                           "text/event-stream": {}},
                                "description": "JSON, or with `Accept: image/png` (jpeg, webp) "
-                               "and one image, the image itself (seed in `X-Seed`)."},
+                               "and one image, the image itself (seed in `X-Seed`), or with "
+                               "`stream` Server-Sent Events."},
                          **ERROR_RESPONSES})
     async def generate(self, body: GenerateRequest, request: Request):
         """Every setting explicit; the response carries each image's seed (pass it back to
