@@ -86,3 +86,59 @@ def test_loadgen_flags_a_capacity_above_the_offline_throughput():
                            "step": {"uniform": row(20.9, 21.8, 21.8),
                                     "mixed": row(5.5, 5.9, 6.2)}}}
     assert inconsistent_rows(results) == ["step/mixed: capacity 6.200/s > Offline 5.900 images/s"]
+
+
+def test_compare_text_parts_do_equal_work(sdxl_dir):
+    """benchmarks.compare's text part, on the tiny checkpoint: maxdiff's callable (the
+    pipeline's text states plus CLIP-L's last layer) and diffusers' (encode_prompt's calls, plus
+    the same) return the same arrays: as many, the same shapes (SDXL's prompt embeddings, pooled
+    embedding, CLIP-L's last state: every layer of both encoders runs on both sides), values
+    within 1e-4."""
+    import numpy as np
+
+    torch = pytest.importorskip("torch")
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    from benchmarks.compare import PROMPTS, diffusers_text, maxdiff_text, text_ids
+    from pipelines import TextToImagePipeline
+
+    ours = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
+    ids1, ids2 = text_ids(ours, PROMPTS)
+    p = ours.params
+    a = maxdiff_text(ours)(p["text_encoder"], p["text_encoder_2"], ids1, ids2)
+    te1 = CLIPTextModel.from_pretrained(sdxl_dir / "text_encoder").eval()
+    te2 = CLIPTextModelWithProjection.from_pretrained(sdxl_dir / "text_encoder_2").eval()
+    with torch.inference_mode():
+        b = diffusers_text(te1, te2)(torch.from_numpy(ids1).long(), torch.from_numpy(ids2).long())
+    assert len(a) == len(b) == 3
+    d1, d2 = te1.config.hidden_size, te2.config.hidden_size
+    assert a[0].shape == tuple(b[0].shape) == (len(PROMPTS), 77, d1 + d2)
+    assert a[1].shape == tuple(b[1].shape) == (len(PROMPTS), te2.config.projection_dim)
+    assert a[2].shape == tuple(b[2].shape) == (len(PROMPTS), 77, d1)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(np.asarray(x), y.numpy(), atol=1e-4, rtol=0)
+
+
+def test_compare_repeats_summary():
+    """benchmarks.compare --repeats' summary: min, median and max per (config, part) over the
+    runs, in the order first seen, with each run's compile status."""
+    from benchmarks.compare import SUMMARY_FIELDS, summarise
+
+    def row(part, ratio, ours, compile="off"):
+        r = {"config": "tiny", "part": part, "ratio": ratio, "ratio_default": 2 * ratio,
+             "maxdiff_s": ours, "diffusers_default_s": 2 * ratio * ours,
+             "diffusers_tuned_s": ratio * ours, "diffusers_best_s": ratio * ours}
+        return {**r, "compile": compile}
+
+    runs = [[row("unet", 3.0, 0.1), row("pipeline", 2.0, 1.0)],
+            [row("unet", 1.0, 0.3), row("pipeline", 4.0, 2.0, "failed: X: y")],
+            [row("unet", 2.0, 0.2), row("pipeline", 1.0, 3.0)]]
+    s = summarise(runs)
+    assert [(x["config"], x["part"], x["runs"]) for x in s] == [("tiny", "unet", 3),
+                                                                 ("tiny", "pipeline", 3)]
+    assert set(SUMMARY_FIELDS) <= set(s[0])
+    assert s[0]["ratio"] == {"min": 1.0, "median": 2.0, "max": 3.0}
+    assert s[0]["maxdiff_s"] == {"min": 0.1, "median": 0.2, "max": 0.3}
+    assert s[1]["ratio_default"] == {"min": 2.0, "median": 4.0, "max": 8.0}
+    assert s[1]["compile"] == ["off", "failed: X: y", "off"]
+    assert summarise([runs[0][:1], runs[1][:1]])[0]["ratio"]["median"] == 2.0  # even count
