@@ -239,13 +239,15 @@ def problems(limits: Limits, *, steps: Any, guidance: Any = None, seed: Any = No
     False: width and height are not checked). The cost rule runs only when the others hold
     (a cost of out-of-range values is moot)."""
     lim = limits
-    out = [steps_problem(steps, lim.max_steps, lim.steps_why),
+    bad_steps = steps_problem(steps, lim.max_steps, lim.steps_why)
+    bad_n = n_problem(n, lim.max_n, lim.n_why)
+    out = [bad_steps,
            None if guidance is None else guidance_problem(guidance, lim.max_guidance,
                                                           lim.guidance_why),
-           n_problem(n, lim.max_n, lim.n_why),
-           seed_problem(seed, n if is_int(n) and (lim.max_n is None or n <= lim.max_n) else 1),
+           bad_n,
+           seed_problem(seed, 1 if bad_n else n),
            None if strength is None else strength_problem(
-               strength, steps if steps_problem(steps, lim.max_steps) is None else None)]
+               strength, None if bad_steps else steps)]
     out = [p for p in out if p is not None]
     if sized:
         out += size_problems(width, height, lim.multiple, lim.min_size, lim.max_size,
