@@ -381,7 +381,11 @@ def load_params(
     """
     target = resolve_dtype(dtype)
     put = put or jax.device_put
-    ignore = tuple(ignore_unexpected)
+    # a single file's model (maxdiff.single_file.MappedSource) says where each key lives
+    rename = getattr(source, "rename", None)
+    scope = getattr(source, "scope", key_prefix)
+    ignore = tuple(ignore_unexpected) + tuple(getattr(source, "ignore", ()))
+    hint = getattr(source, "hint", "") or "does config.json match these weights?"
     flat = _flatten(shapes)
     used: set[str] = set()
     out = {}
@@ -390,32 +394,39 @@ def load_params(
         want = tuple(leaf.shape)
         key, fn = flax_to_torch_key(path, len(want))
         key = key_prefix + key
-        if key not in source.index:
+        stored, op = rename(key) if rename is not None else (key, None)
+        if stored not in source.index:
+            named = f"{stored!r} (diffusers {key!r})" if stored != key else repr(key)
             raise CheckpointError(
-                f"{where}: missing key {key!r} (needed for parameter {'/'.join(path)} of shape {want})"
+                f"{where}: missing key {named} (needed for parameter {'/'.join(path)} of "
+                f"shape {want})"
             )
-        arr = fn(source.get(key))
+        raw = source.get(stored)
+        arr = op.read(raw) if op is not None else raw
+        if rename is not None and arr.ndim == 4 and arr.shape[2:] == (1, 1) and len(want) == 2:
+            arr = arr.reshape(arr.shape[:2])  # a 1x1 conv stored where a linear layer reads it
+        arr = fn(arr)
         if tuple(arr.shape) != want:
             raise CheckpointError(
-                f"{source.file_of(key)}: key {key!r} has shape {tuple(source.get(key).shape)}, "
-                f"expected {_torch_shape(path, want)} "
-                "(does config.json match these weights?)"
+                f"{source.file_of(stored)}: key {stored!r} has shape {tuple(raw.shape)}, "
+                f"expected {_torch_shape(path, want)} ({hint})"
             )
         dt = np.dtype("float32") if keep_float32 is not None and keep_float32(path) else target
         if np.issubdtype(arr.dtype, np.floating) or arr.dtype == ml_dtypes.bfloat16:
             arr = arr.astype(dt, copy=False)
         out[path] = put(np.ascontiguousarray(arr))
-        del arr
-        used.add(key)
+        del arr, raw
+        used.add(stored)
     unexpected = [
         k for k in source.keys()
-        if k.startswith(key_prefix) and k not in used and not k.endswith(ignore or ("\0",))
+        if k.startswith(scope) and k not in used and not k.endswith(ignore or ("\0",))
     ]
     if unexpected:
         more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
         raise CheckpointError(
             f"{source.file_of(unexpected[0])}: unexpected key {unexpected[0]!r}{more}: the "
-            "weights do not belong to a model of this config.json"
+            f"weights do not belong to a model of this config.json"
+            f"{' (' + hint + ')' if getattr(source, 'hint', '') else ''}"
         )
     return _unflatten(out)
 

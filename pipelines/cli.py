@@ -111,11 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "sdxl-lightning-4step, ...); flags below override it")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key (repeatable), e.g. --set attention=chunked")
-    g.add_argument("--model", metavar="DIR",
-                   help="diffusers SDXL folder (default: the embedded model, or "
+    g.add_argument("--model", metavar="DIR|FILE",
+                   help="diffusers SDXL folder, or a single-file SDXL checkpoint (.safetensors "
+                        "as A1111/ComfyUI use) (default: the embedded model, or "
                         "$MAXDIFF_DEFAULT_MODEL)")
-    g.add_argument("--unet", metavar="FILE", help="single-file UNet replacing the folder's "
+    g.add_argument("--single-file-config", metavar="DIR",
+                   help="diffusers folder whose config.json files describe a single-file "
+                        "--model (default: the SDXL base configs maxdiff ships)")
+    g.add_argument("--unet", metavar="FILE", help="single-file UNet replacing the model's "
                    "(SDXL-Lightning)")
+    g.add_argument("--vae", metavar="FILE|DIR", help="VAE replacing the model's: a file "
+                   "(sdxl_vae.safetensors) or a diffusers VAE folder")
     g.add_argument("--scheduler", metavar="NAME",
                    help="preset (lightning-1step/2step/4step/8step) or a scheduler config "
                         "file/folder")
@@ -168,17 +174,30 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON object")
 
     conv = sub.add_parser(
-        "convert", formatter_class=fmt, help="rewrite a checkpoint's weights in another dtype",
-        description="Copy a diffusers SDXL folder to DST with every component's weights rewritten "
-                    "as one safetensors file already cast to --dtype (diffusers key names and "
-                    "layouts kept, so diffusers still loads it). Written tensor by tensor into a "
-                    "temporary folder that is renamed to DST at the end.",
-        epilog="example:\n  maxdiff convert /models/sdxl-base /models/sdxl-base-bf16 --dtype bf16")
-    conv.add_argument("src", metavar="SRC", help="diffusers SDXL folder")
-    conv.add_argument("dst", metavar="DST", help="new folder (must not exist unless --force)")
-    conv.add_argument("--dtype", default="bfloat16",
+        "convert", formatter_class=fmt,
+        help="rewrite a checkpoint: another dtype, or single file <-> diffusers folder",
+        description="Rewrite a checkpoint, tensor by tensor, into a temporary path renamed to "
+                    "DST at the end:\n"
+                    "  folder -> folder: every component's weights as one safetensors file "
+                    "cast to --dtype (default bfloat16; diffusers keys and layouts kept)\n"
+                    "  folder -> FILE.safetensors: one file in the original Stability layout "
+                    "(what A1111, ComfyUI and diffusers' from_single_file read)\n"
+                    "  FILE.safetensors -> folder: a diffusers folder (configs from "
+                    "--single-file-config or the shipped SDXL base ones)",
+        epilog="examples:\n"
+               "  maxdiff convert /models/sdxl-base /models/sdxl-base-bf16 --dtype bf16\n"
+               "  maxdiff convert /models/sdxl-base /models/sdxl-base.safetensors --dtype fp16\n"
+               "  maxdiff convert /models/juggernaut-xl.safetensors /models/juggernaut-xl")
+    conv.add_argument("src", metavar="SRC", help="diffusers SDXL folder or single file")
+    conv.add_argument("dst", metavar="DST",
+                      help="new folder, or a .safetensors file (must not exist unless --force)")
+    conv.add_argument("--dtype", default=None,
                       choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
-                      help="weight dtype (default bfloat16)")
+                      help="weight dtype (default: bfloat16 folder to folder, else as stored)")
+    conv.add_argument("--single-file-config", metavar="DIR",
+                      help="diffusers folder whose configs describe a single-file SRC")
+    conv.add_argument("--vae", metavar="FILE",
+                      help="VAE file for a single-file SRC that holds none")
     conv.add_argument("--force", action="store_true", help="replace DST if it exists")
     return parser
 
@@ -219,15 +238,18 @@ def _run_config(args, **extra: Any):
     from pipelines.config import load_run_config
 
     cfg = load_run_config(args.config, args.set)
-    flags = dict(model=args.model, unet=args.unet, scheduler=args.scheduler, dtype=args.dtype,
-                 devices=args.devices, loras=getattr(args, "lora", None) or None, **extra)
+    flags = dict(model=args.model, unet=args.unet, vae=args.vae,
+                 single_file_config=args.single_file_config, scheduler=args.scheduler,
+                 dtype=args.dtype, devices=args.devices,
+                 loras=getattr(args, "lora", None) or None, **extra)
     flags = {k: v for k, v in flags.items() if v is not None}
     if flags:
         cfg = cfg.replace(**flags)
-    model = _model_dir(cfg.model)
-    unet = str(Path(cfg.unet).resolve()) if cfg.unet else None
-    if unet and not Path(unet).is_file():
-        raise InputError([f"unet {cfg.unet}: no such file (--unet / config key 'unet')"])
+    model = _model_path(cfg.model)
+    unet = _existing(cfg.unet, "unet", "--unet", file=True)
+    vae = _existing(cfg.vae, "vae", "--vae")
+    single_file_config = _existing(cfg.single_file_config, "single_file_config",
+                                  "--single-file-config", folder=True)
     loras = []
     for spec in cfg.loras:
         path = Path(spec.path).expanduser()
@@ -235,21 +257,38 @@ def _run_config(args, **extra: Any):
             raise InputError([f"lora {spec.path}: no such file or folder (--lora PATH[:SCALE] / "
                               "config key 'loras')"])
         loras.append(spec.replace(path=str(path.resolve())))
-    return cfg.replace(model=str(model), unet=unet, loras=tuple(loras))
+    return cfg.replace(model=str(model), unet=unet, vae=vae,
+                       single_file_config=single_file_config, loras=tuple(loras))
 
 
-def _model_dir(model: str | None) -> Path:
+def _model_path(model: str | None) -> Path:
     if model is None:
         from pipelines.default_model import default_model_path
 
         return default_model_path().resolve()  # FileNotFoundError names the path: exit 2
     path = Path(model).expanduser()
+    if path.is_file():
+        return path.resolve()  # a single file: the loader recognises it or says what it is
     if not path.is_dir():
-        raise InputError([f"model {model}: no such folder (--model / config key 'model')"])
+        raise InputError([f"model {model}: no such folder or file (--model / config key "
+                          "'model')"])
     if not (path / "model_index.json").is_file():
         raise InputError([f"model {model}: not a diffusers SDXL pipeline folder "
                           "(no model_index.json)"])
     return path.resolve()
+
+
+def _existing(value: str | None, key: str, flag: str, *, file: bool = False,
+              folder: bool = False) -> str | None:
+    """``value`` as an absolute path, or an error naming the flag and config key."""
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    ok = path.is_file() if file else path.is_dir() if folder else path.exists()
+    if not ok:
+        kind = "file" if file else "folder" if folder else "file or folder"
+        raise InputError([f"{key} {value}: no such {kind} ({flag} / config key '{key}')"])
+    return str(path.resolve())
 
 
 def _json_file(path: Path) -> dict:
@@ -408,21 +447,30 @@ def cmd_info(args) -> int:
     import jax
     import numpy as np
 
+    from maxdiff import single_file
     from maxdiff.checkpoint import open_weights
-    from pipelines.text_to_image import TextToImagePipeline
+    from pipelines.text_to_image import TextToImagePipeline, model_root
 
     with _usage_errors():
         cfg = _run_config(args)
         t0 = time.perf_counter()
         pipe = TextToImagePipeline.from_config(cfg)
+        root, layout = model_root(Path(cfg.model), cfg.single_file_config)
     load_s = time.perf_counter() - t0
-    root = Path(cfg.model)
     comps = {}
     for name in COMPONENTS:
         leaves = jax.tree_util.tree_leaves(pipe.params[name])
-        src = open_weights(cfg.unet if name == "unet" and cfg.unet else root / name)
-        stored = sorted({str(src.get(k).dtype) for k in src.keys()})
         conf = _json_file(root / name / "config.json")
+        replaced = {"unet": cfg.unet, "vae": cfg.vae}.get(name)
+        if replaced:
+            src = open_weights(replaced)
+        elif layout is not None:
+            src = single_file.component_source(layout, name, conf)
+        else:
+            src = open_weights(root / name)
+        scope = getattr(src, "scope", "")
+        stored = sorted({str(src.files[src.file_of(k)].dtype(k)) for k in src.keys()
+                         if k.startswith(scope)})
         comps[name] = dict(
             parameters=int(sum(int(np.prod(x.shape)) for x in leaves)),
             dtype=sorted({str(x.dtype) for x in leaves}), stored_dtype=stored,
@@ -431,7 +479,10 @@ def cmd_info(args) -> int:
             config={k: conf[k] for k in CONFIG_KEYS[name] if k in conf})
     devices = list(pipe.mesh.devices.flat)
     report = dict(
-        model=cfg.model, unet=cfg.unet, scheduler=type(pipe.scheduler).__name__,
+        model=cfg.model, format=(f"single file ({layout.family.title})" if layout
+                                 else "diffusers folder"),
+        configs=str(root) if layout else None, unet=cfg.unet, vae=cfg.vae,
+        scheduler=type(pipe.scheduler).__name__,
         scheduler_preset=cfg.scheduler, default_steps=pipe.default_steps,
         default_guidance=pipe.default_guidance,
         default_size=f"{pipe.default_width}x{pipe.default_height}" if pipe.default_width else None,
@@ -442,7 +493,10 @@ def cmd_info(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"model      {report['model']}" + (f"\nunet file  {cfg.unet}" if cfg.unet else ""))
+    print(f"model      {report['model']} ({report['format']})"
+          + (f"\nconfigs    {root}" if layout else "")
+          + (f"\nunet file  {cfg.unet}" if cfg.unet else "")
+          + (f"\nvae        {cfg.vae}" if cfg.vae else ""))
     print(f"scheduler  {report['scheduler']}" + (f" ({cfg.scheduler})" if cfg.scheduler else "")
           + f"; defaults: {pipe.default_steps} steps, guidance {pipe.default_guidance:g}, "
           f"size {report['default_size'] or 'none (pass --size)'}")
@@ -469,12 +523,14 @@ def cmd_convert(args) -> int:
     from maxdiff.checkpoint import SafetensorsFile, open_weights, resolve_dtype, save_safetensors
 
     src, dst = Path(args.src), Path(args.dst)
+    if dst.exists() and not args.force:
+        raise InputError([f"DST {dst} exists; pass --force to replace it"])
+    if src.is_file() or dst.suffix == ".safetensors":
+        return _convert_single_file(args, src, dst)
     with _usage_errors():
-        dtype = resolve_dtype(args.dtype)
+        dtype = resolve_dtype(args.dtype or "bfloat16")
         if not (src / "model_index.json").is_file():
             raise InputError([f"SRC {src}: not a diffusers pipeline folder (no model_index.json)"])
-        if dst.exists() and not args.force:
-            raise InputError([f"DST {dst} exists; pass --force to replace it"])
         if dst.resolve() == src.resolve():
             raise InputError(["SRC and DST are the same folder"])
         components = {k for k, v in _json_file(src / "model_index.json").items()
@@ -518,6 +574,31 @@ def cmd_convert(args) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _log(f"wrote {dst} ({total / 2**20:.1f} MiB of weights, {dtype}) in "
+         f"{time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def _convert_single_file(args, src: Path, dst: Path) -> int:
+    """folder -> single file, or single file -> folder (:mod:`maxdiff.single_file`)."""
+    from maxdiff import single_file
+
+    t0 = time.perf_counter()
+    with _usage_errors():
+        if dst.resolve() == src.resolve():
+            raise InputError(["SRC and DST are the same"])
+        if src.is_file():
+            if dst.suffix == ".safetensors":
+                raise InputError([f"SRC {src} is already a single file; DST must be a folder"])
+            single_file.to_folder(src, dst, config=args.single_file_config, dtype=args.dtype,
+                                  vae=args.vae)
+            _log(f"wrote {dst} (diffusers folder) in {time.perf_counter() - t0:.1f}s")
+            return 0
+        if not (src / "model_index.json").is_file():
+            raise InputError([f"SRC {src}: not a diffusers pipeline folder (no model_index.json) "
+                              "nor a single file"])
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        size = single_file.export(src, dst, dtype=args.dtype)
+    _log(f"wrote {dst} ({size / 2**20:.1f} MiB, original single-file layout) in "
          f"{time.perf_counter() - t0:.1f}s")
     return 0
 

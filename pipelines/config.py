@@ -58,8 +58,10 @@ class LoraSpec(StrictConfig):
 class RunConfig(StrictConfig):
     """What a generation run needs. ``None`` means: the model's or scheduler preset's default."""
 
-    model: str | None = None  # diffusers SDXL folder; None: the embedded default model
-    unet: str | None = None  # single-file UNet replacing the folder's (SDXL-Lightning)
+    model: str | None = None  # diffusers SDXL folder or single file; None: the embedded model
+    unet: str | None = None  # single-file UNet replacing the model's (SDXL-Lightning)
+    vae: str | None = None  # VAE file or folder replacing the model's (sdxl_vae.safetensors)
+    single_file_config: str | None = None  # diffusers folder describing a single-file model
     scheduler: str | None = None  # preset name (lightning-4step, ...), config folder or json
     steps: int | None = Field(None, ge=1)
     guidance: float | None = Field(None, ge=0)
@@ -86,7 +88,8 @@ class RunConfig(StrictConfig):
 
     def pipeline_kwargs(self) -> dict:
         """Keyword arguments for ``TextToImagePipeline.from_pretrained``."""
-        kw = dict(path=self.model, dtype=self.dtype, unet=self.unet, scheduler=self.scheduler,
+        kw = dict(path=self.model, dtype=self.dtype, unet=self.unet, vae=self.vae,
+                  config=self.single_file_config, scheduler=self.scheduler,
                   devices=self.devices, attention_kernel=self.attention,
                   attention_chunk=self.attention_chunk, vae_tiling=self.vae_tiling)
         if self.compile_cache_dir is not None:

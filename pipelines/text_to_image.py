@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiff import adapters as adapterlib, checkpoint, mesh as meshlib
+from maxdiff import adapters as adapterlib, checkpoint, mesh as meshlib, single_file
 from maxdiff.models.clip import load_text_encoder
 from maxdiff.models.unet import load_unet
 from maxdiff.models.vae import load_vae
 from maxdiff.schedulers import (EulerAncestralDiscreteScheduler, LCMScheduler, get_preset,
-                                load_scheduler, max_inference_steps)
+                                load_scheduler, max_inference_steps, read_scheduler_config)
 from maxdiff.tokenizers import load_tokenizer, tokenize
 from maxdiff.models.vae_tiling import (check_tiling_setting, tile_decoder, tile_encoder,
                                        tiled_decode, tiled_encode, use_tiling)
@@ -123,6 +123,59 @@ def guide(out, cfg: bool, g, r):
     return jnp.where(r > 0, r * out * (std_text / std_cfg) + (1 - r) * out, out)
 
 
+_COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+
+
+def model_root(path: Path, config: str | os.PathLike | None
+                ) -> tuple[Path, single_file.Layout | None]:
+    """The folder whose configs describe the model, and the single file's layout (None for a
+    diffusers folder). Errors name what is missing."""
+    if path.is_file():
+        layout = single_file.inspect(path)
+        if not layout.family.supported:
+            raise checkpoint.CheckpointError(
+                f"{path}: a {layout.family.title} single file; maxdiff's pipelines load SDXL base "
+                "single files and diffusers SDXL folders")
+        if layout.in_channels != 4:
+            raise checkpoint.CheckpointError(
+                f"{path}: an inpainting UNet ({layout.in_channels} input channels); maxdiff "
+                "inpaints with the base model (InpaintPipeline)")
+        root = Path(config) if config is not None else single_file.shipped_config(
+            layout.family.name)
+        for comp in _COMPONENTS:
+            if not (root / comp / "config.json").is_file():
+                raise checkpoint.CheckpointError(
+                    f"{root}: config= needs {comp}/config.json (a diffusers SDXL folder "
+                    "describing the single file)")
+        return root, layout
+    if config is not None:
+        raise ValueError(f"config= describes a single-file checkpoint; {path} is a folder with "
+                         "its own configs")
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise checkpoint.CheckpointError(
+            f"{path}: not a diffusers pipeline folder (no model_index.json) nor a single-file "
+            "checkpoint")
+    checkpoint.check_links(path)
+    for comp in (*_COMPONENTS, "tokenizer", "tokenizer_2"):
+        if not (path / comp).is_dir():
+            raise checkpoint.CheckpointError(
+                f"{path}: missing component folder {comp}/ (an SDXL pipeline needs unet, vae, "
+                "text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler)")
+    return path, None
+
+
+def _tokenizer_folder(root: Path, name: str) -> Path:
+    """``root/name``; configs without tokenizers (the shipped single-file configs) use the
+    embedded model's, which are CLIP's own 49,408-token vocabulary (``tokenizer_2`` pads with
+    ``!`` as SDXL's does)."""
+    if (root / name).is_dir():
+        return root / name
+    from pipelines.default_model import EMBEDDED
+
+    return EMBEDDED / name
+
+
 class TextToImagePipeline:
     """SDXL text-to-image in JAX. Build with :meth:`from_pretrained`; call like diffusers'
     ``StableDiffusionXLPipeline``."""
@@ -165,56 +218,72 @@ class TextToImagePipeline:
                         devices: int | Sequence[Any] | None = None, *,
                         attention_kernel: str = "auto", attention_chunk: int = 512,
                         compile_cache_dir: str | os.PathLike | None = DEFAULT_COMPILE_CACHE,
-                        variant: str | None = None, vae_tiling: bool | str = "auto"
-                        ) -> "TextToImagePipeline":
+                        variant: str | None = None, vae_tiling: bool | str = "auto",
+                        vae: str | os.PathLike | None = None,
+                        config: str | os.PathLike | None = None) -> "TextToImagePipeline":
         """Load a diffusers SDXL folder (``model_index.json``, ``unet/``, ``vae/``,
-        ``text_encoder/``, ``text_encoder_2/``, ``tokenizer*/``, ``scheduler/``).
+        ``text_encoder/``, ``text_encoder_2/``, ``tokenizer*/``, ``scheduler/``), or a
+        single-file SDXL checkpoint (see :meth:`from_single_file`; ``config`` applies to it).
 
-        ``unet``: a single-file UNet in diffusers key format that replaces the folder's (the
-        SDXL-Lightning files). ``scheduler``: a diffusers scheduler config dict, a folder or
-        json file, or a preset name such as ``"lightning-4step"`` (which also sets the default
-        steps and guidance). ``devices``: None for all local devices, N for the first N.
-        ``vae_tiling``: ``"auto"`` (encode and decode images of more than
-        ``vae_tiling_threshold`` pixels tile by tile; default 2 x the VAE's ``sample_size²``,
-        at least 2,097,152), True (tile whenever diffusers' ``enable_tiling`` would) or False
-        (never); see :func:`maxdiff.models.vae_tiling.use_tiling`.
+        ``unet``: a UNet file that replaces the model's: diffusers keys (the SDXL-Lightning
+        files) or a whole single-file checkpoint. ``vae``: a VAE that replaces the model's: a
+        diffusers VAE folder, or a file (``sdxl_vae.safetensors``, original or diffusers keys).
+        ``scheduler``: a diffusers scheduler config dict, a folder or json file, or a preset
+        name such as ``"lightning-4step"`` (which also sets the default steps and guidance).
+        ``devices``: None for all local devices, N for the first N. ``vae_tiling``:
+        ``"auto"`` (encode and decode images of more than ``vae_tiling_threshold`` pixels tile
+        by tile; default 2 x the VAE's ``sample_size²``, at least 2,097,152), True (tile
+        whenever diffusers' ``enable_tiling`` would) or False (never); see
+        :func:`maxdiff.models.vae_tiling.use_tiling`.
         """
         vae_tiling = check_tiling_setting(vae_tiling)
         if path is None:
             from pipelines.default_model import default_model_path
 
             path = default_model_path()
-        root = Path(path)
-        index = root / "model_index.json"
-        if not index.is_file():
-            raise checkpoint.CheckpointError(
-                f"{root}: not a diffusers pipeline folder (no model_index.json)")
-        checkpoint.check_links(root)
-        model_index = json.loads(index.read_text())
-        for comp in ("unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
-            if not (root / comp).is_dir():
-                raise checkpoint.CheckpointError(
-                    f"{root}: missing component folder {comp}/ (an SDXL pipeline needs unet, vae, "
-                    "text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler)")
+        root, layout = model_root(Path(path), config)
+        model_index = json.loads((root / "model_index.json").read_text())
         enable_compile_cache(compile_cache_dir)
         mesh = meshlib.make_mesh(devices)
         put = meshlib.put_replicated(mesh)
 
-        unet_cfg = checkpoint.read_config(root / "unet")
-        unet_model, unet_params = load_unet(unet if unet is not None else root / "unet", dtype,
-                                            config=unet_cfg, attention_kernel=attention_kernel,
-                                            attention_chunk=attention_chunk, put=put,
-                                            variant=None if unet is not None else variant)
-        vae_model, vae_params = load_vae(root / "vae", dtype, variant=variant, put=put)
-        te1, te1_params = load_text_encoder(root / "text_encoder", dtype, variant=variant)
-        te2, te2_params = load_text_encoder(root / "text_encoder_2", dtype, variant=variant)
+        hint = "" if config is not None else (
+            f"maxdiff's shipped {layout.family.title} configs do not describe this file; pass "
+            "config= (--config) a diffusers folder that does") if layout else ""
+
+        def part(name: str) -> tuple[dict, Any]:
+            """A component's config and, for a single file, where its weights are."""
+            cfg = checkpoint.read_config(root / name)
+            return cfg, (single_file.component_source(layout, name, cfg, hint=hint)
+                         if layout else None)
+
+        unet_cfg, unet_src = part("unet")
+        unet_model, unet_params = load_unet(
+            unet if unet is not None else root / "unet", dtype, config=unet_cfg,
+            attention_kernel=attention_kernel, attention_chunk=attention_chunk, put=put,
+            variant=None if unet is not None else variant,
+            source=None if unet is not None else unet_src)
+        if vae is None:
+            vae_cfg, vae_src = part("vae")
+            vae_model, vae_params = load_vae(root / "vae", dtype, variant=variant, put=put,
+                                             config=vae_cfg, source=vae_src)
+        else:  # a folder brings its config; a file is read with the model's
+            vae_cfg = None if Path(vae).is_dir() else checkpoint.read_config(root / "vae")
+            vae_model, vae_params = load_vae(vae, dtype, put=put, config=vae_cfg)
+        encoders = []
+        for name in ("text_encoder", "text_encoder_2"):
+            cfg, src = part(name)
+            encoders += load_text_encoder(root / name, dtype, variant=variant, config=cfg,
+                                          source=src)
+        te1, te1_params, te2, te2_params = encoders
         te1_params, te2_params = jax.device_put((te1_params, te2_params), meshlib.replicated(mesh))
 
         measured = ModelDefaults.read(root)
         steps = measured.steps or 50
         guidance = 5.0 if measured.guidance is None else measured.guidance
         if scheduler is None:
-            sched = load_scheduler(root / "scheduler")
+            sched = load_scheduler(layout.scheduler_config(read_scheduler_config(root)) if layout
+                                   else root / "scheduler")
         elif isinstance(scheduler, str) and not Path(scheduler).exists():
             preset = get_preset(scheduler)
             sched = load_scheduler(scheduler)
@@ -230,15 +299,15 @@ class TextToImagePipeline:
                 f"projection_dim={te2.config.projection_dim} and addition_time_embed_dim="
                 f"{unet_model.config.addition_time_embed_dim} need {expected}")
         pipe = cls(
-            tokenizer=load_tokenizer(root / "tokenizer"),
-            tokenizer_2=load_tokenizer(root / "tokenizer_2"),
+            tokenizer=load_tokenizer(_tokenizer_folder(root, "tokenizer")),
+            tokenizer_2=load_tokenizer(_tokenizer_folder(root, "tokenizer_2")),
             text_encoder=te1, text_encoder_2=te2, unet=unet_model, vae=vae_model,
             scheduler=sched,
             params={"unet": unet_params, "vae": vae_params, "text_encoder": te1_params,
                     "text_encoder_2": te2_params},
             mesh=mesh,
             force_zeros_for_empty_prompt=bool(model_index.get("force_zeros_for_empty_prompt", True)),
-            default_steps=steps, default_guidance=guidance, name=str(root),
+            default_steps=steps, default_guidance=guidance, name=str(path),
         )
         sample_size = unet_cfg.get("sample_size")
         if isinstance(sample_size, int):
@@ -248,6 +317,22 @@ class TextToImagePipeline:
         pipe.max_size = measured.max_size
         pipe.vae_tiling = vae_tiling
         return pipe
+
+    @classmethod
+    def from_single_file(cls, path: str | os.PathLike, config: str | os.PathLike | None = None,
+                         **kwargs) -> "TextToImagePipeline":
+        """Load a single-file SDXL checkpoint in the original Stability layout (the
+        ``.safetensors`` files A1111 / ComfyUI users download: ``model.diffusion_model.*``,
+        ``first_stage_model.*``, ``conditioner.embedders.*``), as diffusers'
+        ``from_single_file`` does. The architecture is recognised from the keys; its configs
+        are the SDXL base configs maxdiff ships (``maxdiff/assets/configs/sdxl-base``) unless
+        ``config`` names a diffusers folder whose ``config.json`` files (and tokenizers, when
+        it has them) describe the file. A file without a VAE needs ``vae=``. Other keyword
+        arguments as :meth:`from_pretrained`. Weights stream tensor by tensor."""
+        if not Path(path).is_file():
+            raise checkpoint.CheckpointError(f"{path}: no such file (from_single_file reads one "
+                                             ".safetensors file; use from_pretrained for a folder)")
+        return cls.from_pretrained(path, config=config, **kwargs)
 
     @classmethod
     def from_config(cls, config: Any = None, overrides: Sequence[str] | dict | None = None

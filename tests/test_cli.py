@@ -440,6 +440,10 @@ def test_a_regular_install_works_from_another_folder(tmp_path):
     assert inst.returncode == 0, inst.stderr[-3000:]
     assert (target / "maxdiff" / "configs" / "demo.yaml").is_file()
     assert (target / "maxdiff" / "assets" / "demo-model" / "maxdiff.json").is_file()
+    shipped = target / "maxdiff" / "assets" / "configs" / "sdxl-base"  # single files' configs
+    assert all((shipped / c / "config.json").is_file()
+               for c in ("unet", "vae", "text_encoder", "text_encoder_2"))
+    assert (shipped / "scheduler" / "scheduler_config.json").is_file()
     assert "<title>maxdiff playground</title>" in (target / "serving" / "playground.html"
                                                    ).read_text()  # the service's page at /
     env = {**os.environ, "PYTHONPATH": str(target),

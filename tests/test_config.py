@@ -59,7 +59,7 @@ def test_overrides_are_typed():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["bogus=1"], r"unknown key 'bogus'; allowed keys: model, unet, scheduler, steps"),
+    (["bogus=1"], r"unknown key 'bogus'; allowed keys: model, unet, vae, single_file_config, scheduler, steps"),
     (["steps=two"], r"key 'steps': Input should be a valid integer.*\(got 'two'\)"),
     (["steps=2.5"], r"key 'steps': .*fractional part"),
     (["steps=0"], r"key 'steps': Input should be greater than or equal to 1 \(got 0\)"),

@@ -108,6 +108,7 @@ def paths(tmp_path_factory):
         ("/models/sdxl-base-bf16", str(work / "sdxl-base-bf16")),
         ("/models/pixel-art-xl.safetensors", str(lora_1)),
         ("/models/lora-folder", str(work / "lora-folder")),
+        ("/models/sdxl-base.safetensors", str(work / "sdxl-base.safetensors")),
         ("/models/sdxl-base", str(sdxl_dir)),
         ("/tmp/tiny-sdxl", str(work / "tiny-sdxl")),
         ("/tmp/tiny-out", str(work / "tiny-out")),
@@ -155,6 +156,10 @@ def test_make_demo():
 def test_python_examples(paths):
     """The library, Python API and Lightning snippets, in order, as one session would."""
     work, subs = paths
+    from maxdiff import single_file
+
+    if not (work / "sdxl-base.safetensors").is_file():  # the single file the examples read
+        single_file.export(work / "tiny-sdxl-f8", work / "sdxl-base.safetensors")
     code = "\n".join(localize(the_code, subs) for lang, the_code in blocks()
                      if claimed(lang, the_code) == "python")
     run_python(code + "\nprint('seeds', out.seeds)", work)
@@ -167,6 +172,7 @@ def test_cli_examples(paths):
     jobs = the("jobs")
     (work / "jobs.jsonl").write_text(jobs)
     (work / "prompts.txt").write_text("a red circle\na blue square on white\n")
+    (work / "sdxl-base.safetensors").unlink(missing_ok=True)  # the example writes it
     run_bash(localize(the("cli"), subs), work)
     assert len(list((work / "out" / "demo").glob("*.png"))) == 4
     assert len(list((work / "out" / "shapes").glob("*.png"))) == 1
@@ -177,6 +183,7 @@ def test_cli_examples(paths):
     assert len(run2) == 4 and {r["steps"] for r in run2} == {4}
     assert {r["size"] for r in run2} >= {"768x1024"}
     assert (work / "sdxl-base-bf16" / "model_index.json").is_file()
+    assert len(list((work / "out" / "file").glob("*.png"))) == 1  # from the single file
 
 
 @pytest.mark.slow  # default-suite time (14-23 s): make test-slow runs it

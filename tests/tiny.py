@@ -57,7 +57,8 @@ def write_clip_tokenizer(folder: str | Path, pad_token: str = "<|endoftext|>") -
     return folder
 
 
-def clip_text_config(*, projection: bool, hidden_act: str = "gelu", legacy_eos: bool = True):
+def clip_text_config(*, projection: bool, hidden_act: str = "gelu", legacy_eos: bool = True,
+                     hidden_size: int = 32):
     from transformers import CLIPTextConfig
 
     v = vocab_size()
@@ -65,7 +66,7 @@ def clip_text_config(*, projection: bool, hidden_act: str = "gelu", legacy_eos: 
         bos_token_id=v - 2,
         eos_token_id=2 if legacy_eos else v - 1,  # 2: transformers' legacy "argmax" pooling
         pad_token_id=1,
-        hidden_size=32,
+        hidden_size=hidden_size,
         intermediate_size=37,
         layer_norm_eps=1e-5,
         num_attention_heads=4,
@@ -175,9 +176,12 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_sdxl_pipeline(folder: str | Path, seed: int = 0, scheduler_config: dict | None = None,
-                       vae_config: dict | None = None, unet_config: dict | None = None):
+                       vae_config: dict | None = None, unet_config: dict | None = None,
+                       hidden_2: int = 32):
     """A complete tiny SDXL folder in the diffusers layout (model_index.json and components).
-    ``vae_config`` / ``unet_config``: other tiny configs (e.g. :data:`VAE_F8`)."""
+    ``vae_config`` / ``unet_config``: other tiny configs (e.g. :data:`VAE_F8`). ``hidden_2``:
+    text_encoder_2's width (diffusers' single-file reader tells the two encoders apart by
+    width, as the real ones are: 768 and 1280); the UNet's cross-attention follows it."""
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
     from transformers import CLIPTokenizer
 
@@ -189,13 +193,17 @@ def make_sdxl_pipeline(folder: str | Path, seed: int = 0, scheduler_config: dict
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     torch.manual_seed(seed)
-    unet = UNet2DConditionModel(**(unet_config or SDXL_UNET)).eval()
+    unet_config = dict(unet_config or SDXL_UNET)
+    if hidden_2 != 32:
+        unet_config["cross_attention_dim"] = 32 + hidden_2
+    unet = UNet2DConditionModel(**unet_config).eval()
     _randomize(unet, seed)
     vae = AutoencoderKL(**(vae_config or VAE)).eval()
     _randomize(vae, seed + 10)
     torch.manual_seed(seed + 20)
     te1 = CLIPTextModel(clip_text_config(projection=False, hidden_act="quick_gelu")).eval()
-    te2 = CLIPTextModelWithProjection(clip_text_config(projection=True, legacy_eos=False)).eval()
+    te2 = CLIPTextModelWithProjection(clip_text_config(projection=True, legacy_eos=False,
+                                                       hidden_size=hidden_2)).eval()
     sched = EulerDiscreteScheduler(**(scheduler_config or SDXL_SCHEDULER))
     pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=te1, text_encoder_2=te2, tokenizer=tok1,
                                      tokenizer_2=tok2, unet=unet, scheduler=sched)

@@ -335,6 +335,8 @@ def load_text_encoder(
     *,
     architecture: str | None = None,
     variant: str | None = None,
+    config: Mapping | None = None,
+    source: Any = None,
 ) -> tuple[nn.Module, dict]:
     """Load a transformers CLIP text encoder folder (``config.json`` + safetensors).
 
@@ -342,16 +344,19 @@ def load_text_encoder(
     ``CLIPTextModelWithProjection`` when the weights hold ``text_projection.weight``.
     Returns ``(module, params)``; call ``module.apply({"params": params}, input_ids)``.
     Parameters are stored in ``dtype`` and the module computes in it (norms and softmax in
-    float32). A config that does not match the weights raises
-    :class:`maxdiff.checkpoint.CheckpointError` naming the key.
+    float32). ``config`` / ``source``: the config dict and opened weights instead of the
+    folder's (a text encoder inside a single file, :mod:`maxdiff.single_file`). A config
+    that does not match the weights raises :class:`maxdiff.checkpoint.CheckpointError`
+    naming the key.
     """
     target = checkpoint.resolve_dtype(dtype)
-    raw = checkpoint.read_config(folder)
+    raw = dict(config) if config is not None else checkpoint.read_config(folder)
     try:
         config = CLIPTextConfig.from_dict(raw)
     except ValueError as e:
         raise ValueError(f"{os.fspath(folder)}/config.json: {e}") from None
-    source = checkpoint.open_weights(folder, variant)
+    if source is None:
+        source = checkpoint.open_weights(folder, variant)
 
     if architecture is None:
         known = [a for a in config.architectures if a in ARCHITECTURES]

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 import numpy as np
 
-from maxdiff import checkpoint
+from maxdiff import checkpoint, single_file
 from maxdiff.models.attention import DEFAULT_CHUNK, KERNELS
 from maxdiff.models.layers import Downsample2D, ResnetBlock2D, Upsample2D, conv, dense, group_norm
 from maxdiff.models.transformer import Transformer2DModel
@@ -334,10 +334,13 @@ def param_shapes(model: UNet2DConditionModel) -> dict:
 
 def load_unet(path: str | os.PathLike, dtype: Any = "float32", *, config: dict | None = None,
               attention_kernel: str = "auto", attention_chunk: int = DEFAULT_CHUNK,
-              put=None, variant: str | None = None) -> tuple[UNet2DConditionModel, dict]:
-    """Load a UNet from a diffusers ``unet/`` folder, or a single ``.safetensors`` file in
-    diffusers key format together with ``config`` (the base model's ``unet/config.json``).
-    ``variant`` picks ``diffusion_pytorch_model.{variant}.safetensors`` in a folder.
+              put=None, variant: str | None = None, source=None
+              ) -> tuple[UNet2DConditionModel, dict]:
+    """Load a UNet from a diffusers ``unet/`` folder, or a single ``.safetensors`` file
+    together with ``config`` (the base model's ``unet/config.json``): a UNet in diffusers keys
+    (the SDXL-Lightning files) or a whole single-file checkpoint, whose UNet is read.
+    ``variant`` picks ``diffusion_pytorch_model.{variant}.safetensors`` in a folder;
+    ``source``: the weights, already opened (a :mod:`maxdiff.single_file` model).
 
     Returns ``(module, params)``; params are cast to ``dtype`` tensor by tensor.
     """
@@ -353,7 +356,9 @@ def load_unet(path: str | os.PathLike, dtype: Any = "float32", *, config: dict |
     cfg = UNetConfig.from_dict(config)
     np_dtype = checkpoint.resolve_dtype(dtype)
     model = UNet2DConditionModel(cfg, attention_kernel, attention_chunk, jnp.dtype(np_dtype))
-    source = checkpoint.open_weights(path, variant)
+    if source is None:
+        source = (single_file.unet_source(path, config) if path.is_file()
+                  else checkpoint.open_weights(path, variant))
     params = checkpoint.load_params(param_shapes(model), source, np_dtype, put=put)
     return model, params
 

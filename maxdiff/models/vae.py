@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiff.checkpoint import load_params, open_weights, read_config, resolve_dtype
+from maxdiff import single_file
+from maxdiff.checkpoint import (CheckpointError, load_params, open_weights, read_config,
+                                resolve_dtype)
 from maxdiff.models.attention import DEFAULT_CHUNK, KERNELS, Attention
 from maxdiff.models.layers import Downsample2D, ResnetBlock2D, Upsample2D, conv, group_norm
 
@@ -417,10 +419,14 @@ def param_shapes(model: AutoencoderKL) -> dict:
 
 def load_vae(folder: str | Path, dtype: Any = "float32", *, variant: str | None = None,
              attention_kernel: str = "auto",
-             attention_chunk: int = DEFAULT_CHUNK, put=None) -> tuple[AutoencoderKL, dict]:
+             attention_chunk: int = DEFAULT_CHUNK, put=None, config: dict | None = None,
+             source=None) -> tuple[AutoencoderKL, dict]:
     """Load a diffusers ``AutoencoderKL`` folder (``config.json`` + safetensors weights).
 
-    ``folder`` is the VAE component folder, or a pipeline folder holding ``vae/``.
+    ``folder`` is the VAE component folder, or a pipeline folder holding ``vae/``, or a
+    single ``.safetensors`` VAE file (original or diffusers keys, e.g. ``sdxl_vae.safetensors``)
+    together with ``config`` (a diffusers VAE config dict). ``source``: the weights, already
+    opened (a :mod:`maxdiff.single_file` model).
     ``dtype`` ("float32", "bfloat16", "float16") is the parameter and computation dtype,
     except that when the config sets ``force_upcast`` (SDXL's VAE does: it overflows in
     float16) a half-precision request is overridden: the parameters are loaded and the
@@ -437,11 +443,18 @@ def load_vae(folder: str | Path, dtype: Any = "float32", *, variant: str | None 
     folder = Path(folder)
     if (folder / "model_index.json").is_file() and (folder / "vae" / "config.json").is_file():
         folder = folder / "vae"
-    config = AutoencoderKLConfig.from_dict(read_config(folder))
+    if config is None:
+        if folder.is_file():
+            raise CheckpointError(f"{folder}: a single-file VAE needs config= (the model's "
+                                  "vae/config.json)")
+        config = read_config(folder)
+    if source is None and folder.is_file():
+        source = single_file.vae_source(folder, config)
+    config = AutoencoderKLConfig.from_dict(config)
     dt = resolve_dtype(dtype)
     if config.force_upcast and dt != np.dtype("float32"):
         dt = np.dtype("float32")
     model = AutoencoderKL(config, dtype=jnp.dtype(dt), attention_kernel=attention_kernel,
                           attention_chunk=attention_chunk)
-    params = load_params(param_shapes(model), open_weights(folder, variant), dt, put=put)
+    params = load_params(param_shapes(model), source or open_weights(folder, variant), dt, put=put)
     return model, params
