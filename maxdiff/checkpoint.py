@@ -417,9 +417,11 @@ def load_params(
         out[path] = put(np.ascontiguousarray(arr))
         del arr, raw
         used.add(stored)
+    unused = getattr(source, "unused", None) or (lambda k: False)
     unexpected = [
         k for k in source.keys()
         if k.startswith(scope) and k not in used and not k.endswith(ignore or ("\0",))
+        and not unused(k)
     ]
     if unexpected:
         more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""

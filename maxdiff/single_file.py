@@ -262,6 +262,7 @@ class MappedSource(WeightSource):
     rename: Rename | None = None
     scope: str = ""
     ignore: tuple[str, ...] = ()
+    unused: Callable[[str], bool] | None = None  # more keys the config leaves out on purpose
     label: str = ""
     hint: str = ""  # added to shape errors: where the config came from
 
@@ -280,19 +281,24 @@ class Family:
     pipeline: str  # the diffusers pipeline class name
     text: tuple[tuple[str, str, str], ...]  # (component, "clip" | "openclip", prefix)
     supported: bool
+    # (tokenizer component, the embedded model's tokenizer folder with the same settings:
+    # CLIP's vocabulary, padded with <|endoftext|> ("tokenizer") or "!" ("tokenizer_2"))
+    tokenizers: tuple[tuple[str, str], ...] = (("tokenizer", "tokenizer"),)
 
 
 FAMILIES = {
     "sdxl-base": Family("sdxl-base", "Stable Diffusion XL base", "StableDiffusionXLPipeline",
                         (("text_encoder", "clip", SDXL_CLIP_L),
-                         ("text_encoder_2", "openclip", SDXL_BIGG)), True),
+                         ("text_encoder_2", "openclip", SDXL_BIGG)), True,
+                        (("tokenizer", "tokenizer"), ("tokenizer_2", "tokenizer_2"))),
     "sdxl-refiner": Family("sdxl-refiner", "Stable Diffusion XL refiner",
                            "StableDiffusionXLImg2ImgPipeline",
                            (("text_encoder_2", "openclip", REFINER_BIGG),), False),
     "sd1": Family("sd1", "Stable Diffusion 1.x", "StableDiffusionPipeline",
-                  (("text_encoder", "clip", SD1_CLIP),), False),
+                  (("text_encoder", "clip", SD1_CLIP),), True),
     "sd2": Family("sd2", "Stable Diffusion 2.x", "StableDiffusionPipeline",
-                  (("text_encoder", "openclip", SD2_OPENCLIP),), False),
+                  (("text_encoder", "openclip", SD2_OPENCLIP),), True,
+                  (("tokenizer", "tokenizer_2"),)),
 }
 
 
@@ -347,8 +353,9 @@ def _looks_like(keys: list[str]) -> str:
     return "no Stable Diffusion model maxdiff recognises"
 
 
-_WANT = ("maxdiff reads single-file SDXL base checkpoints (model.diffusion_model.*, "
-         "first_stage_model.*, conditioner.embedders.*) and diffusers folders")
+_WANT = ("maxdiff reads single-file SDXL base and SD 1.x / 2.x checkpoints "
+         "(model.diffusion_model.*, first_stage_model.*, conditioner.embedders.* or "
+         "cond_stage_model.*) and diffusers folders")
 
 
 def inspect(path: str | os.PathLike) -> Layout:
@@ -390,6 +397,23 @@ def _mapped(source: WeightSource, rename: Rename, scope: str, label: str,
                         label=label, hint=hint)
 
 
+def _openclip_unused(config: Mapping, prefix: str) -> Callable[[str], bool]:
+    """SD 2.x's text encoder is OpenCLIP-H cut to its penultimate layer (diffusers' config:
+    23 of 24 blocks) without the projection: the file's last block and ``text_projection``
+    are not used."""
+    layers = int(config.get("num_hidden_layers", 0))
+    projection = "CLIPTextModelWithProjection" in (config.get("architectures") or ())
+    block = re.compile(re.escape(prefix) + r"transformer\.resblocks\.(\d+)\.")
+
+    def unused(key: str) -> bool:
+        m = block.match(key)
+        if m:
+            return int(m.group(1)) >= layers
+        return key == prefix + "text_projection" and not projection
+
+    return unused
+
+
 def component_source(layout: Layout, component: str, config: Mapping,
                      source: WeightSource | None = None, hint: str = "") -> WeightSource:
     """The weights of one diffusers ``component`` (``unet``, ``vae``, ``text_encoder``,
@@ -409,8 +433,11 @@ def component_source(layout: Layout, component: str, config: Mapping,
     for name, kind, prefix in layout.family.text:
         if name == component:
             fn = clip_rename if kind == "clip" else openclip_rename
-            return _mapped(source, fn(prefix), prefix, f"its {component}, {prefix}*",
-                           _TEXT_IGNORE, hint)
+            src = _mapped(source, fn(prefix), prefix, f"its {component}, {prefix}*",
+                          _TEXT_IGNORE, hint)
+            if kind == "openclip":
+                src.unused = _openclip_unused(config, prefix)
+            return src
     raise CheckpointError(f"{layout.path}: a {layout.family.title} file has no {component}")
 
 
@@ -461,17 +488,28 @@ def shipped_config(family: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- writing
-def export(folder: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
-           variant: str | None = None, include_vae: bool = True) -> int:
-    """Write a diffusers SDXL folder as one single file in the original layout (what diffusers'
-    ``from_single_file`` and the A1111 / ComfyUI loaders read). Tensors stream one at a time;
-    ``dtype`` (e.g. ``"float16"``) casts floating tensors. Returns the file size."""
+def folder_family(folder: str | os.PathLike) -> Family:
+    """The family of a diffusers folder: SDXL base, or SD 1.x (OpenAI's CLIP text encoder,
+    ``quick_gelu``) / 2.x (OpenCLIP's, ``gelu``) for a ``StableDiffusionPipeline``."""
     folder = Path(folder)
     index = json.loads((folder / "model_index.json").read_text())
-    if index.get("_class_name") != "StableDiffusionXLPipeline":
-        raise CheckpointError(f"{folder}: export writes SDXL base pipelines; this folder is a "
-                              f"{index.get('_class_name')}")
-    family = FAMILIES["sdxl-base"]
+    name = index.get("_class_name")
+    if name == "StableDiffusionXLPipeline":
+        return FAMILIES["sdxl-base"]
+    if name == "StableDiffusionPipeline":
+        act = checkpoint.read_config(folder / "text_encoder").get("hidden_act")
+        return FAMILIES["sd1" if act == "quick_gelu" else "sd2"]
+    raise CheckpointError(f"{folder}: a {name}; single files hold StableDiffusionXLPipeline "
+                          "and StableDiffusionPipeline models")
+
+
+def export(folder: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
+           variant: str | None = None, include_vae: bool = True) -> int:
+    """Write a diffusers SDXL or SD 1.x / 2.x folder as one single file in the original layout
+    (what diffusers' ``from_single_file`` and the A1111 / ComfyUI loaders read). Tensors stream
+    one at a time; ``dtype`` (e.g. ``"float16"``) casts floating tensors. Returns the size."""
+    folder = Path(folder)
+    family = folder_family(folder)
     cast = checkpoint.resolve_dtype(dtype) if dtype is not None else None
     renames: list[tuple[str, Rename]] = [
         ("unet", unet_rename(checkpoint.read_config(folder / "unet")))]
@@ -547,10 +585,10 @@ def to_folder(path: str | os.PathLike, out: str | os.PathLike, config: str | os.
     import shutil
 
     layout = inspect(path)
+    if not layout.family.supported:
+        raise CheckpointError(f"{path}: a {layout.family.title} file, which maxdiff does not "
+                              "convert yet")
     root = Path(config) if config is not None else shipped_config(layout.family.name)
-    if layout.family.name != "sdxl-base":
-        raise CheckpointError(f"{path}: a {layout.family.title} file; convert writes SDXL base "
-                              "single files as folders")
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
@@ -559,11 +597,11 @@ def to_folder(path: str | os.PathLike, out: str | os.PathLike, config: str | os.
     try:
         shutil.copytree(root, tmp, ignore=shutil.ignore_patterns(
             "*.safetensors", "*.safetensors.index.json", "*.bin", "*.ckpt", "*.pt", "*.pth"))
-        for name in ("tokenizer", "tokenizer_2"):
+        embedded = Path(str(resources.files("maxdiff") / "assets" / "demo-model"))
+        for name, same in layout.family.tokenizers:
             if not (tmp / name).is_dir():
-                shutil.copytree(Path(str(resources.files("maxdiff") / "assets" / "demo-model"))
-                                / name, tmp / name)
-        for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+                shutil.copytree(embedded / same, tmp / name)
+        for name in ("unet", "vae", *(n for n, _, _ in layout.family.text)):
             cfg = checkpoint.read_config(root / name)
             if name == "vae" and vae is not None:
                 src = vae_source(vae, cfg)

@@ -458,7 +458,7 @@ def cmd_info(args) -> int:
         root, layout = model_root(Path(cfg.model), cfg.single_file_config)
     load_s = time.perf_counter() - t0
     comps = {}
-    for name in COMPONENTS:
+    for name in [c for c in COMPONENTS if c in pipe.params]:  # SD 1.x / 2.x: one encoder
         leaves = jax.tree_util.tree_leaves(pipe.params[name])
         conf = _json_file(root / name / "config.json")
         replaced = {"unet": cfg.unet, "vae": cfg.vae}.get(name)

@@ -267,7 +267,7 @@ class StepEngine:
         s, lat = self.slots, (self.slots, self.lh, self.lw, self.channels)
         p = self.pipe
         ids = [jax.ShapeDtypeStruct((1, tok.model_max_length), jnp.int32)
-               for tok in (p.tokenizer, p.tokenizer_2)]
+               for tok in (p.tokenizer, p.tokenizer_2 or p.tokenizer)]
         emb, pooled = jax.eval_shape(
             lambda prm, i1, i2: encode_prompts(p.text_encoder, p.text_encoder_2, prm, i1, i2),
             p.params, *ids)

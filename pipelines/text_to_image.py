@@ -83,11 +83,15 @@ _abs_sum = jax.jit(lambda x: jnp.sum(jnp.abs(x.astype(jnp.float32))))
 
 
 def encode_prompts(te1, te2, p, ids1, ids2, ad=None, aidx=None):
-    """Both CLIP encoders: (penultimate states of both, concatenated; encoder 2's pooled
-    projection). ``ad``/``aidx``: per-image adapter tables and indices (or None)."""
+    """SDXL's two CLIP encoders: (penultimate states of both, concatenated; encoder 2's pooled
+    projection). SD 1.x / 2.x (``te2`` None): (the one encoder's last state after its final
+    layer norm, as diffusers' StableDiffusionPipeline; an empty (B, 0) pooled). ``ad``/``aidx``:
+    per-image adapter tables and indices (or None)."""
     ad = ad or {}
     with adapterlib.applied(ad.get("text_encoder"), aidx):
         o1 = te1.apply({"params": p["text_encoder"]}, ids1)
+    if te2 is None:
+        return o1.last_hidden_state, jnp.zeros((ids1.shape[0], 0), o1.last_hidden_state.dtype)
     with adapterlib.applied(ad.get("text_encoder_2"), aidx):
         o2 = te2.apply({"params": p["text_encoder_2"]}, ids2)
     emb = jnp.concatenate([o1.hidden_states[-2], o2.hidden_states[-2]], axis=-1)
@@ -124,6 +128,20 @@ def guide(out, cfg: bool, g, r):
 
 
 _COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+# diffusers pipeline class -> (model components, tokenizer folders): SDXL or SD 1.x / 2.x
+_KINDS = {
+    "StableDiffusionXLPipeline": (_COMPONENTS, ("tokenizer", "tokenizer_2")),
+    "StableDiffusionPipeline": (("unet", "vae", "text_encoder"), ("tokenizer",)),
+}
+
+
+def _kind(model_index: dict, where: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    name = model_index.get("_class_name")
+    if name not in _KINDS:
+        raise checkpoint.CheckpointError(
+            f"{where}: model_index.json names a {name}; maxdiff loads "
+            f"{' and '.join(_KINDS)} folders")
+    return _KINDS[name]
 
 
 def model_root(path: Path, config: str | os.PathLike | None
@@ -134,19 +152,25 @@ def model_root(path: Path, config: str | os.PathLike | None
         layout = single_file.inspect(path)
         if not layout.family.supported:
             raise checkpoint.CheckpointError(
-                f"{path}: a {layout.family.title} single file; maxdiff's pipelines load SDXL base "
-                "single files and diffusers SDXL folders")
+                f"{path}: a {layout.family.title} single file; maxdiff's pipelines load SDXL "
+                "base and SD 1.x / 2.x single files and diffusers folders")
         if layout.in_channels != 4:
             raise checkpoint.CheckpointError(
                 f"{path}: an inpainting UNet ({layout.in_channels} input channels); maxdiff "
                 "inpaints with the base model (InpaintPipeline)")
         root = Path(config) if config is not None else single_file.shipped_config(
             layout.family.name)
-        for comp in _COMPONENTS:
+        described = json.loads((root / "model_index.json").read_text()).get("_class_name")
+        if described != layout.family.pipeline:
+            raise checkpoint.CheckpointError(
+                f"{path}: a {layout.family.title} file, but {root} describes a {described}; "
+                f"pass config= a {layout.family.pipeline} folder (or none)")
+        comps = ("unet", "vae", *(name for name, _, _ in layout.family.text))
+        for comp in comps:
             if not (root / comp / "config.json").is_file():
                 raise checkpoint.CheckpointError(
-                    f"{root}: config= needs {comp}/config.json (a diffusers SDXL folder "
-                    "describing the single file)")
+                    f"{root}: config= needs {comp}/config.json (a diffusers "
+                    f"{layout.family.pipeline} folder describing the single file)")
         return root, layout
     if config is not None:
         raise ValueError(f"config= describes a single-file checkpoint; {path} is a folder with "
@@ -157,23 +181,24 @@ def model_root(path: Path, config: str | os.PathLike | None
             f"{path}: not a diffusers pipeline folder (no model_index.json) nor a single-file "
             "checkpoint")
     checkpoint.check_links(path)
-    for comp in (*_COMPONENTS, "tokenizer", "tokenizer_2"):
+    comps, tokenizers = _kind(json.loads(index.read_text()), index)
+    for comp in (*comps, *tokenizers):
         if not (path / comp).is_dir():
             raise checkpoint.CheckpointError(
-                f"{path}: missing component folder {comp}/ (an SDXL pipeline needs unet, vae, "
-                "text_encoder, text_encoder_2, tokenizer, tokenizer_2, scheduler)")
+                f"{path}: missing component folder {comp}/ (this pipeline needs "
+                f"{', '.join((*comps, *tokenizers))}, scheduler)")
     return path, None
 
 
-def _tokenizer_folder(root: Path, name: str) -> Path:
+def _tokenizer_folder(root: Path, name: str, layout: single_file.Layout | None) -> Path:
     """``root/name``; configs without tokenizers (the shipped single-file configs) use the
-    embedded model's, which are CLIP's own 49,408-token vocabulary (``tokenizer_2`` pads with
-    ``!`` as SDXL's does)."""
-    if (root / name).is_dir():
+    embedded model's tokenizer with the same settings: CLIP's own 49,408-token vocabulary,
+    padded as the family pads (SDXL's ``tokenizer_2`` and SD 2.x's with ``!``)."""
+    if (root / name).is_dir() or layout is None:
         return root / name
     from pipelines.default_model import EMBEDDED
 
-    return EMBEDDED / name
+    return EMBEDDED / dict(layout.family.tokenizers).get(name, name)
 
 
 class TextToImagePipeline:
@@ -243,13 +268,15 @@ class TextToImagePipeline:
             path = default_model_path()
         root, layout = model_root(Path(path), config)
         model_index = json.loads((root / "model_index.json").read_text())
+        comps, tokenizers = _kind(model_index, root / "model_index.json")
+        xl = "text_encoder_2" in comps
         enable_compile_cache(compile_cache_dir)
         mesh = meshlib.make_mesh(devices)
         put = meshlib.put_replicated(mesh)
 
         hint = "" if config is not None else (
             f"maxdiff's shipped {layout.family.title} configs do not describe this file; pass "
-            "config= (--config) a diffusers folder that does") if layout else ""
+            "config= (CLI --single-file-config) a diffusers folder that does") if layout else ""
 
         def part(name: str) -> tuple[dict, Any]:
             """A component's config and, for a single file, where its weights are."""
@@ -270,17 +297,19 @@ class TextToImagePipeline:
         else:  # a folder brings its config; a file is read with the model's
             vae_cfg = None if Path(vae).is_dir() else checkpoint.read_config(root / "vae")
             vae_model, vae_params = load_vae(vae, dtype, put=put, config=vae_cfg)
-        encoders = []
-        for name in ("text_encoder", "text_encoder_2"):
+        encoders = {}
+        for name in comps[2:]:
             cfg, src = part(name)
-            encoders += load_text_encoder(root / name, dtype, variant=variant, config=cfg,
-                                          source=src)
-        te1, te1_params, te2, te2_params = encoders
+            encoders[name] = load_text_encoder(root / name, dtype, variant=variant, config=cfg,
+                                               source=src)
+        te1, te1_params = encoders["text_encoder"]
+        te2, te2_params = encoders.get("text_encoder_2", (None, None))
         te1_params, te2_params = jax.device_put((te1_params, te2_params), meshlib.replicated(mesh))
 
         measured = ModelDefaults.read(root)
         steps = measured.steps or 50
-        guidance = 5.0 if measured.guidance is None else measured.guidance
+        # diffusers' defaults: SDXL 5.0, StableDiffusionPipeline 7.5
+        guidance = (5.0 if xl else 7.5) if measured.guidance is None else measured.guidance
         if scheduler is None:
             sched = load_scheduler(layout.scheduler_config(read_scheduler_config(root)) if layout
                                    else root / "scheduler")
@@ -291,22 +320,24 @@ class TextToImagePipeline:
         else:
             sched = load_scheduler(scheduler)
 
-        expected = (unet_model.config.addition_time_embed_dim or 0) * 6 + te2.config.projection_dim
-        if unet_model.config.projection_class_embeddings_input_dim != expected:
+        expected = (unet_model.config.addition_time_embed_dim or 0) * 6 + (
+            te2.config.projection_dim if xl else 0)
+        if xl and unet_model.config.projection_class_embeddings_input_dim != expected:
             raise checkpoint.CheckpointError(
                 f"{root}: unet projection_class_embeddings_input_dim="
                 f"{unet_model.config.projection_class_embeddings_input_dim} but text_encoder_2 "
                 f"projection_dim={te2.config.projection_dim} and addition_time_embed_dim="
                 f"{unet_model.config.addition_time_embed_dim} need {expected}")
+        toks = [load_tokenizer(_tokenizer_folder(root, name, layout)) for name in tokenizers]
+        params = {"unet": unet_params, "vae": vae_params, "text_encoder": te1_params}
+        if xl:
+            params["text_encoder_2"] = te2_params
         pipe = cls(
-            tokenizer=load_tokenizer(_tokenizer_folder(root, "tokenizer")),
-            tokenizer_2=load_tokenizer(_tokenizer_folder(root, "tokenizer_2")),
+            tokenizer=toks[0], tokenizer_2=toks[1] if xl else None,
             text_encoder=te1, text_encoder_2=te2, unet=unet_model, vae=vae_model,
-            scheduler=sched,
-            params={"unet": unet_params, "vae": vae_params, "text_encoder": te1_params,
-                    "text_encoder_2": te2_params},
-            mesh=mesh,
-            force_zeros_for_empty_prompt=bool(model_index.get("force_zeros_for_empty_prompt", True)),
+            scheduler=sched, params=params, mesh=mesh,
+            # SDXL zeroes an omitted negative prompt; SD 1.x / 2.x encode "" (no such key)
+            force_zeros_for_empty_prompt=bool(model_index.get("force_zeros_for_empty_prompt", xl)),
             default_steps=steps, default_guidance=guidance, name=str(path),
         )
         sample_size = unet_cfg.get("sample_size")
@@ -708,12 +739,11 @@ class TextToImagePipeline:
         seeds = [it.seed if it.seed is not None else secrets.randbelow(MAX_SEED + 1)
                  for it in items]
         cfg = any(cfg_on(it.guidance_scale) for it in items)
-        ids = np.stack([tokenize(self.tokenizer, [it.prompt for it in items]),
-                        tokenize(self.tokenizer_2, [it.prompt_2 or it.prompt for it in items])])
         negs = [it.negative_prompt or "" for it in items]
-        neg_ids = np.stack([tokenize(self.tokenizer, negs),
-                            tokenize(self.tokenizer_2, [it.negative_prompt_2 or neg
-                                                        for it, neg in zip(items, negs)])])
+        ids, neg_ids = self.token_ids([it.prompt for it in items],
+                                      [it.prompt_2 or it.prompt for it in items],
+                                      negs, [it.negative_prompt_2 or neg
+                                             for it, neg in zip(items, negs)])
         zero_negative = np.array([it.negative_prompt is None and self.force_zeros_for_empty_prompt
                                   for it in items])
         time_ids = np.array([it.time_ids(height, width) for it in items], np.float32)
@@ -723,6 +753,17 @@ class TextToImagePipeline:
         rescale = np.array([it.guidance_rescale for it in items], np.float32)
         return (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
                 rescale)
+
+    def token_ids(self, prompts, prompts_2, negatives, negatives_2) -> tuple[np.ndarray, ...]:
+        """Token ids (2, N, 77) of the prompts and of the negatives, one row per tokenizer; a
+        model with one text encoder (SD 1.x / 2.x) repeats its ids in the second row, which
+        its program never reads."""
+        tok2 = self.tokenizer_2 or self.tokenizer
+        ids = [tokenize(self.tokenizer, prompts), tokenize(self.tokenizer, negatives)]
+        if self.tokenizer_2 is None:
+            return np.stack([ids[0], ids[0]]), np.stack([ids[1], ids[1]])
+        return (np.stack([ids[0], tokenize(tok2, prompts_2)]),
+                np.stack([ids[1], tokenize(tok2, negatives_2)]))
 
     def _seeds(self, seed, n: int) -> list[int | None]:
         """Per-image seeds from ``seed``: one int (image k gets seed + k), one per image, or None

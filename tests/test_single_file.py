@@ -125,7 +125,8 @@ def _rewrite(src, dst, keep=lambda k: True, rename=lambda k: k):
     ("unet-only", r"a UNet alone in diffusers keys.*unet="),
     ("vae-only", r"a VAE alone; pass it as vae="),
     ("truncated", r"corrupt or truncated|truncated"),
-    ("sd1", r"Stable Diffusion 1\.x single file"),
+    ("mixed", r"a Stable Diffusion 1\.x file, but .* describes a StableDiffusionXLPipeline"),
+    ("mixed-shipped", r"shipped Stable Diffusion 1\.x configs do not describe this file"),
 ])
 def test_bad_files_say_what_is_wrong(model, tmp_path, case, match):
     root, _ = model
@@ -143,27 +144,33 @@ def test_bad_files_say_what_is_wrong(model, tmp_path, case, match):
     elif case == "truncated":
         path = tmp_path / "t.safetensors"
         path.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
-    else:  # SD 1.x names its one CLIP cond_stage_model.transformer.
+    else:  # an SDXL UNet with SD 1.x's text encoder (cond_stage_model.transformer.*)
         path = _rewrite(src, tmp_path / "m.safetensors",
                         keep=lambda k: not k.startswith("conditioner.embedders.1."),
                         rename=lambda k: k.replace("conditioner.embedders.0.", "cond_stage_model."))
+    config = None if case == "mixed-shipped" else root / "folder"
     with pytest.raises(CheckpointError, match=match):
-        TextToImagePipeline.from_pretrained(path, config=root / "folder", compile_cache_dir=None)
+        TextToImagePipeline.from_pretrained(path, config=config, compile_cache_dir=None)
 
 
-def test_shipped_configs_describe_sdxl_base():
-    """Without config= a file is read with the SDXL base configs maxdiff ships; they hold the
-    real model's architecture (checked against the numbers of Stability's sd_xl_base.yaml)."""
-    root = single_file.shipped_config("sdxl-base")
-    unet = json.loads((root / "unet" / "config.json").read_text())
-    assert unet["block_out_channels"] == [320, 640, 1280]
-    assert unet["transformer_layers_per_block"] == [1, 2, 10]
-    assert unet["cross_attention_dim"] == 2048 and unet["projection_class_embeddings_input_dim"] == 2816
-    shapes = single_file._expected("unet", unet)
-    assert sum(int(np.prod(s)) for s in shapes.values()) == 2_567_463_684  # SDXL base's UNet
-    te2 = single_file._expected("text_encoder_2",
-                                json.loads((root / "text_encoder_2" / "config.json").read_text()))
-    assert sum(int(np.prod(s)) for s in te2.values()) == 694_659_840  # OpenCLIP bigG text tower
+# the published parameter counts of the real models (diffusers' models of these configs)
+REAL_SIZES = {
+    "sdxl-base": {"unet": 2_567_463_684, "vae": 83_653_863, "text_encoder": 123_060_480,
+                  "text_encoder_2": 694_659_840},
+    "sd1": {"unet": 859_520_964, "vae": 83_653_863, "text_encoder": 123_060_480},
+    "sd2": {"unet": 865_910_724, "vae": 83_653_863, "text_encoder": 340_387_840},
+}
+
+
+@pytest.mark.parametrize("family", list(REAL_SIZES))
+def test_shipped_configs_describe_the_real_models(family):
+    """Without config= a file is read with the configs maxdiff ships for its family; they
+    describe the real models: every component has the real model's parameter count."""
+    root = single_file.shipped_config(family)
+    for name, count in REAL_SIZES[family].items():
+        cfg = json.loads((root / name / "config.json").read_text())
+        shapes = single_file._expected(name, cfg)
+        assert sum(int(np.prod(s)) for s in shapes.values()) == count, name
 
 
 def test_convert_both_ways_and_generate_from_a_single_file(model, tmp_path, capsys):

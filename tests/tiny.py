@@ -214,6 +214,47 @@ def make_sdxl_pipeline(folder: str | Path, seed: int = 0, scheduler_config: dict
     return pipe
 
 
+def make_sd_pipeline(folder: str | Path, *, v2: bool = False, seed: int = 0,
+                     scheduler_config: dict | None = None):
+    """A tiny Stable Diffusion 1.x folder, or 2.x-like with ``v2`` (linear projections,
+    ``upcast_attention``, a gelu text encoder, a tokenizer padding with ``!`` and a
+    v-prediction DDIM scheduler, as SD 2.1 ships), written by diffusers'
+    ``StableDiffusionPipeline.save_pretrained``."""
+    from diffusers import (AutoencoderKL, DDIMScheduler, EulerDiscreteScheduler,
+                           StableDiffusionPipeline, UNet2DConditionModel)
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    folder = Path(folder)
+    tok = CLIPTokenizer.from_pretrained(
+        write_clip_tokenizer(folder / "_tok", pad_token="!" if v2 else "<|endoftext|>"))
+    unet_config = dict(SD15_UNET, use_linear_projection=True, upcast_attention=True,
+                       attention_head_dim=(2, 4)) if v2 else SD15_UNET
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(**unet_config).eval()
+    _randomize(unet, seed)
+    vae = AutoencoderKL(**dict(VAE, scaling_factor=0.18215)).eval()
+    _randomize(vae, seed + 10)
+    torch.manual_seed(seed + 20)
+    te = CLIPTextModel(clip_text_config(projection=False, legacy_eos=v2,
+                                        hidden_act="gelu" if v2 else "quick_gelu")).eval()
+    if scheduler_config is not None:
+        sched = EulerDiscreteScheduler(**scheduler_config)
+    elif v2:
+        sched = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                              num_train_timesteps=1000, steps_offset=1, clip_sample=False,
+                              set_alpha_to_one=False, prediction_type="v_prediction")
+    else:
+        sched = EulerDiscreteScheduler(**SDXL_SCHEDULER)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=te, tokenizer=tok, unet=unet,
+                                   scheduler=sched, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    pipe.save_pretrained(folder)
+    import shutil
+
+    shutil.rmtree(folder / "_tok")
+    return pipe
+
+
 SDXL_SCHEDULER = dict(
     beta_start=0.00085,
     beta_end=0.012,
