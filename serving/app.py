@@ -26,6 +26,11 @@ Streaming (both engines; only ``engine=step`` has steps and partial images to se
 events, then ``result`` (the route's JSON response). An error after the stream has started is an
 ``error`` event with the usual error body. A client that disconnects cancels its image (its
 step-engine slot is freed at the next tick).
+
+This module declares the routes and ``build_app``; the work is done by ``gate`` (request ids,
+keys, rate and body limits), ``validation``, ``openai_api`` and ``native_api`` (each dialect's
+request to a job, result to a response), ``client`` (calls to the generator), ``sse`` and
+``errors`` (every error body, and the one mapping of generator failures to HTTP errors).
 """
 
 

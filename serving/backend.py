@@ -9,14 +9,16 @@ when it starts."""
 from __future__ import annotations
 
 import abc
+import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ray.serve import metrics
 
 from pipelines.requests import GenerationRequest
 from serving.schemas import JobResult
+from serving.settings import ServeSettings
 
 _SECONDS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 _SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -91,12 +93,20 @@ class Meters:
 
 
 class Backend(abc.ABC):
-    """Runs a replica's generation jobs. ``name``: the serve arg ``engine`` that picks it;
-    ``streams_steps``: its streams report every step and partial images (else only the queued
-    and finished events)."""
+    """Runs a replica's generation jobs on ``pipe`` (the replica's pipeline), holding
+    ``device_lock`` (the replica's, FIFO: shared by its backends) while it uses the devices, and
+    calls ``report()`` after each batch it ran. ``name``: the serve arg ``engine`` that picks
+    it; ``streams_steps``: its streams report every step and partial images (else only the
+    queued and finished events)."""
 
     name: str
     streams_steps: bool
+
+    def __init__(self, pipe, settings: ServeSettings, meters: Meters, device_lock: asyncio.Lock,
+                 replica: dict, report: Callable[[], None]):
+        self.pipe, self.settings, self.meters = pipe, settings, meters
+        self.replica, self._report = replica, report
+        self._device_lock = device_lock
 
     @abc.abstractmethod
     def warmup(self, job: GenerationRequest) -> str | None:

@@ -21,7 +21,6 @@ import collections
 import contextlib
 import itertools
 import time
-from collections.abc import Callable
 
 import numpy as np
 from ray import serve
@@ -35,9 +34,8 @@ from pipelines.requests import (
     pad_to,
     plan_batches,
 )
-from serving.backend import Backend, Meters, past_deadline
+from serving.backend import Backend, past_deadline
 from serving.schemas import JobResult
-from serving.settings import ServeSettings
 
 
 class BatchBackend(Backend):
@@ -47,11 +45,8 @@ class BatchBackend(Backend):
     name = "batch"
     streams_steps = False
 
-    def __init__(self, pipe, settings: ServeSettings, meters: Meters, device_lock: asyncio.Lock,
-                 replica: dict, report: Callable[[], None]):
-        self.pipe, self.settings, self.meters = pipe, settings, meters
-        self.replica, self._report = replica, report
-        self._device_lock = device_lock
+    def __init__(self, *parts):
+        super().__init__(*parts)
         self._batchers: dict[tuple, object] = {}
         self._edit_pipes: dict[str, object] = {}  # kind -> pipeline sharing self.pipe's weights
         self._compiled: set[tuple] = set()  # (height, width, steps, cfg, padded batch) run so far

@@ -20,15 +20,13 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from pipelines.requests import GenerationRequest
-from serving.backend import Backend, Meters, past_deadline
+from serving.backend import Backend, past_deadline
 from serving.schemas import JobResult
-from serving.settings import ServeSettings
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,11 +48,8 @@ class StepBackend(Backend):
     name = "step"
     streams_steps = True
 
-    def __init__(self, pipe, settings: ServeSettings, meters: Meters, device_lock: asyncio.Lock,
-                 replica: dict, report: Callable[[], None]):
-        self.pipe, self.settings, self.meters = pipe, settings, meters
-        self.replica, self._report = replica, report
-        self._device_lock = device_lock
+    def __init__(self, *parts):
+        super().__init__(*parts)
         self._engines: dict[tuple[int, int], object] = {}  # (height, width) -> engine
         self._warming: dict[tuple[int, int], asyncio.Future] = {}  # sizes being compiled
         self._images: dict[object, _Image] = {}  # engine handle -> image, until it ends
