@@ -1,8 +1,8 @@
 """pipelines.limits: every request rule once, and every front door saying it the same way.
 
 The rules are unit-tested here; then one table of bad values goes through the Python API, the
-CLI's arguments and a JSONL line (here) and both HTTP dialects (tests/test_serving.py, which
-imports BAD_VALUES), and each door must name the field in its own words and state the same
+CLI's arguments and a JSONL line (here) and both HTTP dialects (tests/service/test_edits.py,
+which imports BAD_VALUES), and each door must name the field in its own words and state the same
 range."""
 
 from __future__ import annotations

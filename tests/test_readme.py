@@ -33,7 +33,7 @@ PORT = 8000
 NOT_RUN = {
     "# head host (TPU VMs report a \"TPU\" resource = chips per host; GPU hosts report \"GPU\")":
         "starts Ray on several hosts (the same build_app placement args run on a local "
-        "multi-node cluster in test_serving.py)",
+        "multi-node cluster in tests/service/test_generate.py)",
 }
 NOT_RUN_LINES = {
     "make test": "it is this test suite",
@@ -244,7 +244,7 @@ def _serve_lines(subs) -> list[str]:
     return [localize(line, subs) for line in lines if line]
 
 
-@pytest.mark.slow  # default-suite time (44 s; tests/test_serving.py covers the service)
+@pytest.mark.slow  # default-suite time (44 s; tests/service/ covers the service)
 def test_serve_run_with_a_model_folder_and_curl(paths):
     work, subs = paths
     served = Served(_serve_lines(subs)[0], work)

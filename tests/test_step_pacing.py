@@ -5,8 +5,8 @@ is invisible: a loop of ticks that never waited for the device passed every test
 at real sizes it queued all of an image's steps ahead of the device.
 
 Like a real service, a thread ticks the engine while the test thread submits and cancels on the
-wall clock (a client does not know which step the host is at). tests/test_step_serving.py makes
-the same checks against a real ``serve run``."""
+wall clock (a client does not know which step the host is at). tests/service/test_step_serving.py
+makes the same checks against a real ``serve run``."""
 
 from __future__ import annotations
 

@@ -9,74 +9,23 @@ client sends them. The rest runs at SIZE (32x32, a few ms per step)."""
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
-import io
-import json
 import re
-import socket
 import threading
 import time
 
 import numpy as np
 import pytest
 import requests
-from PIL import Image
+
+from .helpers import BIG, SIZE, generate, png, sse_events
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-SIZE, BIG = 32, 128
-STEP_ARGS = dict(
-    engine="step", engine_slots=2, steps=4, guidance=0.0,
-    warmup_shapes=[f"{SIZE}x{SIZE}", f"{BIG}x{BIG}"],
-    max_steps=50, max_n=2, min_size=16, max_size=BIG, request_timeout_s=120, num_cpus=1,
-    ingress_num_cpus=0, model_name="tiny-sdxl", max_cost=1.0, max_queued_requests=16,
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _png(b64: str) -> np.ndarray:
-    im = Image.open(io.BytesIO(base64.b64decode(b64)))
-    assert im.format == "PNG"
-    return np.asarray(im.convert("RGB"))
-
-
-def _events(response):
-    """(event, data) pairs of a Server-Sent Events response, as they arrive."""
-    name = None
-    for line in response.iter_lines(decode_unicode=True):
-        if line.startswith("event: "):
-            name = line[len("event: "):]
-        elif line.startswith("data: "):
-            yield name, json.loads(line[len("data: "):])
-
-
-@pytest.fixture(scope="module")
-def step_app(compile_cache, sdxl_dir):
-    from serving.app import build_app
-
-    cache = compile_cache  # the run's (tests/conftest.py)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"MAXDIFF_COMPILE_CACHE": str(cache)}})
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(build_app({"model": str(sdxl_dir), **STEP_ARGS}), name="step",
-                  route_prefix="/step")
-        yield f"http://127.0.0.1:{port}/step"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
 
 def _generate(url, **body):
-    r = requests.post(f"{url}/v1/generate", json={"prompt": "a red circle", **body}, timeout=120)
+    r = generate(url, **body)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -108,7 +57,7 @@ def _stream_in_thread(url: str, body: dict):
             with requests.post(f"{url}/v1/generate", json={**body, "stream": True}, stream=True,
                                timeout=120) as r:
                 assert r.status_code == 200, r.text
-                for name, data in _events(r):
+                for name, data in sse_events(r):
                     rec["events"].append((time.perf_counter(), name, data))
                     if rec["leave"]:
                         return
@@ -163,8 +112,8 @@ def test_a_short_request_sent_later_overtakes_a_long_one(step_app):
     assert _engine_stats(step_app, BIG)["tick_images"].get("2", 0) - before >= 2  # shared ticks
     alone = _generate(step_app, **short)
     assert alone["seeds"] == shared["seeds"] == [7]
-    assert np.abs(_png(alone["images"][0]["b64_json"]).astype(int)
-                  - _png(shared["images"][0]["b64_json"])).max() <= 1
+    assert np.abs(png(alone["images"][0]["b64_json"]).astype(int)
+                  - png(shared["images"][0]["b64_json"])).max() <= 1
 
 
 def test_streamed_progress_and_previews_follow_the_device(step_app):
@@ -234,12 +183,12 @@ def test_openai_client_streams_partial_and_completed_images(step_app):
     assert kinds == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
     assert [e.partial_image_index for e in events[:2]] == [0, 1]
     for e in events:
-        assert _png(e.b64_json).shape == (SIZE, SIZE, 3) and e.size == f"{SIZE}x{SIZE}"
+        assert png(e.b64_json).shape == (SIZE, SIZE, 3) and e.size == f"{SIZE}x{SIZE}"
     assert client.models.list().data[0].model_extra["maxdiff"]["engine"] == "step"
     # without streaming the same route answers JSON as before
     plain = client.images.generate(model="tiny-sdxl", prompt="a green triangle",
                                    size=f"{SIZE}x{SIZE}")
-    assert _png(plain.data[0].b64_json).shape == (SIZE, SIZE, 3)
+    assert png(plain.data[0].b64_json).shape == (SIZE, SIZE, 3)
 
 
 def test_stream_validation(step_app):
@@ -256,7 +205,7 @@ def test_a_client_disconnect_frees_its_slot(step_app):
     r = requests.post(f"{step_app}/v1/generate", json={
         "prompt": "abandoned", "steps": 50, "guidance_scale": 3.0, "stream": True},
         stream=True, timeout=120)
-    events = _events(r)
+    events = sse_events(r)
     for name, data in events:
         if name == "progress" and data["step"] >= 2:
             break
@@ -293,12 +242,12 @@ def test_playground_streams_steps_and_previews(step_app, browser):
     # the last preview stays in its (now hidden) figure: a real image, from step 13 or 27
     assert page.is_hidden("#preview")
     assert page.text_content("#preview-caption") in ("preview at step 13", "preview at step 27")
-    preview = _png(page.get_attribute("#preview-img", "src").split(",", 1)[1])
-    final = _png(page.get_attribute("figure.card img", "src").split(",", 1)[1])
+    preview = png(page.get_attribute("#preview-img", "src").split(",", 1)[1])
+    final = png(page.get_attribute("figure.card img", "src").split(",", 1)[1])
     assert preview.shape == final.shape == (SIZE, SIZE, 3)
     plain = _generate(step_app, prompt="a red circle", width=SIZE, height=SIZE, steps=40,
                       guidance_scale=3.0, seed=5)
-    assert np.abs(_png(plain["images"][0]["b64_json"]).astype(int) - final).max() <= 1
+    assert np.abs(png(plain["images"][0]["b64_json"]).astype(int) - final).max() <= 1
     assert not problems, problems
     page.close()
 
@@ -321,6 +270,6 @@ def test_a_deadline_cancels_the_image_on_the_device(step_app):
 @pytest.mark.slow
 def test_a_size_not_warmed_up_compiles_and_serves(step_app):
     out = _generate(step_app, width=16, height=48, steps=2, seed=3)
-    assert _png(out["images"][0]["b64_json"]).shape == (48, 16, 3)
+    assert png(out["images"][0]["b64_json"]).shape == (48, 16, 3)
     assert set(requests.get(f"{step_app}/v1/stats", timeout=30).json()["replicas"].popitem()[1][
         "engines"]) == {f"{SIZE}x{SIZE}", f"{BIG}x{BIG}", "16x48"}

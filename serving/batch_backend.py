@@ -1,0 +1,204 @@
+"""``engine=batch``: whole requests batched per shape key (and edits, on either engine).
+
+Requests are batched with ``@serve.batch``, one batch queue per shape key (height, width,
+steps, CFG on/off; an edit's :class:`pipelines.requests.EditKey` adds its kind and strength):
+only requests that can run in the same compiled program wait for each other. Batches of
+different keys take turns on the devices (the replica's FIFO device lock), so no shape waits
+behind another for longer than the batches queued ahead of it; a batch whose program is not
+compiled yet compiles and runs without taking the lock, so a new shape's compile never stalls
+the shapes already being served. A request whose deadline has passed by the time a device batch
+starts is dropped from it (:class:`serving.backend.Expired`); a device batch that has started
+runs to its end (one compiled program).
+
+Edits (image-to-image and inpainting) run on ``ImageToImagePipeline.from_pipe`` /
+``InpaintPipeline.from_pipe`` over the loaded weights (made once, on the first edit). Edit
+programs are not warmed up: the first edit of a shape compiles (without the device lock)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import time
+
+import numpy as np
+from ray import serve
+
+from pipelines.requests import (
+    EditKey,
+    EditRequest,
+    GenerationRequest,
+    ShapeKey,
+    bucket_size,
+    pad_to,
+    plan_batches,
+)
+from serving.backend import Backend, past_deadline
+from serving.schemas import JobResult
+
+
+class BatchBackend(Backend):
+    """Request batching over ``pipe`` (the replica's pipeline) under ``device_lock``;
+    ``report()`` runs after every batch."""
+
+    name = "batch"
+    streams_steps = False
+
+    def __init__(self, *parts):
+        super().__init__(*parts)
+        self._batchers: dict[tuple, object] = {}
+        self._edit_pipes: dict[str, object] = {}  # kind -> pipeline sharing self.pipe's weights
+        self._compiled: set[tuple] = set()  # (height, width, steps, cfg, padded batch) run so far
+        self._batch_ids = itertools.count(1)
+
+    def batch_sizes(self) -> list[int]:
+        """The padded batch sizes warm-up compiles (every size a batch can have)."""
+        sizes = self.settings.warmup_batch_sizes
+        if sizes is None:
+            sizes = range(1, self.settings.batch_images + 1)
+        return sorted({bucket_size(n, self.pipe.mesh.size) for n in sizes})
+
+    def warmup(self, job: GenerationRequest) -> str:
+        for b in self.batch_sizes():
+            job = GenerationRequest("", None, 0, b, job.width, job.height, job.steps,
+                                    job.guidance_scale)
+            self.pipe.generate(job.images(), height=job.height, width=job.width,
+                               num_inference_steps=job.steps)
+            self._compiled.add((*job.key, b))
+        return f"{job.width}x{job.height}:{job.steps}:{job.guidance_scale:g}"
+
+    @property
+    def num_compiled(self) -> int:
+        return sum(p.num_compiled for p in self._edit_pipes.values())
+
+    def abort(self, why: str) -> int:
+        """Nothing to give up: a device batch that has started runs to its end."""
+        return 0
+
+    async def generate(self, job: GenerationRequest, timeout_s: float | None) -> JobResult:
+        """Queue ``job`` (or an :class:`EditRequest`) with the jobs of its key; returns when its
+        batch has run."""
+        now = time.perf_counter()
+        result = await self._batcher(job.key)(
+            (job, now, None if timeout_s is None else now + timeout_s))
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def stream(self, job: GenerationRequest, timeout_s: float | None,
+                     partial_images: int = 0):
+        """No steps to report: the queued event (``queue_position`` None: request batching
+        does not know it), the finished one, then the result; no partial images (OpenAI's
+        streaming allows fewer than asked)."""
+        yield {"type": "progress", "step": 0, "total": job.steps, "queue_position": None}
+        result = await self.generate(job, timeout_s)
+        yield {"type": "progress", "step": job.steps, "total": job.steps, "queue_position": 0}
+        yield {"type": "result", "result": result}
+
+    # ------------------------------------------------------------------ batching
+    def _batcher(self, key: tuple):
+        fn = self._batchers.get(key)
+        if fn is None:
+            async def run_batch(jobs: list[tuple]) -> list:
+                return await self._run_batch(key, jobs)
+
+            fn = serve.batch(max_batch_size=self.settings.max_batch_size,
+                             batch_wait_timeout_s=self.settings.batch_wait_timeout_s)(run_batch)
+            self._batchers[key] = fn
+        return fn
+
+    def _edit_pipe(self, kind: str):
+        pipe = self._edit_pipes.get(kind)
+        if pipe is None:
+            from pipelines.edit import ImageToImagePipeline, InpaintPipeline
+
+            cls = InpaintPipeline if kind == "inpaint" else ImageToImagePipeline
+            pipe = self._edit_pipes[kind] = cls.from_pipe(self.pipe)
+        return pipe
+
+    def _items(self, job: GenerationRequest) -> list:
+        """What one device batch entry is: an ImageRequest, or for an edit (ImageRequest,
+        image, mask) with the image and mask as PIL images (resized by the pipeline as
+        diffusers does when the size differs)."""
+        if not isinstance(job, EditRequest):
+            return job.images()
+        from PIL import Image
+
+        image = Image.fromarray(job.image)
+        mask = None if job.mask is None else Image.fromarray(job.mask, mode="L")
+        return [(item, image, mask) for item in job.images()]
+
+    def _device_batch(self, key: tuple, items: list):
+        """Run one padded device batch of ``key``'s items (blocking)."""
+        if isinstance(key, EditKey):
+            pipe = self._edit_pipe(key.kind)
+            return pipe.generate([r for r, _, _ in items], [im for _, im, _ in items],
+                                 [m for _, _, m in items] if key.kind == "inpaint" else None,
+                                 strength=key.strength, height=key.height, width=key.width,
+                                 num_inference_steps=key.steps)
+        return self.pipe.generate(items, height=key.height, width=key.width,
+                                  num_inference_steps=key.steps)
+
+    async def _run_batch(self, key: ShapeKey | EditKey, queued: list[tuple]) -> list:
+        """Run one batch of same-key jobs as device batches of at most ``batch_images``
+        images; jobs whose deadline has passed when a device batch starts are dropped."""
+        jobs = [q[0] for q in queued]
+        images = [(j, item) for j, job in enumerate(jobs) for item in self._items(job)]
+        done: dict[int, list] = {j: [] for j in range(len(jobs))}  # (image, seed) per job
+        expired: set[int] = set()
+        buckets: list[int] = []
+        prepare = generate = 0.0
+        started = None
+        for _, part, _ in plan_batches(images, lambda _: key, self.settings.batch_images,
+                                            self.pipe.mesh.size):
+            now = time.perf_counter()
+            expired |= {j for j, (_, _, deadline) in enumerate(queued)
+                        if deadline is not None and now > deadline}
+            part = [(j, item) for j, item in part if j not in expired]
+            if not part:
+                continue
+            bucket = bucket_size(len(part), self.pipe.mesh.size)  # every one is warmed up
+            program = (*(key.program if isinstance(key, EditKey) else key), bucket)
+            # A program not compiled yet compiles (seconds to minutes) without holding the
+            # devices, so batches of compiled shapes keep running meanwhile.
+            lock = self._device_lock if program in self._compiled else contextlib.nullcontext()
+            async with lock:
+                if started is None:
+                    started = time.perf_counter()
+                out = await asyncio.to_thread(
+                    self._device_batch, key, pad_to([item for _, item in part], bucket))
+            self._compiled.add(program)
+            for (j, _), image, seed in zip(part, out.images, out.seeds):
+                done[j].append((np.asarray(image), seed))
+            buckets.append(bucket)
+            prepare += out.timings["prepare_s"]
+            generate += out.timings["generate_s"]
+        n_images = sum(len(v) for v in done.values())
+        batch = {"id": next(self._batch_ids), "requests": len(jobs), "images": n_images,
+                 "device_batches": buckets, "shape": str(key), "generate_s": generate,
+                 "expired": len(expired),
+                 "adapters": dict(collections.Counter(
+                     getattr(j, "adapter", None) or "" for j in jobs))}  # "": the base model
+        self.meters.served(batch, n_images)
+        self.meters.batch_requests(len(jobs))
+        self._report()
+        if expired:
+            self.meters.expired(len(expired))
+        for b in buckets:
+            self.meters.device_batch(b)
+        if buckets:
+            self.meters.step_time(generate / max(key.steps, 1) / len(buckets))
+        results = []
+        for j, (job, arrived, _) in enumerate(queued):
+            if j in expired:
+                results.append(past_deadline(arrived, " in the queue; its images were not "
+                                                      "started"))
+                continue
+            queue_s = started - arrived
+            self.meters.queue_wait(queue_s)
+            results.append(JobResult(
+                images=[im for im, _ in done[j]], seeds=[sd for _, sd in done[j]],
+                timings={"queue_s": queue_s, "prepare_s": prepare, "generate_s": generate},
+                batch=batch, replica=self.replica))
+        return results

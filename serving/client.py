@@ -1,0 +1,152 @@
+"""The ingress's side of the generator deployment: is a replica ready, calls within a deadline
+(one retry when a replica dies), streams, every failure mapped by :func:`serving.errors.failure`.
+Light: never imports JAX."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from pipelines.requests import EditRequest, GenerationRequest
+from serving import errors, sse
+from serving.errors import ApiError
+from serving.schemas import JobResult
+from serving.settings import ServeSettings
+
+logger = logging.getLogger("ray.serve")
+
+GENERATOR = "Generator"  # the generator deployment's name
+
+
+async def _await(response):
+    return await response
+
+
+class GeneratorClient:
+    """Calls to the generator deployment of application ``app_name`` through ``handle``."""
+
+    def __init__(self, handle: DeploymentHandle, settings: ServeSettings, app_name: str):
+        self.handle = handle
+        self.s = settings
+        self.app_name = app_name
+        self.info: dict | None = None  # the model's defaults and limits, once asked
+        self._ready_seen = False
+        self._state = (0.0, False, {})
+
+    async def state(self) -> tuple[bool, dict]:
+        """(ready, detail): ready once a generator replica is RUNNING, i.e. its constructor
+        (model load and warm-up compiles) has returned. Cached for a second."""
+        at, ready, detail = self._state
+        if time.monotonic() - at < 1.0:
+            return ready, detail
+        try:
+            status = await asyncio.to_thread(serve.status)
+            app = status.applications.get(self.app_name)
+            dep = app.deployments.get(GENERATOR) if app else None
+            states = {getattr(k, "value", str(k)): v
+                      for k, v in (dep.replica_states if dep else {}).items()}
+            running = states.get("RUNNING", 0)
+            detail = {"generator_replicas": states, "generator_status":
+                      getattr(dep.status, "value", str(dep.status)) if dep else "missing"}
+            ready = running > 0
+        except Exception as e:  # controller unreachable: not ready
+            ready, detail = False, {"error": f"{type(e).__name__}: {e}"}
+        self._state = (time.monotonic(), ready, detail)
+        self._ready_seen |= ready
+        return ready, detail
+
+    async def _check_ready(self) -> None:
+        """A 503 (warming up) until a generator replica has been seen ready."""
+        if not self._ready_seen and not (await self.state())[0]:
+            raise errors.warming_up(self.s.retry_after_s)
+
+    async def call(self, method: str, arg: Any, deadline: float, rid: str | None = None) -> Any:
+        """Call a generator method within the deadline; map failures to HTTP errors. A call
+        whose replica dies is made once more (Ray Serve routes it to a live replica)."""
+        from ray.exceptions import RayActorError
+
+        for attempt in ("retrying once", "again"):
+            try:
+                return await self._call_once(method, arg, deadline)
+            except RayActorError as e:
+                logger.warning("request %s: generator replica lost (%s); %s", rid,
+                               type(e).__name__, attempt)
+        raise errors.replica_lost(self.s.retry_after_s)
+
+    async def _call_once(self, method: str, arg: Any, deadline: float) -> Any:
+        await self._check_ready()
+        handle = getattr(self.handle, method)
+        left = max(deadline - time.monotonic(), 0)
+        response = handle.remote() if arg is None else handle.remote(arg, left)
+        try:
+            return await asyncio.wait_for(_await(response), max(deadline - time.monotonic(), 0))
+        except asyncio.CancelledError:  # the client went away
+            response.cancel()
+            raise
+        except Exception as e:
+            err = errors.failure(e, self.s)
+            if err is None:
+                raise
+            if isinstance(e, asyncio.TimeoutError):
+                response.cancel()
+            raise err from None
+
+    async def model_info(self, deadline: float) -> dict:
+        """The generator's defaults and limits (asked once, then cached)."""
+        if self.info is None:
+            self.info = await self.call("info", None, deadline)
+        return self.info
+
+    async def run(self, job: GenerationRequest, deadline: float, rid: str | None) -> JobResult:
+        """Run ``job`` on a generator replica: ``generate``, or ``edit`` for an EditRequest."""
+        if self.s.log_prompts:
+            logger.info("request %s: prompt=%r negative=%r", rid, job.prompt, job.negative_prompt)
+        method = "edit" if isinstance(job, EditRequest) else "generate"
+        result: JobResult = await self.call(method, job, deadline, rid)
+        self._ready_seen = True
+        return result
+
+    async def stream(self, job: GenerationRequest, deadline: float, rid: str | None,
+                     partial_images: int, render):
+        """Start ``job`` on the generator's ``generate_stream`` and answer its events as
+        Server-Sent Events; ``render(event)`` (async) gives the (name, data) pairs to send for
+        one generator event. Errors before the first event are ordinary HTTP errors; later ones
+        an ``error`` event. Leaving early (client gone) cancels the generator call."""
+        await self._check_ready()
+        left = max(deadline - time.monotonic(), 0)
+        gen = self.handle.options(stream=True).generate_stream.remote(job, left, partial_images)
+
+        def failure(e: BaseException) -> ApiError:
+            err = errors.failure(e, self.s, streamed=True)
+            if err is None:
+                logger.error("request %s: stream failed: %s: %s", rid, type(e).__name__, e)
+                err = ApiError(500, errors.internal_message(rid), kind="server_error")
+            return err
+
+        async def next_event():
+            return await asyncio.wait_for(gen.__anext__(),
+                                          max(deadline - time.monotonic(), 0) + 5)
+
+        try:
+            first = await next_event()
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+        except StopAsyncIteration:
+            raise failure(RuntimeError("the stream ended before it started")) from None
+        except Exception as e:
+            gen.cancel()
+            raise failure(e) from None
+        self._ready_seen = True
+
+        def error_event(e: Exception) -> dict:
+            err = failure(e)
+            return errors.error_body(err.status, err.message, err.kind, request_id=rid)
+
+        # gen.cancel() is a no-op once finished; else the client left: free the slot
+        return sse.response(first, next_event, render, error_event, gen.cancel)

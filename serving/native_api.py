@@ -1,0 +1,155 @@
+"""The native dialect (``/v1/generate``, ``/v1/edit``): every setting explicit, a response that
+reports each image's seed and the timings; an image ``Accept`` type answers the image itself."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+from pipelines.requests import EditRequest, GenerationRequest, encode_image, image_info
+from serving import validation
+from serving.errors import ApiError, invalid_all
+from serving.schemas import EditRequest as EditBody
+from serving.schemas import GenerateRequest, JobResult
+from serving.settings import ServeSettings
+
+DOOR = "native"  # how pipelines.limits names fields for this dialect
+
+
+def wanted_image_type(accept: str | None) -> str | None:
+    """The image format an ``Accept`` header asks for instead of JSON, if any."""
+    if not accept:
+        return None
+    types = [t.split(";")[0].strip().lower() for t in accept.split(",")]
+    images = [t for t in types if t.startswith("image/")]
+    if "application/json" in types or not images:
+        return None
+    for t in types:
+        if t in ("image/png", "image/jpeg", "image/webp"):
+            return t.split("/")[1]
+        if t == "image/*":
+            return "*"
+    return None
+
+
+def negotiate(body: GenerateRequest, accept: str | None) -> tuple[str | None, str]:
+    """(the image type ``Accept`` asks for or None, the output format): a 406 when an image
+    type cannot be answered."""
+    fmt = body.output_format
+    wanted = wanted_image_type(accept)
+    if wanted is not None:
+        if body.num_images != 1:
+            raise ApiError(406, "an image Accept type returns exactly one image; ask for "
+                           "num_images=1 or Accept: application/json", kind="not_acceptable")
+        if wanted != "*":
+            if "output_format" in body.model_fields_set and wanted != fmt:
+                raise ApiError(406, f"Accept asks for image/{wanted} but output_format is "
+                               f"{fmt!r}", kind="not_acceptable")
+            fmt = wanted
+    return wanted, fmt
+
+
+def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: str | None
+                   ) -> GenerationRequest:
+    """The job of a ``/v1/generate`` request (omitted settings: the model's defaults), or a 422
+    naming every problem."""
+    steps = info["default_steps"] if body.steps is None else body.steps
+    guidance = info["default_guidance"] if body.guidance_scale is None else body.guidance_scale
+    width = info["default_width"] if body.width is None else body.width
+    height = info["default_height"] if body.height is None else body.height
+    errors = []
+    if body.scheduler is not None and body.scheduler.lower() not in [
+            name.lower() for name in info["scheduler_names"]]:
+        errors.append(("scheduler", f"this server runs {info['scheduler']!r}; the scheduler "
+                       "is chosen when the server starts (config / scheduler args)",
+                       body.scheduler))
+    if (problem := validation.adapter_problem(info, body.lora, "lora")) is not None:
+        errors.append(problem)
+    errors += validation.stream_problems(body.stream, body.num_images, "num_images")
+    if body.stream and wanted is not None:
+        errors.append(("stream", "a stream answers text/event-stream, not an image Accept "
+                       "type", True))
+    errors += validation.problems(s, info, DOOR, prompt=body.prompt,
+                                  negative_prompt=body.negative_prompt, steps=steps,
+                                  guidance=guidance, seed=body.seed, n=body.num_images,
+                                  width=width, height=height)
+    if errors:
+        raise invalid_all(errors)
+    return GenerationRequest(body.prompt, body.negative_prompt, body.seed, body.num_images,
+                             width, height, steps, guidance, body.lora)
+
+
+async def edit_job(s: ServeSettings, info: dict, body: EditBody) -> EditRequest:
+    """The job of a ``/v1/edit`` request (base64 image and mask), or a 422 naming every
+    problem."""
+    errors = []
+    raw = {}
+    for field in ("image", "mask"):
+        value = getattr(body, field)
+        if value is None:
+            continue
+        try:
+            raw[field] = validation.b64(value)
+        except ValueError as e:
+            errors.append((field, f"{field} {e}", None))
+    if "image" not in raw and not any(f == "image" for f, _, _ in errors):
+        errors.append(("image", "an image to edit is required", None))
+    if any(f in ("image", "mask") for f, _, _ in errors):
+        raise invalid_all(errors)
+    return await validation.edit_job(
+        s, info, prompt=body.prompt, negative_prompt=body.negative_prompt, image=raw["image"],
+        mask=raw.get("mask"), transparent_mask=None, strength=body.strength, seed=body.seed,
+        n=body.num_images, door=DOOR, width=body.width, height=body.height,
+        steps=info["default_steps"] if body.steps is None else body.steps,
+        guidance=info["default_guidance"] if body.guidance_scale is None
+        else body.guidance_scale, errors=errors)
+
+
+async def response(job: GenerationRequest, fmt: str, result: JobResult, info: dict,
+                   model_id: str, t0: float) -> tuple[dict, list[bytes]]:
+    """The response body of a finished job (``GenerateResponse``, or ``EditResponse`` for an
+    edit) and its encoded images, each carrying its settings; ``t0``: when the request came."""
+    t1 = time.perf_counter()
+    edit = isinstance(job, EditRequest)
+    mode = {"mode": job.kind, "strength": f"{job.strength:g}"} if edit else {}
+    meta = [image_info(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=seed,
+                       steps=job.steps, guidance=job.guidance_scale,
+                       size=f"{job.width}x{job.height}", scheduler=info["scheduler"],
+                       model=model_id, dtype=info["dtype"], adapter=job.adapter) | mode
+            for seed in result.seeds]
+    blobs = await asyncio.to_thread(lambda: [encode_image(im, fmt, m)
+                                             for im, m in zip(result.images, meta)])
+    timings = dict(result.timings, encode_s=time.perf_counter() - t1,
+                   total_s=time.perf_counter() - t0, batch_requests=result.batch["requests"],
+                   batch_images=result.batch["images"])
+    if not edit:
+        timings["batch_id"] = result.batch["id"]
+    data = {"created": int(time.time()), "model": model_id,
+            "images": [{"b64_json": base64.b64encode(b).decode(), "seed": s}
+                       for b, s in zip(blobs, result.seeds)],
+            "seeds": result.seeds}
+    if edit:
+        data.update(mode=job.kind, strength=job.strength)
+    data.update(width=job.width, height=job.height, steps=job.steps,
+                guidance_scale=job.guidance_scale, scheduler=info["scheduler"],
+                output_format=fmt, timings=timings)
+    if not edit:
+        data["lora"] = job.adapter
+    return data, blobs
+
+
+def stream_render(job: GenerationRequest, fmt: str, info: dict, model_id: str, t0: float):
+    """``render(event)`` for :meth:`serving.client.GeneratorClient.stream`: ``progress``,
+    ``partial_image`` and ``result`` (the route's JSON response) events."""
+
+    async def render(ev):
+        if ev["type"] == "progress":
+            return [("progress", {k: ev[k] for k in ("step", "total", "queue_position")})]
+        if ev["type"] == "partial_image":
+            blob = await asyncio.to_thread(encode_image, ev["image"], fmt)
+            return [("partial_image", {"index": ev["index"], "step": ev["step"],
+                                       "b64_json": base64.b64encode(blob).decode()})]
+        return [("result", (await response(job, fmt, ev["result"], info, model_id, t0))[0])]
+
+    return render

@@ -1,0 +1,117 @@
+"""The OpenAI Images API dialect: a request to a job (defaults from the served model, random
+seeds), a result to an ``ImagesResponse`` body or to ``image_generation.*`` stream events."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+from fastapi import UploadFile
+
+from pipelines.requests import EditRequest, GenerationRequest, encode_image, parse_size
+from serving import validation
+from serving.errors import invalid, invalid_all
+from serving.schemas import ImagesGenerationRequest, JobResult
+from serving.settings import ServeSettings
+
+DOOR = "openai"  # how pipelines.limits names fields for this dialect
+
+
+def adapter(info: dict, body: ImagesGenerationRequest) -> str | None:
+    """The adapter an OpenAI request asks for: ``lora``, or ``model: "<base>:<adapter>"``."""
+    from_model = None
+    if body.model and ":" in body.model:
+        from_model = body.model.rpartition(":")[2]
+        problem = validation.adapter_problem(info, from_model, "model")
+        if problem is not None:
+            raise invalid(*problem)
+    problem = validation.adapter_problem(info, body.lora, "lora")
+    if problem is not None:
+        raise invalid(*problem)
+    if from_model is not None and body.lora is not None and body.lora != from_model:
+        raise invalid("lora", f"lora={body.lora!r} but model names adapter {from_model!r}; "
+                      "give one", body.lora)
+    return body.lora or from_model
+
+
+def generation_job(s: ServeSettings, info: dict, body: ImagesGenerationRequest
+                   ) -> GenerationRequest:
+    """The job of an ``images.generate`` request, or a 422 naming every problem."""
+    n = 1 if body.n is None else body.n
+    if body.size in (None, "auto"):
+        width, height = info["default_width"], info["default_height"]
+    else:
+        try:
+            width, height = parse_size(body.size)
+        except ValueError as e:
+            raise invalid("size", f"{e}, or 'auto'", body.size) from None
+    errors = validation.stream_problems(body.stream, n, "n")
+    errors += validation.problems(s, info, DOOR, prompt=body.prompt,
+                                  steps=info["default_steps"], n=n, width=width, height=height)
+    if errors:
+        raise invalid_all(errors)
+    return GenerationRequest(body.prompt, None, None, n, width, height, info["default_steps"],
+                             info["default_guidance"], adapter(info, body))
+
+
+async def edit_job(s: ServeSettings, info: dict, *, prompt: str, image: UploadFile | None,
+                   mask: UploadFile | None, n: int | None, size: str | None,
+                   response_format: str | None, stream: bool | None) -> EditRequest:
+    """The job of an ``images.edit`` request (multipart), or a 422 naming every problem."""
+    errors = []
+    if response_format not in (None, "b64_json"):
+        errors.append(("response_format", "only 'b64_json' is supported: this server "
+                       "returns images inline and does not host them at URLs", response_format))
+    if stream:
+        errors.append(("stream", "streaming is not supported; omit stream or set it to false",
+                       stream))
+    width = height = None
+    if size not in (None, "auto"):
+        try:
+            width, height = parse_size(size)
+        except ValueError as e:
+            errors.append(("size", f"{e}, or 'auto'", size))
+    return await validation.edit_job(
+        s, info, prompt=prompt, negative_prompt=None,
+        image=None if image is None else await image.read(),
+        mask=None if mask is None else await mask.read(), transparent_mask=True, strength=None,
+        seed=None, n=1 if n is None else n, door=DOOR, width=width, height=height,
+        steps=info["default_steps"], guidance=info["default_guidance"], errors=errors)
+
+
+async def images_response(result: JobResult, job: GenerationRequest, fmt: str,
+                          quality: int | None) -> dict:
+    """The ``ImagesResponse`` body of a finished job."""
+    blobs = await asyncio.to_thread(
+        lambda: [encode_image(im, fmt, quality=quality) for im in result.images])
+    return {"created": int(time.time()), "output_format": fmt,
+            "size": f"{job.width}x{job.height}",
+            "data": [{"b64_json": base64.b64encode(b).decode(), "revised_prompt": None}
+                     for b in blobs]}
+
+
+def stream_render(job: GenerationRequest, fmt: str, quality: int | None):
+    """``render(event)`` for :meth:`serving.client.GeneratorClient.stream`: a partial image
+    or the result as OpenAI's ``image_generation.partial_image`` / ``.completed`` events;
+    progress events are not sent."""
+    common = {"background": "opaque", "output_format": fmt, "quality": "auto",
+              "size": f"{job.width}x{job.height}"}
+
+    async def render(ev):
+        if ev["type"] == "progress":
+            return []
+        im = ev["image"] if ev["type"] == "partial_image" else ev["result"].images[0]
+        blob = await asyncio.to_thread(encode_image, im, fmt, quality=quality)
+        data = {"b64_json": base64.b64encode(blob).decode(), "created_at": int(time.time()),
+                **common}
+        if ev["type"] == "partial_image":
+            return [("image_generation.partial_image",
+                     {"type": "image_generation.partial_image",
+                      "partial_image_index": ev["index"], **data})]
+        usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+                 "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}}
+        return [("image_generation.completed",
+                 {"type": "image_generation.completed", "usage": usage, **data})]
+
+    return render

@@ -1,0 +1,299 @@
+"""The deployment's settings (``ServeSettings``, with ``WarmupShape`` and ``AdapterSpec``), parsed
+strictly from ``build_app``'s args (a dict from ``serve run ... key=value`` or a
+``configs/serve.yaml`` ``args:`` block) with the same config machinery as run configs
+(:mod:`maxdiff.config`). Nothing here imports JAX."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from maxdiff.config import StrictConfig, parse_overrides, validate, yaml_scalar
+from pipelines.config import RunConfig
+from pipelines.requests import parse_size
+
+# build_app args that go to the run config; the rest are ServeSettings.
+RUN_CONFIG_KEYS = tuple(RunConfig.model_fields)
+# args taken as given when they come as strings (names and paths); others are parsed as YAML
+_TEXT_ARGS = ("config", "model_name", "resource", "model", "unet", "vae", "single_file_config",
+              "scheduler", "compile_cache_dir", "dtype", "attention", "api_keys", "cors_origins",
+              "adapters")
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+# ---------------------------------------------------------------------------------- settings
+class WarmupShape(StrictConfig):
+    """One program to compile before a replica reports ready. None: the model's default."""
+
+    width: int | None = Field(None, json_schema_extra={"minimum": 1})
+    height: int | None = Field(None, json_schema_extra={"minimum": 1})
+    steps: int | None = Field(None, ge=1)
+    guidance: float | None = Field(None, ge=0)  # > 1: classifier-free guidance on
+
+    @classmethod
+    def parse(cls, spec: Any) -> "WarmupShape":
+        """``"WxH:steps:guidance"`` (later parts optional; guidance may be ``cfg``/``nocfg``),
+        ``"default"``, or a mapping with ``size`` (or ``width``, ``height``), ``steps``,
+        ``guidance`` (or ``cfg``)."""
+        if isinstance(spec, WarmupShape):
+            return spec
+        if isinstance(spec, dict):
+            d = dict(spec)
+            if d.get("size") is not None:
+                d["width"], d["height"] = _size(d.pop("size"), spec)
+            d.pop("size", None)
+            if "cfg" in d:
+                d["guidance"] = _cfg_word(str(d.pop("cfg")).lower())
+            return validate(cls, d, f"warmup shape {spec}")
+        if not isinstance(spec, str):
+            raise ValueError(f"warmup shape {spec!r}: give 'WxH:steps:guidance' or a mapping")
+        if spec.strip().lower() == "default":
+            return cls()
+        parts = spec.strip().split(":")
+        if len(parts) > 3 or not parts[0]:
+            raise ValueError(f"warmup shape {spec!r}: use 'WxH', 'WxH:steps' or "
+                             "'WxH:steps:guidance' (e.g. '1024x1024:4:0')")
+        w, h = _size(parts[0], spec)
+        d: dict[str, Any] = {"width": w, "height": h}
+        if len(parts) > 1 and parts[1]:
+            d["steps"] = yaml_scalar(parts[1])
+        if len(parts) > 2:
+            word = parts[2].strip().lower()
+            d["guidance"] = _cfg_word(word) if word in _CFG_WORDS else yaml_scalar(word)
+        return validate(cls, d, f"warmup shape {spec!r}")
+
+    def __str__(self) -> str:
+        size = "default size" if self.width is None else f"{self.width}x{self.height}"
+        guidance = "default" if self.guidance is None else self.guidance
+        return f"{size}:{self.steps or 'default'}:{guidance}"
+
+
+_CFG_WORDS = {"cfg": 5.0, "on": 5.0, "true": 5.0, "nocfg": 0.0, "off": 0.0, "false": 0.0}
+
+
+def _cfg_word(word: str) -> float:
+    if word not in _CFG_WORDS:
+        raise ValueError(f"cfg={word!r}: use cfg/nocfg, on/off, or a guidance scale")
+    return _CFG_WORDS[word]
+
+
+def _size(value, spec) -> tuple[int, int]:
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"warmup shape {spec!r}: size {e}") from None
+
+
+class AdapterSpec(StrictConfig):
+    """One per-request LoRA adapter the generator replicas preload (``add_adapter``)."""
+
+    name: str = Field(pattern=ADAPTER_NAME)
+    path: str = Field(min_length=1)
+    scale: float = 1.0
+
+    @classmethod
+    def parse_all(cls, value: Any) -> tuple["AdapterSpec", ...]:
+        """A mapping name -> path or name -> {path, scale} (YAML/JSON, also as a string), a
+        list of such mappings, or ``"name=path[:scale],name2=path2"``."""
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith(("{", "[")):
+                value = yaml_scalar(text)
+            else:
+                value = {}
+                for part in (p.strip() for p in text.split(",")):
+                    if not part:
+                        continue
+                    name, eq, rest = part.partition("=")
+                    if not eq:
+                        raise ValueError(f"adapter {part!r}: give name=path[:scale]")
+                    path, colon, scale = rest.rpartition(":")
+                    try:
+                        spec = {"path": path, "scale": float(scale)} if colon else {"path": rest}
+                    except ValueError:  # a ':' inside the path
+                        spec = {"path": rest}
+                    if name.strip() in value:
+                        raise ValueError(f"adapter {name.strip()!r} is given twice")
+                    value[name.strip()] = spec
+        if isinstance(value, dict):
+            value = [{"name": k, **(v if isinstance(v, dict) else {"path": v})}
+                     for k, v in value.items()]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError("give a mapping name: path (or name: {path, scale}) or "
+                             "'name=path[:scale],...'")
+        specs = tuple(x if isinstance(x, cls) else validate(cls, x, f"adapter {x}")
+                      for x in value)
+        names = [x.name for x in specs]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"adapter {dup!r} is given twice")
+        return specs
+
+
+def _as_list(value) -> Any:
+    """A list arg given as a string: ``"[a, b]"`` (YAML) or ``"a,b"``; one value: a list of it."""
+    if isinstance(value, (int, float, dict)) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return yaml_scalar(text)
+        return [p.strip() for p in text.split(",") if p.strip()]
+    return value
+
+
+class ServeSettings(StrictConfig):
+    """How the service batches, places replicas and bounds requests (see README "HTTP service").
+
+    ``build_app`` args that are :class:`pipelines.config.RunConfig` keys (model, unet, scheduler,
+    dtype, steps, guidance, height, width, attention, devices, ...) go to the run config, on top
+    of ``config`` (a shipped config's name or a YAML path); :meth:`from_args` splits them off
+    into ``run_overrides``.
+    """
+
+    config: str | None = None  # run config name or path; None: defaults (the embedded model)
+    run_overrides: dict = {}
+    model_name: str | None = None  # the id /v1/models reports; None: the model folder's name
+    # batching: requests that share (height, width, steps, cfg on/off) share a device batch
+    max_batch_size: int = Field(8, ge=1)  # requests per batch
+    max_batch_images: int | None = Field(None, ge=1)  # images per device batch; None: batch size
+    batch_wait_timeout_s: float = Field(0.05, ge=0)
+    # "batch": whole requests batched per shape key (above); "step": step-level continuous
+    # batching (pipelines.step_engine), images join and leave between denoising steps, one
+    # engine of engine_slots slots per image size; streamed progress and partial images need it
+    engine: Literal["batch", "step"] = "batch"
+    # images per step-engine tick (rounded up to a multiple of the devices); None: max_batch_size
+    engine_slots: int | None = Field(None, ge=1)
+    # replicas and placement
+    num_replicas: int = Field(1, ge=1)
+    resource: str | None = None  # "GPU", "TPU" or a custom per-host resource; None: CPU only
+    resource_amount: float = Field(1.0, gt=0)  # of `resource` per replica (e.g. every chip)
+    num_cpus: float = Field(1.0, ge=0)  # per generator replica
+    max_replicas_per_node: int | None = Field(None, ge=1)  # 1: one replica per host
+    # per replica; None: 2 * max_batch_size (engine=step: 4 * engine_slots: the engine's own
+    # queue, which admits an image the moment a slot frees, holds 3 slots' worth)
+    max_ongoing_requests: int | None = Field(None, ge=1)
+    max_queued_requests: int = 64  # waiting for a generator replica, per caller; -1: no limit
+    ingress_replicas: int = Field(1, ge=1)
+    ingress_num_cpus: float = Field(0.25, ge=0)
+    ingress_max_ongoing_requests: int = Field(1024, ge=1)
+    # requests
+    request_timeout_s: float = Field(300.0, gt=0)
+    retry_after_s: int = Field(2, ge=1)  # Retry-After on a 503
+    warmup_shapes: tuple[WarmupShape, ...] = (WarmupShape(),)  # compiled before ready
+    warmup_batch_sizes: tuple[int, ...] | None = None  # None: every padded batch size
+    # per-request LoRA adapters, preloaded unfused by every generator replica before warm-up:
+    # name -> path (or {path, scale}), or "name=path[:scale],..."; requests pick one by name
+    adapters: tuple[AdapterSpec, ...] = ()
+    max_n: int = Field(4, ge=1)  # images per request
+    max_steps: int = Field(100, ge=1)
+    max_guidance: float = Field(30.0, ge=0)
+    min_size: int | None = Field(None, ge=1)  # pixels per side; None: size_multiple
+    max_size: int | None = Field(None, ge=1)  # None: the model's max_size (maxdiff.json), or 2048
+    size_multiple: int | None = Field(None, ge=1)  # sides: multiples of this and the VAE factor
+    max_body_bytes: int = Field(65536, ge=1)  # every route but the edit routes (below)
+    # the body limit of POST /v1/images/edits and /v1/edit instead (they carry images; base64
+    # in JSON is 4/3 of the file size); 20 MiB
+    max_image_bytes: int = Field(20 * 2**20, ge=1)
+    max_prompt_chars: int = Field(4000, ge=1)
+    # a request's cost: images x steps x megapixels (width x height / 2**20); 400 is 4 images of
+    # 1024x1024 at 100 steps
+    max_cost: float = Field(400.0, gt=0)
+    # security (README "Security model")
+    api_keys: tuple[str, ...] | None = None  # keys or "sha256:<hex>"; a file path: one a line
+    rate_limit_per_minute: float | None = Field(None, gt=0)  # per API key (or client address)
+    cors_origins: tuple[str, ...] = ()  # origins allowed to call from a browser; () : no CORS
+    log_prompts: bool = False  # prompts appear in the logs only when true
+    playground: bool = True  # the web playground at GET / (README "Playground")
+    # faults
+    graceful_shutdown_s: float = Field(60.0, ge=0)  # in-flight batches may finish within this
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("warmup_shapes", mode="before")
+    @classmethod
+    def _shapes(cls, v):
+        return tuple(WarmupShape.parse(x) for x in (_as_list(v) or ()))
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _adapters(cls, v):
+        return AdapterSpec.parse_all(v)
+
+    @field_validator("api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _strings(cls, v):
+        return _as_list(v)
+
+    @field_validator("warmup_batch_sizes", mode="before")
+    @classmethod
+    def _sizes(cls, v):
+        v = _as_list(v)
+        return None if v is None else tuple(yaml_scalar(x) if isinstance(x, str) else x
+                                             for x in v)
+
+    @field_validator("warmup_batch_sizes")
+    @classmethod
+    def _sizes_positive(cls, v):
+        for b in v or ():
+            if b < 1:
+                raise ValueError(f"{b} must be >= 1")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.max_queued_requests < 1 and self.max_queued_requests != -1:
+            raise ValueError("max_queued_requests must be >= 1, or -1 for no limit")
+        if (self.max_ongoing_requests is not None
+                and self.max_ongoing_requests < self.max_batch_size):
+            raise ValueError(f"max_ongoing_requests={self.max_ongoing_requests} is below "
+                             f"max_batch_size={self.max_batch_size}: batches could never fill")
+        if (self.min_size is not None and self.max_size is not None
+                and self.min_size > self.max_size):
+            raise ValueError(f"min_size={self.min_size} is above max_size={self.max_size}")
+        return self
+
+    @classmethod
+    def from_args(cls, args: dict | None) -> "ServeSettings":
+        """Parse ``build_app`` args; values may be strings (``serve run ... key=value``)."""
+        args = parse_overrides(args)
+        if "lora" in args:  # lora=PATH[:SCALE][,PATH[:SCALE]...]: the run config's loras
+            if "loras" in args:
+                raise ValueError("give the serve arg lora or loras, not both")
+            args["loras"] = args.pop("lora")
+        if isinstance(args.get("loras"), str):
+            args["loras"] = _as_list(args["loras"])
+        run = {k: args.pop(k) for k in list(args) if k in RUN_CONFIG_KEYS}
+        for values in (args, run):  # "8" -> 8, "null" -> None, "[a, b]" -> a list; paths stay
+            for k, v in values.items():
+                if isinstance(v, str) and k not in _TEXT_ARGS:
+                    values[k] = yaml_scalar(v)
+        if "run_overrides" in args:
+            raise ValueError("serve arg 'run_overrides' is internal; give run-config keys "
+                             f"({', '.join(RUN_CONFIG_KEYS)}) directly")
+        extra = set(args) - set(cls.model_fields)
+        if extra:
+            allowed = sorted([*(k for k in cls.model_fields if k != "run_overrides"),
+                              *RUN_CONFIG_KEYS])
+            raise ValueError(f"unknown serve arg {sorted(extra)[0]!r}; allowed: "
+                             f"{', '.join(allowed)}")
+        validate(RunConfig, run, "serve args (run-config keys)")  # bad values fail here, early
+        return validate(cls, {**args, "run_overrides": run}, "serve args")
+
+    @property
+    def batch_images(self) -> int:
+        return self.max_batch_images or self.max_batch_size
+
+    @property
+    def generator_max_ongoing(self) -> int:
+        if self.max_ongoing_requests:
+            return self.max_ongoing_requests
+        return 4 * self.slots if self.engine == "step" else 2 * self.max_batch_size
+
+    @property
+    def slots(self) -> int:
+        """Slots of each step engine (engine=step)."""
+        return self.engine_slots or self.max_batch_size

@@ -1,0 +1,120 @@
+"""One local Ray cluster for the service tests, and the applications they share.
+
+The cluster: a head node and two "hosts" with one unit each of a custom ``maxdiff_host``
+resource (the multi-host test places one replica on each). The main application (one generator
+replica, tiny checkpoint) serves most tests; ``guarded`` adds API keys, a rate limit, CORS and
+tight limits; ``step_app`` runs engine=step. Replicas share a JAX compilation cache
+(``MAXDIFF_COMPILE_CACHE``), so only the first replica compiles cold. Each application is
+deployed when a test first asks for it."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import pytest
+import requests
+
+from .helpers import GUARDED_ARGS, KEY_A, KEY_B, MAIN_ARGS, STEP_ARGS, free_port
+
+
+@pytest.fixture(scope="package")
+def cluster(compile_cache):
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    cache = compile_cache  # the run's: the replicas start with the programs already compiled
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "include_dashboard": False,
+        "_system_config": {"metrics_report_interval_ms": 1000}})
+    hosts = [c.add_node(num_cpus=1, resources={"maxdiff_host": 1}) for _ in range(2)]
+    ray.init(address=c.address, log_to_driver=False,
+             runtime_env={"env_vars": {"MAXDIFF_COMPILE_CACHE": str(cache)}})
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", cache=cache,
+                                    nodes=[c.head_node, *hosts],
+                                    host_node_ids={h.node_id for h in hosts})
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="package")
+def main_app(cluster, sdxl_dir):
+    """The main application, deployed without waiting; /healthz and /v1/generate are probed
+    while the generator replica loads and compiles, then until it is ready."""
+    from ray import serve
+
+    from serving.app import build_app
+
+    url = cluster.url
+    serve._run(build_app({"model": str(sdxl_dir), **MAIN_ARGS}), _blocking=False, name="main",
+               route_prefix="/")
+    probes, early_generate = [], None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            r = requests.get(f"{url}/healthz", timeout=10)
+            probes.append((r.status_code, r.headers.get("content-type", ""), r.text,
+                           r.headers.get("retry-after")))
+            if r.status_code == 200:
+                break
+            if r.status_code == 503 and early_generate is None and "warming_up" in r.text:
+                early_generate = requests.post(f"{url}/v1/generate", json={"prompt": "early"},
+                                               timeout=30)
+        except requests.ConnectionError:
+            probes.append(("connection refused", "", "", None))
+        time.sleep(0.25)
+    else:
+        pytest.fail(f"the main app never became healthy; last probes: {probes[-3:]}")
+    yield types.SimpleNamespace(url=url, probes=probes, early_generate=early_generate)
+    serve.delete("main")
+
+
+@pytest.fixture(scope="package")
+def pipe(main_app, cluster, sdxl_dir):
+    """The Python API in this process, sharing the replicas' compilation cache."""
+    import jax
+
+    from pipelines import TextToImagePipeline
+
+    before = (jax.config.jax_compilation_cache_dir,
+              jax.config.jax_persistent_cache_min_compile_time_secs)
+    yield TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=cluster.cache)
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+
+
+@pytest.fixture(scope="package")
+def guarded(cluster, sdxl_dir, tmp_path_factory):
+    """API keys from a file (one plain, one hashed), a rate limit, CORS for one origin, limits
+    that leave few shapes (32x32, at most 2 steps, one image) so fuzzing stays cheap."""
+    from ray import serve
+
+    from serving.app import build_app
+    from serving.security import hash_key
+
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"# maxdiff API keys\n{KEY_A}\n\nsha256:{hash_key(KEY_B)}\n")
+    serve.run(build_app({"model": str(sdxl_dir), **GUARDED_ARGS, "api_keys": str(keys)}),
+              name="guarded", route_prefix="/guarded")
+    yield f"{cluster.url}/guarded"
+    serve.delete("guarded")
+
+
+@pytest.fixture(scope="module")
+def step_app(cluster, sdxl_dir):
+    """An engine=step application (two slots per engine; engines warmed up at SIZE and BIG),
+    for the module that uses it."""
+    from ray import serve
+
+    from serving.app import build_app
+
+    serve.run(build_app({"model": str(sdxl_dir), **STEP_ARGS}), name="step",
+              route_prefix="/step")
+    yield f"{cluster.url}/step"
+    serve.delete("step")

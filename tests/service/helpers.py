@@ -1,0 +1,98 @@
+"""What the service tests share: the apps' serve args and HTTP helpers."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import requests
+from PIL import Image
+
+SIZE, STEPS = 32, 2
+MAIN_ARGS = dict(
+    steps=STEPS, guidance=0.0, max_batch_size=4, batch_wait_timeout_s=0.5,
+    warmup_shapes=[f"{SIZE}x{SIZE}:{STEPS}:0"], max_queued_requests=2, max_n=4, max_steps=8,
+    min_size=16, max_size=64, request_timeout_s=120, num_cpus=1, ingress_num_cpus=0,
+    model_name="tiny-sdxl", max_cost=0.02, max_image_bytes=2**20,
+)
+KEY_A, KEY_B = "test-key-alpha-0123", "test-key-bravo-4567"
+ORIGIN = "http://playground.test"
+GUARDED_ARGS = dict(MAIN_ARGS, max_steps=5000, min_size=SIZE, max_size=SIZE, max_n=1,
+                    max_cost=0.002, rate_limit_per_minute=400, cors_origins=[ORIGIN],
+                    num_cpus=0, max_queued_requests=-1, model_name="guarded", max_body_bytes=4096)
+BIG = 128
+STEP_ARGS = dict(
+    engine="step", engine_slots=2, steps=4, guidance=0.0,
+    warmup_shapes=[f"{SIZE}x{SIZE}", f"{BIG}x{BIG}"],
+    max_steps=50, max_n=2, min_size=16, max_size=BIG, request_timeout_s=120, num_cpus=1,
+    ingress_num_cpus=0, model_name="tiny-sdxl", max_cost=1.0, max_queued_requests=16,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def png(b64_or_bytes) -> np.ndarray:
+    """The RGB pixels of a PNG (bytes, or base64 text)."""
+    raw = base64.b64decode(b64_or_bytes) if isinstance(b64_or_bytes, str) else b64_or_bytes
+    im = Image.open(io.BytesIO(raw))
+    assert im.format == "PNG"
+    return np.asarray(im.convert("RGB"))
+
+
+def concurrently(n, fn):
+    out = [None] * n
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(i))) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def generate(url, timeout=120, headers=None, **body):
+    return requests.post(f"{url}/v1/generate", json={"prompt": "a red circle", **body},
+                         headers=headers, timeout=timeout)
+
+
+def generate_as_a_client(url, **body):
+    """What a well-behaved client does: a 503 with Retry-After is retried (up to 3 times).
+    With max_queued_requests=2, requests that arrive at the same instant can outrun the
+    router's replica assignment and be shed before the replica is even asked."""
+    for _ in range(3):
+        r = generate(url, **body)
+        if r.status_code != 503:
+            break
+        time.sleep(float(r.headers.get("Retry-After", 1)))
+    return r
+
+
+def burst(url, n, body, timeout=120):
+    def send(i):
+        try:
+            return requests.post(f"{url}/v1/generate", json={**body, "seed": i}, timeout=timeout)
+        except requests.RequestException as e:  # a reset or a hang is a failure, kept as such
+            return e
+    return concurrently(n, send)
+
+
+def auth(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def sse_events(response):
+    """(event, data) pairs of a Server-Sent Events response, as they arrive."""
+    name = None
+    for line in response.iter_lines(decode_unicode=True):
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            yield name, json.loads(line[len("data: "):])
