@@ -127,30 +127,26 @@ def unet_rename(config: Mapping, prefix: str = UNET) -> Rename:
             return f"{prefix}{_UNET_FIXED[mod]}.{leaf}", SAME
         p = key.split(".")
         where = None
-        if p[0] == "down_blocks" and len(p) > 4:
-            b, kind, j = int(p[1]), p[2], int(p[3])
+        if p[0] in ("down_blocks", "up_blocks") and len(p) > 4:
+            b, kind, j, rest = int(p[1]), p[2], int(p[3]), p[4:]
+            down = p[0] == "down_blocks"
+            flat, start = ("input_blocks", down_start) if down else ("output_blocks", up_start)
             if kind == "resnets":
-                where = f"input_blocks.{down_start[b] + j}.0.{resnet(p[4:])}"
+                where = f"{flat}.{start[b] + j}.0.{resnet(rest)}"
             elif kind == "attentions":
-                where = f"input_blocks.{down_start[b] + j}.1.{'.'.join(p[4:])}"
-            elif kind == "downsamplers" and p[4] == "conv":
-                where = f"input_blocks.{down_start[b] + layers[b]}.0.op.{'.'.join(p[5:])}"
+                where = f"{flat}.{start[b] + j}.1.{'.'.join(rest)}"
+            elif kind == "downsamplers" and rest[0] == "conv":
+                where = f"{flat}.{start[b] + layers[b]}.0.op.{'.'.join(rest[1:])}"
+            elif kind == "upsamplers" and rest[0] == "conv":
+                attn = b < len(up_types) and "Attn" in up_types[b]
+                where = (f"{flat}.{start[b] + up_layers[b]}.{2 if attn else 1}.conv."
+                         f"{'.'.join(rest[1:])}")
         elif p[0] == "mid_block" and len(p) > 3:
             kind, j = p[1], int(p[2])
             if kind == "resnets":
                 where = f"middle_block.{2 * j}.{resnet(p[3:])}"
             elif kind == "attentions":
                 where = f"middle_block.{2 * j + 1}.{'.'.join(p[3:])}"
-        elif p[0] == "up_blocks" and len(p) > 4:
-            b, kind, j = int(p[1]), p[2], int(p[3])
-            if kind == "resnets":
-                where = f"output_blocks.{up_start[b] + j}.0.{resnet(p[4:])}"
-            elif kind == "attentions":
-                where = f"output_blocks.{up_start[b] + j}.1.{'.'.join(p[4:])}"
-            elif kind == "upsamplers" and p[4] == "conv":
-                attn = b < len(up_types) and "Attn" in up_types[b]
-                where = (f"output_blocks.{up_start[b] + up_layers[b]}.{2 if attn else 1}.conv."
-                         f"{'.'.join(p[5:])}")
         if where is None:
             raise CheckpointError(f"no original-layout name for UNet key {key!r}")
         return prefix + where, SAME

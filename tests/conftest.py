@@ -32,6 +32,18 @@ def compile_cache() -> Path:
     return Path(os.environ["MAXDIFF_COMPILE_CACHE"])
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny diffusers runs take 0.1 s on one torch thread but up to 20 s on two busy
+    cores; a module that compares against them asks for this."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def sdxl_dir(tmp_path_factory):
     """A complete tiny SDXL checkpoint folder (model_index.json + components), torch seed 0."""

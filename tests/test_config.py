@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_shipped_configs_load():
     names = available_configs()
-    for want in ("sdxl-base", "demo", *(f"sdxl-lightning-{n}step" for n in (1, 2, 4, 8))):
+    for want in ("sdxl-base", "sd15", "sd21", "demo",
+                 *(f"sdxl-lightning-{n}step" for n in (1, 2, 4, 8))):
         assert want in names
     assert "serve" not in names and "train-demo" not in names
     for name in names:

@@ -50,13 +50,7 @@ def _gen(seed: int):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """The tiny diffusers runs take 0.1 s on one thread but up to 20 s on two busy cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,7 @@ SIZE = 32  # the tiny VAE's scale factor is 2: 16x16 latents
 TOL = 2e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +185,21 @@ def test_sd_through_the_cli(folders, tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["format"] == "single file (Stable Diffusion 1.x)"
     assert set(info["components"]) == {"unet", "vae", "text_encoder"}
+
+
+@pytest.mark.parity
+def test_sd1_lora_parity(folders, tmp_path):
+    """A LoRA on SD 1.x's UNet (diffusers/PEFT keys), fused, against diffusers'
+    load_lora_weights; it changes the image."""
+    folder = folders["sd1"]
+    lora = tiny.make_sdxl_lora(folder, tmp_path / "lora.safetensors", seed=3)
+    ours = TextToImagePipeline.from_pretrained(folder, compile_cache_dir=None)
+    lat = _latents(1, seed=4)
+    kw = dict(prompt="a red circle", num_inference_steps=3, guidance_scale=6.0,
+              height=SIZE, width=SIZE)
+    before = ours(**kw, latents=lat, output_type="np").images
+    ours.load_lora_weights(lora)
+    theirs = _diffusers(folder)
+    theirs.load_lora_weights(str(lora))
+    assert _compare(ours, theirs, lat, **kw) <= TOL
+    assert np.abs(ours(**kw, latents=lat, output_type="np").images - before).max() > 1e-2

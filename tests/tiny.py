@@ -269,7 +269,7 @@ SDXL_SCHEDULER = dict(
 
 
 def make_sdxl_lora(model: str | Path, out: str | Path, rank: int = 4, seed: int = 0) -> Path:
-    """A random LoRA for the attention projections of a tiny SDXL folder's UNet, in the
+    """A random LoRA for the attention projections of a tiny SDXL or SD folder's UNet, in the
     diffusers/PEFT key format (``unet.<module>.lora_A.weight`` / ``lora_B.weight``)."""
     import numpy as np
 
