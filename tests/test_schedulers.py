@@ -35,6 +35,8 @@ from maxdiff.schedulers import (
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
     LCMScheduler,
+    PNDMScheduler,
+    PNDMState,
     Preset,
     get_preset,
     load_scheduler,
@@ -87,7 +89,8 @@ def run_reference(name: str, config: dict, n: int, monkeypatch):
         out = ref.step(torch.from_numpy(model_outs[-1]), t, x)
         x0 = getattr(out, "pred_original_sample", None)
         x0 = getattr(out, "denoised", x0)
-        x0 = ref.model_outputs[-1] if x0 is None else x0  # DPM-Solver keeps its x0 there
+        if x0 is None:  # DPM-Solver keeps its x0 in model_outputs; PNDM has no x0 estimate
+            x0 = ref.model_outputs[-1] if hasattr(ref, "model_outputs") else x
         scales.append(max(float(v.abs().max()) for v in (x, out.prev_sample, x0)))
         x = out.prev_sample
         xs.append(x.numpy().copy())
@@ -317,6 +320,142 @@ def test_lcm_parity(variant, n, monkeypatch):
     assert_parity("LCMScheduler", dict(SD, **LCM_VARIANTS[variant]), n, monkeypatch)
 
 
+# PLMS as Stable Diffusion 1.5 ships it (its scheduler_config.json, verbatim).
+SD15_SCHEDULER_CONFIG = {
+    "_class_name": "PNDMScheduler",
+    "_diffusers_version": "0.6.0",
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "beta_start": 0.00085,
+    "num_train_timesteps": 1000,
+    "set_alpha_to_one": False,
+    "skip_prk_steps": True,
+    "steps_offset": 1,
+    "trained_betas": None,
+    "clip_sample": False,
+}
+PNDM_STEPS = [1, 2, 3, 5, 20, 50]
+PLMS = dict(SD, skip_prk_steps=True)
+
+
+def scan_samples(scheduler, state, x, start: int = 0) -> np.ndarray:
+    """A jitted lax.scan from call ``start`` to the end with a traced index and the JAX fake
+    model; every call's output sample, stacked."""
+
+    def body(carry, i):
+        state, x = carry
+        out = jax_fake_model(scheduler.scale_model_input(state, x, i), scheduler.timestep_for_model(state, i))
+        state, x = scheduler.step(state, out, x, i)
+        return (state, x), x
+
+    run = jax.jit(lambda state, x: jax.lax.scan(
+        body, (state, x), jnp.arange(start, state.timesteps.shape[0], dtype=jnp.int32))[1])
+    return np.asarray(run(state, x))
+
+
+def assert_scan_parity(name: str, config: dict, n: int) -> None:
+    """Our sampler in a jitted lax.scan (traced step index) against diffusers' loop: every
+    intermediate sample and the last one, within 1e-5 * (1 + largest |sample| so far)."""
+    ours = load_scheduler({"_class_name": name, **config})
+    _, ref_xs, _, _, ref_scales = run_reference(name, config, n, None)
+    state = ours.set_timesteps(n, sample_shape=SHAPE)
+    x = jnp.asarray(ref_xs[0]) * ours.init_noise_sigma(state)
+    xs = scan_samples(ours, state, x)
+    assert xs.shape == (len(ref_xs) - 1, *SHAPE)
+    for i, (a, b) in enumerate(zip(xs, ref_xs[1:])):
+        scale = 1 + max(ref_scales[:i + 1])
+        err = float(np.abs(a - b).max())
+        _record(name, scan_abs=err, scan_scaled=err / scale)
+        assert err <= 1e-5 * scale, f"scan, after call {i}: max error {err:.3g} at scale {scale:.3g}"
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", PNDM_STEPS)
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+@pytest.mark.parametrize("spacing", SPACINGS)
+def test_pndm_parity(spacing, prediction, n):
+    """PLMS: n + 1 model calls (1 for n = 1), the redo call, the 2-, 3- and 4-output rules."""
+    config = dict(PLMS, steps_offset=1, timestep_spacing=spacing, prediction_type=prediction)
+    assert_parity("PNDMScheduler", config, n)
+    assert_scan_parity("PNDMScheduler", config, n)
+
+
+PNDM_EXTRA = {
+    "sd15": {k: v for k, v in SD15_SCHEDULER_CONFIG.items() if not k.startswith("_")},
+    "defaults": dict(skip_prk_steps=True),  # linear betas, leading, steps_offset 0
+    "alpha-to-one": dict(PLMS, set_alpha_to_one=True, timestep_spacing="trailing"),
+    "cosine": dict(beta_schedule="squaredcos_cap_v2", skip_prk_steps=True, timestep_spacing="linspace"),
+}
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", PNDM_STEPS)
+@pytest.mark.parametrize("variant", sorted(PNDM_EXTRA))
+def test_pndm_parity_options(variant, n):
+    assert_parity("PNDMScheduler", PNDM_EXTRA[variant], n)
+    assert_scan_parity("PNDMScheduler", PNDM_EXTRA[variant], n)
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("start", [1, 2, 5])
+@pytest.mark.parametrize("spacing", ["leading", "linspace"])
+def test_pndm_loop_from_a_later_call_matches_diffusers(spacing, start):
+    """img2img starts the loop at a later call with a fresh state: like diffusers' counter, the
+    redo and multistep rules count the calls made, not the index."""
+    config = dict(PLMS, steps_offset=1, timestep_spacing=spacing)
+    ref = diffusers.PNDMScheduler.from_config(config)
+    ref.set_timesteps(10)
+    ours = load_scheduler({"_class_name": "PNDMScheduler", **config})
+    state = ours.set_timesteps(10, sample_shape=SHAPE)
+    rng = np.random.default_rng(4)
+    clean, noise = (rng.standard_normal(SHAPE).astype(np.float32) for _ in range(2))
+    t = ref.timesteps[start:start + 1].repeat(SHAPE[0])
+    x = ref.add_noise(torch.from_numpy(clean), torch.from_numpy(noise), t)
+    got_x = ours.add_noise(state, jnp.asarray(clean), jnp.asarray(noise), start)
+    np.testing.assert_allclose(np.asarray(got_x), x.numpy(), rtol=1e-6, atol=1e-5)
+    want = []
+    for t in ref.timesteps[start:]:
+        x = ref.step(torch.from_numpy(fake_model(x.numpy(), float(t))), t, x).prev_sample
+        want.append(x.numpy())
+    got = scan_samples(ours, state, got_x, start)
+    assert got.shape == (len(want), *SHAPE)
+    for i, (a, b) in enumerate(zip(got, want)):
+        err = float(np.abs(a - b).max())
+        assert err <= 1e-5 * (1 + np.abs(b).max()), f"call {start + i}: max error {err:.3g}"
+
+
+@needs_reference
+@pytest.mark.parametrize("spacing", SPACINGS)
+def test_pndm_num_model_calls_matches_diffusers(spacing):
+    """num_model_calls(n) is diffusers' len(timesteps) after set_timesteps(n), for every n, and
+    the length of our state's timesteps: n + 1 (1 for n = 1). For 62 values of n (61, 103, ...)
+    the trailing spacing's float ``arange`` yields one timestep too many, -1; diffusers counts
+    it (and would index alpha-bar[-1]); set_timesteps refuses those n, as for DDIM."""
+    config = dict(PLMS, timestep_spacing=spacing)
+    ref = diffusers.PNDMScheduler.from_config(config)
+    ours = load_scheduler({"_class_name": "PNDMScheduler", **config})
+    refused = []
+    for n in range(1, 1001):
+        ref.set_timesteps(n)
+        calls = ours.num_model_calls(n)
+        assert calls == len(ref.timesteps), n
+        if ref.timesteps.min() < 0:
+            refused.append(n)
+            with pytest.raises(ValueError, match="outside"):
+                ours.set_timesteps(n, sample_shape=SHAPE)
+            continue
+        assert calls == (n + 1 if n > 1 else 1), n
+        if n in (1, 2, 3, 5, 20, 50, 999, 1000) or n % 97 == 0:
+            state = ours.set_timesteps(n, sample_shape=(1,))  # (each new shape costs ~15 ms)
+            assert state.timesteps.shape == (calls,), n
+    assert len(refused) == (62 if spacing == "trailing" else 0)
+    with pytest.raises(ValueError, match="num_inference_steps"):
+        ours.num_model_calls(0)
+
+
 @pytest.mark.parity
 @needs_reference
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -339,6 +478,7 @@ def test_lightning_presets_match_diffusers(name):
     ("DDIMScheduler", dict(SD, timestep_spacing="leading", steps_offset=1)),
     ("DPMSolverMultistepScheduler", dict(SD, use_karras_sigmas=True)),
     ("LCMScheduler", dict(SD)),
+    ("PNDMScheduler", dict(PLMS, timestep_spacing="leading", steps_offset=1)),
 ])
 def test_add_noise_parity(name, config):
     """add_noise(step i) is diffusers' add_noise at timesteps[i] (the img2img starting point)."""
@@ -404,6 +544,8 @@ def test_lightning_4step_scan_matches_python_loop():
     ("DDIMScheduler", dict(SD, timestep_spacing="trailing")),
     ("DPMSolverMultistepScheduler", dict(SD, use_karras_sigmas=True)),
     ("LCMScheduler", dict(SD)),
+    ("PNDMScheduler", dict(PLMS, timestep_spacing="leading", steps_offset=1)),
+    ("PNDMScheduler", dict(PLMS, timestep_spacing="linspace", prediction_type="v_prediction")),
 ])
 def test_scan_matches_python_loop(name, config):
     """Every sampler's step works with a traced step index inside a jitted lax.scan."""
@@ -433,6 +575,10 @@ def test_schedulers_are_hashable_static_arguments():
     a = load_scheduler("lightning-4step")
     b = EulerDiscreteScheduler.from_config(dict(SDXL_BASE_SCHEDULER_CONFIG, timestep_spacing="trailing"))
     assert a == b and hash(a) == hash(b)
+    c = load_scheduler(SD15_SCHEDULER_CONFIG)
+    d = PNDMScheduler(**{k: v for k, v in SD15_SCHEDULER_CONFIG.items()
+                         if not k.startswith("_") and k != "clip_sample"})
+    assert c == d and hash(c) == hash(d) and c != PNDMScheduler(skip_prk_steps=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -466,6 +612,38 @@ def test_load_scheduler_from_files(tmp_path):
         load_scheduler("no-such-preset")
 
 
+def test_load_sd15_scheduler_config(tmp_path):
+    """Stable Diffusion 1.5's scheduler folder gives PLMS (its `clip_sample` is DDIM's: ignored)."""
+    (tmp_path / "scheduler").mkdir()
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(SD15_SCHEDULER_CONFIG))
+    scheduler = load_scheduler(tmp_path)
+    assert isinstance(scheduler, PNDMScheduler)
+    assert scheduler == PNDMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                      skip_prk_steps=True, steps_offset=1, set_alpha_to_one=False)
+    assert scheduler.timestep_spacing == "leading" and scheduler.prediction_type == "epsilon"
+    assert scheduler.num_model_calls(50) == 51
+    state = scheduler.set_timesteps(50, sample_shape=SHAPE)
+    assert isinstance(state, PNDMState)
+    np.testing.assert_array_equal(np.asarray(state.timesteps)[:4], [981, 961, 961, 941])
+    assert int(state.timesteps[-1]) == 1
+    assert float(scheduler.init_noise_sigma(state)) == 1.0
+    x = jnp.ones(SHAPE)
+    assert scheduler.scale_model_input(state, x, 3) is x
+    assert int(scheduler.timestep_for_model(state, jnp.int32(2))) == 961
+
+
+def test_num_model_calls_is_the_state_length():
+    """One model call per step, except PLMS (one more; the redo of the first step)."""
+    for name in SAMPLERS:
+        scheduler = load_scheduler({"_class_name": name, **SD, **BASE_CONFIGS.get(name, {})})
+        for n in (1, 2, 4, 25):
+            calls = scheduler.num_model_calls(n)
+            assert calls == scheduler.set_timesteps(n, sample_shape=SHAPE).timesteps.shape[0]
+            assert calls == (n + 1 if name == PNDM and n > 1 else n)
+        with pytest.raises(ValueError, match="num_inference_steps"):
+            scheduler.num_model_calls(0)
+
+
 def test_config_keys_of_other_schedulers_are_ignored():
     """SDXL's Euler config carries DDIM/PNDM keys that diffusers ignores; so do we."""
     scheduler = load_scheduler(dict(SDXL_BASE_SCHEDULER_CONFIG))
@@ -476,10 +654,13 @@ def test_config_keys_of_other_schedulers_are_ignored():
 
 
 SAMPLERS = ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DDIMScheduler",
-            "DPMSolverMultistepScheduler", "LCMScheduler")
-EULER, ANCESTRAL, DDIM, DPM, LCM = SAMPLERS
+            "DPMSolverMultistepScheduler", "LCMScheduler", "PNDMScheduler")
+EULER, ANCESTRAL, DDIM, DPM, LCM, PNDM = SAMPLERS
+# What a sampler needs beyond its defaults to be built (diffusers' PNDM default is the
+# Runge-Kutta warm-up, which is not implemented).
+BASE_CONFIGS = {PNDM: {"skip_prk_steps": True}}
 BAD_CONFIGS = [
-    ({"_class_name": "PNDMScheduler"}, "_class_name"),
+    ({"_class_name": "HeunDiscreteScheduler"}, "_class_name"),
     ({"beta_schedule": "scaled_linear"}, "_class_name"),
     ({"_class_name": EULER, "timestep_spacing": "uniform"}, "timestep_spacing.*linspace"),
     ({"_class_name": DDIM, "timestep_spacing": "karras"}, "timestep_spacing.*trailing"),
@@ -501,6 +682,15 @@ BAD_CONFIGS = [
     ({"_class_name": EULER, "trained_betas": [0.1, 0.2]}, "trained_betas.*num_train_timesteps"),
     ({"_class_name": DDIM, "steps_offset": -1}, "steps_offset"),
     ({"_class_name": LCM, "original_inference_steps": 0}, "original_inference_steps"),
+    ({"_class_name": PNDM}, "skip_prk_steps.*true"),
+    ({"_class_name": PNDM, "skip_prk_steps": False}, "skip_prk_steps.*true"),
+    ({"_class_name": PNDM, "skip_prk_steps": True, "prediction_type": "sample"},
+     "prediction_type.*v_prediction"),
+    ({"_class_name": PNDM, "skip_prk_steps": True, "rescale_betas_zero_snr": True}, "rescale_betas_zero_snr"),
+    ({"_class_name": PNDM, "skip_prk_steps": True, "timestep_spacing": "karras"}, "timestep_spacing.*trailing"),
+    ({"_class_name": PNDM, "skip_prk_steps": True, "set_alpha_to_one": "yes"}, "set_alpha_to_one"),
+    ({"_class_name": PNDM, "skip_prk_steps": True, "steps_offset": -1}, "steps_offset"),
+    ({"_class_name": PNDM, "skip_prk_steps": True, "pndm_order": 4}, "unknown config key `pndm_order`"),
 ]
 
 
@@ -513,7 +703,7 @@ def test_bad_configs_are_refused(config, message):
 @pytest.mark.parametrize("name", SAMPLERS)
 @pytest.mark.parametrize("steps", [0, -1, 1001, 2.5, True])
 def test_bad_step_counts_are_refused(name, steps):
-    scheduler = load_scheduler({"_class_name": name})
+    scheduler = load_scheduler({"_class_name": name, **BASE_CONFIGS.get(name, {})})
     with pytest.raises(ValueError, match="num_inference_steps"):
         scheduler.set_timesteps(steps, sample_shape=SHAPE)
 
@@ -523,21 +713,24 @@ def test_lcm_steps_beyond_original_schedule_are_refused():
         LCMScheduler().set_timesteps(51)
 
 
-def test_dpm_solver_needs_sample_shape():
+@pytest.mark.parametrize("scheduler", [DPMSolverMultistepScheduler(), PNDMScheduler(skip_prk_steps=True)],
+                         ids=["dpm_solver", "pndm"])
+def test_multistep_samplers_need_sample_shape(scheduler):
     with pytest.raises(ValueError, match="sample_shape"):
-        DPMSolverMultistepScheduler().set_timesteps(10)
+        scheduler.set_timesteps(10)
 
 
-def test_steps_offset_past_the_schedule_is_refused():
-    scheduler = load_scheduler({"_class_name": "DDIMScheduler", "steps_offset": 1})
+@pytest.mark.parametrize("name", [DDIM, PNDM])
+def test_steps_offset_past_the_schedule_is_refused(name):
+    scheduler = load_scheduler({"_class_name": name, "steps_offset": 1, **BASE_CONFIGS.get(name, {})})
     with pytest.raises(ValueError, match="steps_offset"):
-        scheduler.set_timesteps(1000)
+        scheduler.set_timesteps(1000, sample_shape=SHAPE)
 
 
 @pytest.mark.parametrize("name", SAMPLERS)
 def test_step_keeps_the_sample_dtype(name):
     """A bfloat16 sample stays bfloat16 (the lax.scan carry keeps its type); maths is float32."""
-    scheduler = load_scheduler({"_class_name": name, **SD})
+    scheduler = load_scheduler({"_class_name": name, **SD, **BASE_CONFIGS.get(name, {})})
     state = scheduler.set_timesteps(4, sample_shape=SHAPE)
     x = jnp.ones(SHAPE, jnp.bfloat16)
     new_state, out = scheduler.step(state, jnp.ones(SHAPE, jnp.bfloat16), x, 0, noise=jnp.zeros(SHAPE))

@@ -17,9 +17,16 @@ other method is a pure function of ``(state, arrays, step_index)`` usable inside
 
     (state, x), _ = jax.lax.scan(body, (state, x), jnp.arange(state.timesteps.shape[0]))
 
+The loop runs ``state.timesteps.shape[0]`` model calls, which is not always the number of
+inference steps: PLMS (``pndm``) makes ``n + 1`` calls for ``n`` steps. A caller that must know
+the count before building the state (e.g. to size a compiled loop) asks
+``scheduler.num_model_calls(n)``, equal to ``set_timesteps(n).timesteps.shape[0]`` for every
+sampler.
+
 Every step is elementwise in the sample, so any layout works (maxdiff keeps latents NHWC).
 Samplers: ``euler`` (Euler), ``euler_ancestral``, ``ddim``, ``dpm_solver`` (DPM-Solver++ 2M,
-with Karras sigmas "DPM++ 2M Karras"), ``lcm``. Named presets live in ``presets``.
+with Karras sigmas "DPM++ 2M Karras"), ``lcm``, ``pndm`` (PLMS, Stable Diffusion 1.5's
+default). Named presets live in ``presets``.
 """
 
 from maxdiff.schedulers.common import AlphaState, Scheduler, SigmaState, max_inference_steps
@@ -28,6 +35,7 @@ from maxdiff.schedulers.dpm_solver import DPMSolverMultistepScheduler, DPMSolver
 from maxdiff.schedulers.euler import EulerDiscreteScheduler
 from maxdiff.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
 from maxdiff.schedulers.lcm import LCMScheduler
+from maxdiff.schedulers.pndm import PNDMScheduler, PNDMState
 from maxdiff.schedulers.loading import (
     SCHEDULERS,
     load_scheduler,
@@ -38,7 +46,8 @@ from maxdiff.schedulers.presets import PRESETS, SDXL_BASE_SCHEDULER_CONFIG, Pres
 
 __all__ = [
     "AlphaState", "DDIMScheduler", "DPMSolverMultistepScheduler", "DPMSolverState",
-    "EulerAncestralDiscreteScheduler", "EulerDiscreteScheduler", "LCMScheduler", "PRESETS", "Preset",
-    "SCHEDULERS", "SDXL_BASE_SCHEDULER_CONFIG", "Scheduler", "SigmaState", "get_preset",
-    "load_scheduler", "max_inference_steps", "read_scheduler_config", "scheduler_from_config",
+    "EulerAncestralDiscreteScheduler", "EulerDiscreteScheduler", "LCMScheduler", "PNDMScheduler",
+    "PNDMState", "PRESETS", "Preset", "SCHEDULERS", "SDXL_BASE_SCHEDULER_CONFIG", "Scheduler",
+    "SigmaState", "get_preset", "load_scheduler", "max_inference_steps", "read_scheduler_config",
+    "scheduler_from_config",
 ]

@@ -101,6 +101,8 @@ class Scheduler(Protocol):
     def set_timesteps(self, num_inference_steps: int,
                       sample_shape: tuple[int, ...] | None = None) -> Any: ...
 
+    def num_model_calls(self, num_inference_steps: int) -> int: ...
+
     def init_noise_sigma(self, state: Any) -> jax.Array: ...
 
     def timestep_for_model(self, state: Any, step_index: jax.Array | int) -> jax.Array: ...
@@ -352,6 +354,13 @@ class TrainSchedule:
                 raise ValueError(
                     f"{cls.__name__}: unknown config key `{key}`; the keys it understands are {known}")
         return cls(**kwargs)
+
+    def num_model_calls(self, num_inference_steps: int) -> int:
+        """How many model calls (denoising loop iterations, ``step`` calls) ``num_inference_steps``
+        steps take: ``set_timesteps(n).timesteps.shape[0]``, without building the state. One per
+        step here; PLMS (``PNDMScheduler``) takes one more. Checks the count as
+        ``set_timesteps`` does (an int in [1, num_train_timesteps]; a sampler may refuse more)."""
+        return check_num_inference_steps(type(self).__name__, num_inference_steps, self.num_train_timesteps)
 
     @functools.cached_property
     def alphas_cumprod(self) -> np.ndarray:

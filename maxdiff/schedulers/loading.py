@@ -14,13 +14,14 @@ from maxdiff.schedulers.dpm_solver import DPMSolverMultistepScheduler
 from maxdiff.schedulers.euler import EulerDiscreteScheduler
 from maxdiff.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
 from maxdiff.schedulers.lcm import LCMScheduler
+from maxdiff.schedulers.pndm import PNDMScheduler
 from maxdiff.schedulers.presets import PRESETS
 
 # diffusers `_class_name` -> our sampler.
 SCHEDULERS: Mapping[str, type] = {
     cls.__name__: cls
     for cls in (EulerDiscreteScheduler, EulerAncestralDiscreteScheduler, DDIMScheduler,
-                DPMSolverMultistepScheduler, LCMScheduler)
+                DPMSolverMultistepScheduler, LCMScheduler, PNDMScheduler)
 }
 
 
