@@ -195,6 +195,7 @@ class _EditPipeline(TextToImagePipeline):
                     sched_state, t_start, pure_noise):
             emb, pooled, time_ids, _ = conditioning(te1, te2, p, ids, neg_ids, zero_negative,
                                                     time_ids, neg_time_ids, cfg)
+            calls = sched_state.timesteps.shape[0]  # model calls: steps (PNDM: steps + 1)
             keys = jax.vmap(jax.random.key)(seeds)
             k_noise, k_post, k_masked, k_steps = jax.vmap(
                 lambda k: tuple(jax.random.split(k, 4)))(keys)
@@ -234,14 +235,14 @@ class _EditPipeline(TextToImagePipeline):
                 state, x = sched.step(state, out, x, i, noise=step_noise)
                 if mode == "inpaint4":
                     # keep the unmasked part: the image noised to the next step's level
-                    nxt = jnp.minimum(i + 1, steps - 1)
-                    proper = jnp.where(i < steps - 1,
+                    nxt = jnp.minimum(i + 1, calls - 1)
+                    proper = jnp.where(i < calls - 1,
                                        sched.add_noise(state, image_latents, noise, nxt),
                                        image_latents)
                     x = (1 - masks) * proper + masks * x
                 return x, state
 
-            latents, _ = jax.lax.fori_loop(t_start, steps, body, (latents, sched_state))
+            latents, _ = jax.lax.fori_loop(t_start, calls, body, (latents, sched_state))
             if tiled:
                 return vae.apply({"params": p["vae"]}, latents, method=vae.unscale_latents)
             img = vae.apply({"params": p["vae"]}, latents, method=vae.latents_to_image)
@@ -401,7 +402,8 @@ class _EditPipeline(TextToImagePipeline):
             out_images = [Image.fromarray(im) for im in out_images]
         return PipelineOutput(out_images, [int(s) for s in seeds],
                               {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket,
-                               "denoising_steps": steps - t_start})
+                               "denoising_steps": self.scheduler.num_model_calls(steps)
+                                                  - t_start})
 
 
 class ImageToImagePipeline(_EditPipeline):

@@ -211,6 +211,11 @@ class StepEngine:
         if not 1 <= self.max_steps <= pipe.max_steps:
             raise ValueError(f"max_steps={max_steps}; {type(pipe.scheduler).__name__} allows "
                              f"1..{pipe.max_steps}")
+        if pipe.scheduler.num_model_calls(2) != 2:  # PNDM: steps + 1 calls, a redone step
+            raise ValueError(
+                f"{type(pipe.scheduler).__name__} makes more model calls than steps, which the "
+                "step engine does not schedule; use engine=batch (the pipeline) or another "
+                "scheduler (e.g. EulerDiscreteScheduler, DPMSolverMultistepScheduler)")
         m = pipe.mesh.size
         if not isinstance(slots, int) or slots < 1 or slots % m:
             raise ValueError(f"slots={slots!r}; it must be a positive multiple of the mesh "

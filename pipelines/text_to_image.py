@@ -562,8 +562,10 @@ class TextToImagePipeline:
                 state, x = sched.step(state, out, x, i, noise=noise)
                 return (x, state), None
 
+            # one iteration per model call: steps, or steps + 1 for PNDM (num_model_calls)
+            calls = sched_state.timesteps.shape[0]
             (latents, _), _ = jax.lax.scan(body, (latents, sched_state),
-                                           jnp.arange(steps, dtype=jnp.int32))
+                                           jnp.arange(calls, dtype=jnp.int32))
             if tiled:  # decoded tile by tile afterwards (_decode_tiled)
                 return vae.apply({"params": p["vae"]}, latents, method=vae.unscale_latents)
             img = vae.apply({"params": p["vae"]}, latents, method=vae.latents_to_image)

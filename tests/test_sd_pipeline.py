@@ -58,6 +58,7 @@ def _compare(ours, theirs, lat, **kw):
 
 
 SCHEDULERS = {  # maxdiff config overrides; diffusers class of the same name
+    "PNDMScheduler": {},
     "EulerDiscreteScheduler": {},
     "DDIMScheduler": {"clip_sample": False},
     "DPMSolverMultistepScheduler": {"algorithm_type": "dpmsolver++"},
@@ -66,8 +67,9 @@ SCHEDULERS = {  # maxdiff config overrides; diffusers class of the same name
 
 @pytest.mark.parity
 @pytest.mark.parametrize("family, scheduler", [
-    ("sd1", "EulerDiscreteScheduler"), ("sd1", "DPMSolverMultistepScheduler"),
-    ("sd2", "DDIMScheduler")])  # the samplers themselves are tested in test_schedulers.py
+    ("sd1", "PNDMScheduler"), ("sd1", "EulerDiscreteScheduler"),
+    ("sd1", "DPMSolverMultistepScheduler"), ("sd2", "DDIMScheduler")])
+# (the samplers themselves are tested in test_schedulers.py; PNDM makes steps + 1 model calls)
 def test_sd_parity_schedulers_cfg_and_sizes(folders, family, scheduler):
     """CFG with a negative prompt (and an omitted one, which SD encodes as ""), CFG off, and a
     non-square size."""
@@ -153,8 +155,9 @@ def test_sd2_file_with_openclip_h_layer_24_and_projection_loads(folders, tmp_pat
 
 @pytest.mark.parity
 def test_sd1_img2img_parity(folders):
-    """Image-to-image on SD 1.x against StableDiffusionImg2ImgPipeline (the posterior sample
-    and add-noise noise drawn in diffusers' order from one generator)."""
+    """Image-to-image on SD 1.x (its PNDM: strength 0.6 of 5 steps runs 4 of the 6 model
+    calls) against StableDiffusionImg2ImgPipeline (the posterior sample and add-noise noise
+    drawn in diffusers' order from one generator)."""
     folder = folders["sd1"]
     ours = ImageToImagePipeline.from_pretrained(folder, compile_cache_dir=None)
     theirs = _diffusers(folder, "StableDiffusionImg2ImgPipeline")
@@ -167,10 +170,20 @@ def test_sd1_img2img_parity(folders):
                    for _ in range(2))
     kw = dict(prompt="a red circle", image=img, strength=0.6, num_inference_steps=5,
               guidance_scale=4.0)
-    mine = ours(**kw, noise=noise, image_latents_noise=post, output_type="np").images
+    mine = ours(**kw, noise=noise, image_latents_noise=post, output_type="np")
+    assert type(ours.scheduler).__name__ == "PNDMScheduler"
+    assert mine.timings["denoising_steps"] == 4
     with torch.no_grad():
         ref = theirs(**kw, generator=torch.Generator().manual_seed(6), output_type="np").images
-    assert np.abs(mine - ref).max() <= TOL
+    assert np.abs(mine.images - ref).max() <= TOL
+
+
+def test_the_step_engine_refuses_pndm_by_name(folders):
+    from pipelines.step_engine import StepEngine
+
+    pipe = TextToImagePipeline.from_pretrained(folders["sd1"], compile_cache_dir=None)
+    with pytest.raises(ValueError, match="PNDMScheduler makes more model calls than steps"):
+        StepEngine(pipe, slots=1, height=SIZE, width=SIZE)
 
 
 def test_sd_through_the_cli(folders, tmp_path, capsys):

@@ -216,11 +216,12 @@ def make_sdxl_pipeline(folder: str | Path, seed: int = 0, scheduler_config: dict
 
 def make_sd_pipeline(folder: str | Path, *, v2: bool = False, seed: int = 0,
                      scheduler_config: dict | None = None):
-    """A tiny Stable Diffusion 1.x folder, or 2.x-like with ``v2`` (linear projections,
+    """A tiny Stable Diffusion 1.x folder (PNDM, as SD 1.5 ships), or 2.x-like with ``v2``
+    (linear projections,
     ``upcast_attention``, a gelu text encoder, a tokenizer padding with ``!`` and a
     v-prediction DDIM scheduler, as SD 2.1 ships), written by diffusers'
     ``StableDiffusionPipeline.save_pretrained``."""
-    from diffusers import (AutoencoderKL, DDIMScheduler, EulerDiscreteScheduler,
+    from diffusers import (AutoencoderKL, DDIMScheduler, EulerDiscreteScheduler, PNDMScheduler,
                            StableDiffusionPipeline, UNet2DConditionModel)
     from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -243,8 +244,10 @@ def make_sd_pipeline(folder: str | Path, *, v2: bool = False, seed: int = 0,
         sched = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                               num_train_timesteps=1000, steps_offset=1, clip_sample=False,
                               set_alpha_to_one=False, prediction_type="v_prediction")
-    else:
-        sched = EulerDiscreteScheduler(**SDXL_SCHEDULER)
+    else:  # SD 1.5's own: PLMS
+        sched = PNDMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                              num_train_timesteps=1000, steps_offset=1, skip_prk_steps=True,
+                              set_alpha_to_one=False)
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=te, tokenizer=tok, unet=unet,
                                    scheduler=sched, safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)
