@@ -216,3 +216,21 @@ def test_sd1_lora_parity(folders, tmp_path):
     theirs.load_lora_weights(str(lora))
     assert _compare(ours, theirs, lat, **kw) <= TOL
     assert np.abs(ours(**kw, latents=lat, output_type="np").images - before).max() > 1e-2
+
+
+def test_the_step_engine_runs_sd2_like_the_pipeline(folders):
+    """engine=step on SD 2.x (v-prediction DDIM): images that share ticks equal the
+    pipeline's batch for the same requests."""
+    from pipelines.requests import ImageRequest
+    from pipelines.step_engine import StepEngine
+
+    pipe = TextToImagePipeline.from_pretrained(folders["sd2"], compile_cache_dir=None)
+    eng = StepEngine(pipe, SIZE, SIZE, slots=2, output_type="np")
+    reqs = [ImageRequest("a red circle", seed=1, guidance_scale=5.0),
+            ImageRequest("a blue square", seed=2, guidance_scale=0.0)]
+    handles = [eng.submit(r, 3) for r in reqs]
+    eng.run_until_idle()
+    ref = pipe.generate(reqs, height=SIZE, width=SIZE, num_inference_steps=3,
+                        output_type="np").images
+    for h, im in zip(handles, ref):
+        np.testing.assert_allclose(h.image, im, atol=1e-5)
