@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.maxdiff-installed
 
-.PHONY: venv test test-slow demo serve train-demo clean
+.PHONY: venv lint test test-slow demo serve train-demo clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# ruff's checks as pyproject.toml configures them (pyflakes errors, syntax, long lines)
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

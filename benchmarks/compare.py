@@ -252,7 +252,8 @@ def diffusers_text(te1, te2):
     """diffusers' text part: ``(ids1, ids2) -> (prompt_embeds, pooled, last1)`` (torch tensors)
     with the calls ``StableDiffusionXLPipeline.encode_prompt`` makes: each encoder with
     ``output_hidden_states=True``, its ``hidden_states[-2]``, concatenated; encoder 2's
-    ``text_embeds``; and encoder 1's ``last_hidden_state`` (as :func:`maxdiff_text`). ``te1``/``te2`` may be ``torch.compile``d; the caller sets the grad mode."""
+    ``text_embeds``; and encoder 1's ``last_hidden_state`` (as :func:`maxdiff_text`).
+    ``te1``/``te2`` may be ``torch.compile``d; the caller sets the grad mode."""
     import torch
 
     def text(ids1, ids2):

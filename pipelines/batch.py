@@ -238,10 +238,10 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
     file's folder). Any other file is one prompt per line. ``image``/``mask``/``strength`` (the
     CLI's --image, --mask, --strength) apply to every line that has no ``image`` of its own;
     ``size`` (--size) is an edit line's size when it has none (else the image's). ``steps``:
-    the run's step count where known before loading, to check each edit's strength against. Both skip blank lines
-    and lines starting with ``#``. ``file="-"`` reads stdin (or ``file_text``). Sizes must be
-    multiples of ``factor``; steps at most ``steps_limit`` = (limit, scheduler name). Raises
-    :class:`InputError` listing every bad line.
+    the run's step count where known before loading, to check each edit's strength against.
+    Both skip blank lines and lines starting with ``#``. ``file="-"`` reads stdin (or
+    ``file_text``). Sizes must be multiples of ``factor``; steps at most ``steps_limit`` =
+    (limit, scheduler name). Raises :class:`InputError` listing every bad line.
     """
     errors: list[str] = []
     lines: list[PromptLine] = []

@@ -263,7 +263,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="Prompt-fidelity evaluation on the shapes task.")
     ap.add_argument("--model", default=None, help="diffusers SDXL folder (default: embedded)")
     ap.add_argument("--steps", type=int, nargs="*", default=[demo.steps or 20])
-    ap.add_argument("--guidance", type=float, nargs="*", default=[5.0 if demo.guidance is None else demo.guidance])
+    ap.add_argument("--guidance", type=float, nargs="*",
+                    default=[5.0 if demo.guidance is None else demo.guidance])
     ap.add_argument("--sampler", nargs="*", default=[None],
                     help=f"scheduler(s) to try instead of the model's: {', '.join(SAMPLERS)}")
     ap.add_argument("--split", choices=("val", "test"), default="test",

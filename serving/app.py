@@ -4,8 +4,9 @@
     serve run configs/serve.yaml
 
 The ingress validates every request (422 with the offending field, 413 for bodies over
-``max_body_bytes``, or ``max_image_bytes`` on the edit routes), turns it into a :class:`pipelines.requests.GenerationRequest`, sends it to a generator
-replica through a deployment handle and encodes the images it gets back. A full generator queue
+``max_body_bytes``, or ``max_image_bytes`` on the edit routes), turns it into a
+:class:`pipelines.requests.GenerationRequest`, sends it to a generator replica through a
+deployment handle and encodes the images it gets back. A full generator queue
 (``max_queued_requests``) is a 503 with ``Retry-After``; a request past its deadline
 (``request_timeout_s``, or a shorter ``X-Request-Timeout`` header) is a 504. A request whose
 generator replica dies is retried once on another replica (same seeds, same images), else a 503.
@@ -16,7 +17,8 @@ With API keys on (``api_keys`` / ``MAXDIFF_API_KEYS``) the ``/v1/`` routes need
 Endpoints (OpenAPI at ``/docs``): ``GET /`` (the web playground, ``serving/playground.html``),
 ``POST /v1/images/generations`` (OpenAI Images API),
 ``POST /v1/images/edits`` (OpenAI Images API edits, multipart), ``POST /v1/generate`` (native),
-``POST /v1/edit`` (native image-to-image and inpainting, JSON), ``GET /healthz``, ``GET /v1/models``, ``GET /v1/stats``.
+``POST /v1/edit`` (native image-to-image and inpainting, JSON), ``GET /healthz``,
+``GET /v1/models``, ``GET /v1/stats``.
 
 Streaming (both engines; only ``engine=step`` has steps and partial images to send):
 ``"stream": true`` on

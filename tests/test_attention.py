@@ -34,7 +34,8 @@ def test_bf16_inputs_keep_dtype():
 
 def test_unknown_kernel():
     q = jnp.ones((1, 4, 1, 8))
-    with pytest.raises(ValueError, match="attention kernel 'flash' is unknown; use one of auto, chunked, xla, dot_product"):
+    with pytest.raises(ValueError, match="attention kernel 'flash' is unknown; use one of "
+                                         "auto, chunked, xla, dot_product"):
         attention(q, q, q, "flash")
 
 

@@ -90,7 +90,8 @@ def test_truncated_file(unet_dir, tmp_path):
     bad = _copy_with(unet_dir, tmp_path / "u", lambda t: t)
     w = bad / "diffusion_pytorch_model.safetensors"
     w.write_bytes(w.read_bytes()[:-1000])
-    with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model.safetensors: truncated file: tensor '.*'"):
+    with pytest.raises(CheckpointError,
+                       match=r"diffusion_pytorch_model.safetensors: truncated file: tensor '.*'"):
         load_unet(bad)
     w.write_bytes(b"\xff" * 4)
     with pytest.raises(CheckpointError, match="not a safetensors file"):

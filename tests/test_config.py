@@ -60,7 +60,8 @@ def test_overrides_are_typed():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["bogus=1"], r"unknown key 'bogus'; allowed keys: model, unet, vae, single_file_config, scheduler, steps"),
+    (["bogus=1"],
+     r"unknown key 'bogus'; allowed keys: model, unet, vae, single_file_config, scheduler, steps"),
     (["steps=two"], r"key 'steps': Input should be a valid integer.*\(got 'two'\)"),
     (["steps=2.5"], r"key 'steps': .*fractional part"),
     (["steps=0"], r"key 'steps': Input should be greater than or equal to 1 \(got 0\)"),
@@ -77,7 +78,7 @@ def test_bad_values(overrides, match):
 
 
 def test_unknown_config_name(tmp_path):
-    with pytest.raises(ValueError, match="not one of the named run configs: demo, sdxl-base"):
+    with pytest.raises(ValueError, match="not one of the named run configs: demo, sd15, sd21, sdxl-base"):
         load_run_config("nope")
     bad = tmp_path / "x.yaml"
     bad.write_text("model: /a\nsteps: 4\nsampler: euler\n")

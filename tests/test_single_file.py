@@ -14,7 +14,7 @@ import torch
 
 import tiny
 from maxdiff import single_file
-from maxdiff.checkpoint import CheckpointError, SafetensorsFile, WeightSource, save_safetensors
+from maxdiff.checkpoint import CheckpointError, SafetensorsFile, save_safetensors
 from pipelines import TextToImagePipeline, cli
 
 SIZE = 32

@@ -171,7 +171,8 @@ class PNDMScheduler(UnscaledInput, TrainSchedule):
         if self.prediction_type == "v_prediction":
             model_output = jnp.sqrt(alpha_prod_t) * model_output + jnp.sqrt(beta_prod_t) * sample
         sample_coeff = jnp.sqrt(alpha_prod_prev / alpha_prod_t)
-        denom = alpha_prod_t * jnp.sqrt(beta_prod_prev) + jnp.sqrt(alpha_prod_t * beta_prod_t * alpha_prod_prev)
+        denom = (alpha_prod_t * jnp.sqrt(beta_prod_prev)
+                 + jnp.sqrt(alpha_prod_t * beta_prod_t * alpha_prod_prev))
         return sample_coeff * sample - (alpha_prod_prev - alpha_prod_t) * model_output / denom
 
     def step(self, state: PNDMState, model_output: jax.Array, sample: jax.Array, step_index,

@@ -68,6 +68,8 @@ def main_app(cluster, sdxl_dir):
                                                timeout=30)
         except requests.ConnectionError:
             probes.append(("connection refused", "", "", None))
+        except requests.Timeout:  # a busy machine: the replica still loading, keep probing
+            probes.append(("timed out", "", "", None))
         time.sleep(0.25)
     else:
         pytest.fail(f"the main app never became healthy; last probes: {probes[-3:]}")
