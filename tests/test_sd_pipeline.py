@@ -234,3 +234,72 @@ def test_the_step_engine_runs_sd2_like_the_pipeline(folders):
                         output_type="np").images
     for h, im in zip(handles, ref):
         np.testing.assert_allclose(h.image, im, atol=1e-5)
+
+
+@pytest.mark.parity
+def test_sd1_inpaint_with_pndm_parity(folders):
+    """Inpainting on SD 1.x's base UNet (4 channels, the unmasked latents reset each call) with
+    its PNDM, against StableDiffusionInpaintPipeline (posterior draw, then the noise)."""
+    from PIL import Image
+
+    from pipelines import InpaintPipeline
+
+    folder = folders["sd1"]
+    ours = InpaintPipeline.from_pretrained(folder, compile_cache_dir=None)
+    theirs = _diffusers(folder, "StableDiffusionInpaintPipeline")
+    img = Image.fromarray((np.random.default_rng(7).random((SIZE, SIZE, 3)) * 255
+                           ).astype(np.uint8))
+    mask = np.full((SIZE, SIZE), 0.2, np.float32)
+    mask[8:24, 6:20] = 0.9
+    g = torch.Generator().manual_seed(8)
+    post, noise = (torch.randn((1, 4, SIZE // 2, SIZE // 2), generator=g).numpy()
+                   for _ in range(2))
+    kw = dict(prompt="a green square", image=img, mask_image=mask, strength=0.75,
+              num_inference_steps=4, guidance_scale=5.0)
+    mine = ours(**kw, noise=noise, image_latents_noise=post, output_type="np").images
+    with torch.no_grad():
+        ref = theirs(**kw, height=SIZE, width=SIZE, generator=torch.Generator().manual_seed(8),
+                     output_type="np").images
+    assert np.abs(mine - ref).max() <= TOL
+
+
+@pytest.mark.parity
+def test_sd1_kohya_lora_matches_diffusers(folders, tmp_path):
+    """An SD 1.5 LoRA in kohya's names (lora_unet_<module with _>, lora_down / lora_up,
+    alpha), as A1111 / civitai files are: diffusers reads the same file to the same images."""
+    from maxdiff.checkpoint import save_safetensors
+
+    folder = folders["sd1"]
+    peft = SafetensorsFile(tiny.make_sdxl_lora(folder, tmp_path / "peft.safetensors", seed=5))
+    kohya = {}
+    for key in peft.keys():  # unet.<module>.lora_A.weight
+        module, ab = key[len("unet."):].rsplit(".lora_", 1)
+        name = "lora_unet_" + module.replace(".", "_")
+        kohya[f"{name}.lora_{'down' if ab.startswith('A') else 'up'}.weight"] = peft.get(key)
+        kohya[f"{name}.alpha"] = np.array(2.0, np.float32)  # rank 4: scale 0.5
+    save_safetensors(kohya, tmp_path / "kohya.safetensors")
+    ours = TextToImagePipeline.from_pretrained(folder, compile_cache_dir=None)
+    ours.load_lora_weights(tmp_path / "kohya.safetensors")
+    theirs = _diffusers(folder)
+    theirs.load_lora_weights(str(tmp_path / "kohya.safetensors"))
+    kw = dict(prompt="a red circle", num_inference_steps=3, guidance_scale=6.0,
+              height=SIZE, width=SIZE)
+    assert _compare(ours, theirs, _latents(1, seed=6), **kw) <= TOL
+
+
+@pytest.mark.parity
+def test_sd2_from_a_float16_single_file(folders, tmp_path):
+    """An fp16 single file (how SD files ship) gives diffusers' images from the same file."""
+    from diffusers import StableDiffusionPipeline
+
+    folder = folders["sd2"]
+    file = tmp_path / "sd2-fp16.safetensors"
+    single_file.export(folder, file, dtype="float16")
+    ours = TextToImagePipeline.from_single_file(file, config=folder, compile_cache_dir=None)
+    theirs = StableDiffusionPipeline.from_single_file(str(file), config=str(folder),
+                                                      local_files_only=True,
+                                                      torch_dtype=torch.float32)
+    theirs.set_progress_bar_config(disable=True)
+    kw = dict(prompt="a red circle", num_inference_steps=3, guidance_scale=6.0,
+              height=SIZE, width=SIZE)
+    assert _compare(ours, theirs, _latents(1, seed=7), **kw) <= TOL
