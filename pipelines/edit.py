@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiff import mesh as meshlib
-from maxdiff.schedulers import EulerAncestralDiscreteScheduler, LCMScheduler
+from pipelines import program as program_lib
 from pipelines.limits import STRENGTH, check, strength_problem
 from pipelines.requests import ImageRequest, bucket_size
 from pipelines.text_to_image import (PipelineOutput, TextToImagePipeline, _to_pixels,
@@ -181,7 +181,7 @@ class _EditPipeline(TextToImagePipeline):
         te1, te2, unet, vae, sched = (self.text_encoder, self.text_encoder_2, self.unet, self.vae,
                                       self.scheduler)
         channels = self.latent_channels
-        stochastic = isinstance(sched, (EulerAncestralDiscreteScheduler, LCMScheduler))
+        stochastic = sched.stochastic
         shape = (lh, lw, channels)
 
         def to_latents(p, images, eps):
@@ -196,10 +196,10 @@ class _EditPipeline(TextToImagePipeline):
             emb, pooled, time_ids, _ = conditioning(te1, te2, p, ids, neg_ids, zero_negative,
                                                     time_ids, neg_time_ids, cfg)
             calls = sched_state.timesteps.shape[0]  # model calls: steps (PNDM: steps + 1)
-            keys = jax.vmap(jax.random.key)(seeds)
-            k_noise, k_post, k_masked, k_steps = jax.vmap(
-                lambda k: tuple(jax.random.split(k, 4)))(keys)
-            draw = lambda ks: jax.vmap(lambda k: jax.random.normal(k, shape))(ks)
+            k_noise, k_post, k_masked, k_steps = program_lib.image_keys(seeds, 4)
+
+            def draw(keys):
+                return program_lib.normal(keys, shape)
             if noise is None:
                 noise = draw(k_noise)
             if post_noise is None:
@@ -230,8 +230,7 @@ class _EditPipeline(TextToImagePipeline):
                 out = guide(out.astype(jnp.float32), cfg, g, r)
                 step_noise = None
                 if stochastic:
-                    step_noise = jax.vmap(lambda k: jax.random.normal(
-                        jax.random.fold_in(k, i), shape))(k_steps)
+                    step_noise = program_lib.step_noise(k_steps, i, shape)
                 state, x = sched.step(state, out, x, i, noise=step_noise)
                 if mode == "inpaint4":
                     # keep the unmasked part: the image noised to the next step's level
@@ -363,17 +362,8 @@ class _EditPipeline(TextToImagePipeline):
          rescale) = self._host_inputs(items, height, width)
 
         bucket = bucket_size(n, self.mesh.size)
-
-        def pad(a, axis=0):
-            if a is None or bucket == n:
-                return a
-            last = np.take(a, [-1], axis=axis)
-            return np.concatenate([a, np.repeat(last, bucket - n, axis=axis)], axis=axis)
-
-        batch = meshlib.batch_sharded(self.mesh)
-        batch_1 = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, meshlib.DATA))
-        put = lambda a, sh=batch: None if a is None else jax.device_put(pad(a, 1 if sh is batch_1 else 0), sh)
-        args = (put(ids, batch_1), put(neg_ids, batch_1), put(zero_negative),
+        put = program_lib.BatchPut(self.mesh, bucket)
+        args = (put(ids, ids=True), put(neg_ids, ids=True), put(zero_negative),
                 put(np.asarray(seeds, np.uint32)), put(pix), put(mask_lat), put(masked_pix),
                 put(noise), put(post), put(masked_post), put(guidance), put(rescale),
                 put(time_ids), put(neg_time_ids))
@@ -394,12 +384,8 @@ class _EditPipeline(TextToImagePipeline):
         out = program(self.params, *args, state, *scalars)
         if tiled:
             out = self._decode_tiled(out, as_uint8)
-        out_images = np.asarray(jax.device_get(out))[:n]
+        out_images = program_lib.host_images(out, n, output_type)
         t2 = time.perf_counter()
-        if output_type == "pil":
-            from PIL import Image
-
-            out_images = [Image.fromarray(im) for im in out_images]
         return PipelineOutput(out_images, [int(s) for s in seeds],
                               {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket,
                                "denoising_steps": self.scheduler.num_model_calls(steps)

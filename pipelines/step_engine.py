@@ -97,11 +97,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiff import adapters as adapterlib, mesh as meshlib
-from maxdiff.schedulers import (DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
-                                LCMScheduler)
+from maxdiff.schedulers import DPMSolverMultistepScheduler, LCMScheduler
 from maxdiff.schedulers.common import SigmaState, at
 from maxdiff.schedulers.ddim import x0_and_eps
 from maxdiff.schedulers.euler import denoised_from_sigma
+from pipelines import program as program_lib
 from pipelines.limits import cfg_on, check, steps_problem
 from pipelines.requests import ImageRequest, bucket_size
 from pipelines.text_to_image import _to_pixels, conditioning, encode_prompts, guide
@@ -228,7 +228,7 @@ class StepEngine:
         f = pipe.vae_scale_factor
         self.lh, self.lw, self.channels = self.height // f, self.width // f, pipe.latent_channels
         self.sched = pipe.scheduler
-        self.stochastic = isinstance(self.sched, (EulerAncestralDiscreteScheduler, LCMScheduler))
+        self.stochastic = self.sched.stochastic
         self.tiled = pipe._tiled(self.height, self.width)  # the pipeline's vae_tiling rule
         self.batch_sizes = sorted({min(bucket_size(n, m), slots) for n in range(1, slots + 1)})
         self._sharded = meshlib.batch_sharded(pipe.mesh)
@@ -340,9 +340,8 @@ class StepEngine:
             emb, pooled, tids, _ = conditioning(te1, te2, params, ids, neg_ids, zero_negative,
                                                 time_ids, neg_time_ids, cfg_engine, ad,
                                                 None if ad is None else aidx)
-            keys = jax.vmap(jax.random.key)(seeds)
-            init_keys, step_keys = jax.vmap(lambda k: tuple(jax.random.split(k)))(keys)
-            x = jax.vmap(lambda k: jax.random.normal(k, (lh, lw, ch)))(init_keys)
+            init_keys, step_keys = program_lib.image_keys(seeds)
+            x = program_lib.normal(init_keys, (lh, lw, ch))
             x = x.astype(jnp.float32) * init_sigma[:, None, None, None]
             new = {"x": x, "x0": jnp.zeros_like(x), "sched": sched,
                    "keys": jax.random.key_data(step_keys), "g": g, "r": r, "cfg": cfg,
@@ -390,8 +389,7 @@ class StepEngine:
             noise = None
             if stochastic:
                 keys = jax.random.wrap_key_data(state["keys"])
-                noise = jax.vmap(lambda k, i: jax.random.normal(
-                    jax.random.fold_in(k, i), (lh, lw, ch)))(keys, local)
+                noise = program_lib.step_noise(keys, local, (lh, lw, ch))
 
             def one(sc, st, o, xx, i, nz):
                 return sc.step(st, o, xx, i, noise=nz)
@@ -699,20 +697,10 @@ class StepEngine:
         aidx = np.zeros(len(items), np.int32) if aidx is None else aidx
         slot = np.array(free + [self.slots] * (b - n), np.int32)  # padding rows are dropped
 
-        def pad(a, axis=0):
-            m = a.shape[axis]
-            if m == b:
-                return a
-            return np.concatenate([a, np.repeat(np.take(a, [-1], axis=axis), b - m, axis=axis)],
-                                  axis=axis)
-
-        sh, sh1 = self._sharded, jax.sharding.NamedSharding(
-            p.mesh, jax.sharding.PartitionSpec(None, meshlib.DATA))
-        args = (jax.device_put(slot, sh), jax.device_put(pad(ids, 1), sh1),
-                jax.device_put(pad(neg_ids, 1), sh1),
-                *jax.device_put((pad(zero_negative), pad(time_ids), pad(neg_time_ids),
-                                 pad(np.asarray(seeds, np.uint32)), pad(init_sigma), pad(guidance),
-                                 pad(rescale), pad(cfg), jax.tree.map(pad, sched), pad(aidx)), sh))
+        put = program_lib.BatchPut(p.mesh, b)
+        args = (put(slot), put(ids, ids=True), put(neg_ids, ids=True), put(zero_negative),
+                put(time_ids), put(neg_time_ids), put(np.asarray(seeds, np.uint32)),
+                put(init_sigma), put(guidance), put(rescale), put(cfg), put.tree(sched), put(aidx))
         self._state = self._program("admit", b)(p.params, self._state, *args,
                                                 *self._adapter_args())
 
@@ -730,10 +718,6 @@ class StepEngine:
     def _fetch(self, out, n: int) -> list:
         """The first ``n`` decoded images of a decode output, on the host (waits for it)."""
         t0 = time.perf_counter()
-        images = np.asarray(jax.device_get(out))[:n]
+        images = program_lib.host_images(out, n, self.output_type)
         self.stats["wait_s"] += time.perf_counter() - t0
-        if self.output_type == "pil":
-            from PIL import Image
-
-            return [Image.fromarray(im) for im in images]
         return list(images)

@@ -30,11 +30,12 @@ from maxdiff import adapters as adapterlib, checkpoint, mesh as meshlib, single_
 from maxdiff.models.clip import load_text_encoder
 from maxdiff.models.unet import load_unet
 from maxdiff.models.vae import load_vae
-from maxdiff.schedulers import (EulerAncestralDiscreteScheduler, LCMScheduler, get_preset,
-                                load_scheduler, max_inference_steps, read_scheduler_config)
+from maxdiff.schedulers import (get_preset, load_scheduler, max_inference_steps,
+                                read_scheduler_config)
 from maxdiff.tokenizers import load_tokenizer, tokenize
 from maxdiff.models.vae_tiling import (check_tiling_setting, tile_decoder, tile_encoder,
                                        tiled_decode, tiled_encode, use_tiling)
+from pipelines import program as program_lib
 from pipelines.config import ModelDefaults, RunConfig, load_run_config
 from pipelines.limits import (MAX_SEED, Limits, cfg_on, check, n_problem, problems,
                               seed_problem)
@@ -530,7 +531,7 @@ class TextToImagePipeline:
         te1, te2, unet, vae, sched = (self.text_encoder, self.text_encoder_2, self.unet, self.vae,
                                       self.scheduler)
         channels = self.latent_channels
-        stochastic = isinstance(sched, (EulerAncestralDiscreteScheduler, LCMScheduler))
+        stochastic = sched.stochastic
 
         def program(p, ids, neg_ids, zero_negative, seeds, latents, guidance, rescale, time_ids,
                     neg_time_ids, sched_state, ad=None, aidx=None):
@@ -538,10 +539,9 @@ class TextToImagePipeline:
             # without adapters, which traces exactly the program without them
             emb, pooled, time_ids, uidx = conditioning(te1, te2, p, ids, neg_ids, zero_negative,
                                                        time_ids, neg_time_ids, cfg, ad, aidx)
-            keys = jax.vmap(jax.random.key)(seeds)
-            init_keys, step_keys = jax.vmap(lambda k: tuple(jax.random.split(k)))(keys)
+            init_keys, step_keys = program_lib.image_keys(seeds)
             if latents is None:
-                latents = jax.vmap(lambda k: jax.random.normal(k, (lh, lw, channels)))(init_keys)
+                latents = program_lib.normal(init_keys, (lh, lw, channels))
             latents = latents.astype(jnp.float32) * sched.init_noise_sigma(sched_state)
             g = guidance[:, None, None, None]
             r = rescale[:, None, None, None]
@@ -557,8 +557,7 @@ class TextToImagePipeline:
                 out = guide(out.astype(jnp.float32), cfg, g, r)
                 noise = None
                 if stochastic:
-                    noise = jax.vmap(lambda k: jax.random.normal(
-                        jax.random.fold_in(k, i), (lh, lw, channels)))(step_keys)
+                    noise = program_lib.step_noise(step_keys, i, (lh, lw, channels))
                 state, x = sched.step(state, out, x, i, noise=noise)
                 return (x, state), None
 
@@ -696,21 +695,10 @@ class TextToImagePipeline:
         adapter_idx = self._adapter_index(items)
 
         bucket = bucket_size(n, self.mesh.size)
-
-        def pad(a, axis=0):
-            if bucket == n:
-                return a
-            last = np.take(a, [-1], axis=axis)
-            return np.concatenate([a, np.repeat(last, bucket - n, axis=axis)], axis=axis)
-
-        batch = meshlib.batch_sharded(self.mesh)
-        batch_1 = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, meshlib.DATA))
-        put = lambda a, sh=batch: None if a is None else jax.device_put(a, sh)
-        args = (
-            put(pad(ids, 1), batch_1), put(pad(neg_ids, 1), batch_1), put(pad(zero_negative)),
-            put(pad(np.asarray(seeds, np.uint32))), put(None if latents is None else pad(latents)),
-            put(pad(guidance)), put(pad(rescale)), put(pad(time_ids)), put(pad(neg_time_ids)),
-        )
+        put = program_lib.BatchPut(self.mesh, bucket)
+        args = (put(ids, ids=True), put(neg_ids, ids=True), put(zero_negative),
+                put(np.asarray(seeds, np.uint32)), put(latents), put(guidance), put(rescale),
+                put(time_ids), put(neg_time_ids))
         state = self.scheduler.set_timesteps(steps, (bucket, lh, lw, self.latent_channels))
         state = jax.device_put(state, meshlib.replicated(self.mesh))
         as_uint8 = output_type != "np"
@@ -722,15 +710,11 @@ class TextToImagePipeline:
             out = program(self.params, *args, state)
         else:
             out = program(self.params, *args, state, self._adapter_tables.as_tree(),
-                          put(pad(adapter_idx)))
+                          put(adapter_idx))
         if tiled:
             out = self._decode_tiled(out, as_uint8)
-        images = np.asarray(jax.device_get(out))[:n]
+        images = program_lib.host_images(out, n, output_type)
         t2 = time.perf_counter()
-        if output_type == "pil":
-            from PIL import Image
-
-            images = [Image.fromarray(im) for im in images]
         return PipelineOutput(images, [int(s) for s in seeds],
                               {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket})
 

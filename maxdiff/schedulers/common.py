@@ -103,6 +103,9 @@ class Scheduler(Protocol):
 
     def num_model_calls(self, num_inference_steps: int) -> int: ...
 
+    # True when ``step`` adds fresh noise (pass ``noise=``): ancestral samplers, LCM
+    stochastic: bool
+
     def init_noise_sigma(self, state: Any) -> jax.Array: ...
 
     def timestep_for_model(self, state: Any, step_index: jax.Array | int) -> jax.Array: ...
@@ -299,6 +302,8 @@ class TrainSchedule:
         the values that leave the maths unchanged (None: any value, the argument is unused).
       ZERO_SNR_LAST_ALPHA: with ``rescale_betas_zero_snr``, replace the last alpha-bar (exactly 0)
         by 2**-24 so its sigma stays finite (what the sigma-based diffusers samplers do).
+      stochastic: ``step`` adds fresh noise each step (``noise=``), drawn by the pipelines from
+        the image's step key (:func:`pipelines.program.step_noise`).
     """
 
     num_train_timesteps: int = 1000
@@ -312,6 +317,7 @@ class TrainSchedule:
     PREDICTION_TYPES: ClassVar[tuple[str, ...]] = ("epsilon", "v_prediction", "sample")
     INERT: ClassVar[Mapping[str, tuple | None]] = {}
     ZERO_SNR_LAST_ALPHA: ClassVar[bool] = False
+    stochastic: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         name = type(self).__name__

@@ -44,6 +44,8 @@ class EulerAncestralDiscreteScheduler(SigmaInputScaling, TrainSchedule):
     constructor arguments of ``EulerAncestralDiscreteScheduler`` with its defaults; diffusers
     does not implement ``prediction_type="sample"`` here, so neither do we."""
 
+    stochastic: ClassVar[bool] = True
+
     timestep_spacing: str = "linspace"
     steps_offset: int = 0
 

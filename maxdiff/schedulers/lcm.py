@@ -31,6 +31,8 @@ class LCMScheduler(UnscaledInput, TrainSchedule):
     ``timestep_spacing``, ``steps_offset`` and ``set_alpha_to_one`` do not affect LCM's maths
     (diffusers ignores them too) and are accepted with any value."""
 
+    stochastic: ClassVar[bool] = True
+
     beta_start: float = 0.00085
     beta_end: float = 0.012
     beta_schedule: str = "scaled_linear"
