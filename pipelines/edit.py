@@ -45,7 +45,7 @@ import numpy as np
 
 from maxdiff import mesh as meshlib
 from pipelines import program as program_lib
-from pipelines.limits import STRENGTH, check, strength_problem
+from pipelines.limits import STRENGTH, check, edit_adapter_problem, strength_problem
 from pipelines.requests import ImageRequest, bucket_size
 from pipelines.text_to_image import (PipelineOutput, TextToImagePipeline, _to_pixels,
                                      conditioning, guide)
@@ -294,6 +294,7 @@ class _EditPipeline(TextToImagePipeline):
         items = list(items)
         if not items:
             raise ValueError("items is empty: give at least one ImageRequest")
+        check([edit_adapter_problem(it.adapter) for it in items])
         n = len(items)
         if images is None or len(images) != n:
             raise ValueError(f"give one image per item: {n} item(s), "

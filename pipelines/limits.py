@@ -57,6 +57,8 @@ FIELDS: dict[str, dict[str, str]] = {
                "openai": "size"},
     "prompt": {"python": "prompt", "cli": "prompt", "jsonl": "prompt", "native": "prompt",
                "openai": "prompt"},
+    "adapter": {"python": "adapter", "cli": "--lora", "jsonl": "lora", "native": "lora",
+                "openai": "model"},
 }
 
 
@@ -170,6 +172,16 @@ def strength_problem(strength: Any, steps: Any = None) -> Problem | None:
         return Problem("strength", f"with {steps} step(s) leaves no denoising step "
                        f"(int({steps} * {strength}) = 0); raise strength or steps", strength)
     return None
+
+
+def edit_adapter_problem(adapter: Any) -> Problem | None:
+    """Per-image adapters (``add_adapter``) apply to text-to-image only; an edit names none (a
+    LoRA for edits is fused with ``load_lora_weights``)."""
+    if adapter is None:
+        return None
+    return Problem("adapter", "per-image adapters apply to text-to-image only, not to edits "
+                   "(image-to-image, inpainting); fuse a LoRA with load_lora_weights instead",
+                   adapter)
 
 
 def size_problems(width: int | None, height: int | None, multiple: int, lo: int | None = None,

@@ -34,6 +34,7 @@ import time
 import ray
 from ray import serve
 
+from pipelines.limits import check, edit_adapter_problem
 from pipelines.requests import EditRequest, GenerationRequest
 from serving.backend import Backend, Expired, InvalidJob, Meters
 from serving.batch_backend import BatchBackend
@@ -202,9 +203,7 @@ class Generator:
         try:
             if not isinstance(job, EditRequest):
                 raise ValueError(f"edit takes an EditRequest, got {type(job).__name__}")
-            if job.adapter is not None:
-                raise ValueError("adapters are not applied to edits (image-to-image, "
-                                 "inpainting); only to generation")
+            check([edit_adapter_problem(job.adapter)], "native")
             self.pipe._check(job.steps, job.height, job.width, "pil")
             job.validate()
         except ValueError as e:

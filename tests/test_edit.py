@@ -320,3 +320,14 @@ def test_img2img_vae_tiling_matches_diffusers_enable_tiling(sdxl_dir, pipe, torc
     assert pipe.vae_tiling == "auto" and not pipe._tiled(40, 48)
     untiled = pipe(**kw, noise=noise, image_latents_noise=post, output_type="np").images
     assert np.abs(untiled - ours).max() > 1e-3
+
+
+def test_a_per_image_adapter_on_an_edit_is_refused_by_name(pipe):
+    """Per-image adapters apply to text-to-image only: an edit naming one is a ValueError that
+    names the field (the service refuses it with the same rule), never silently ignored."""
+    from pipelines.requests import ImageRequest
+
+    with pytest.raises(ValueError, match=r"adapter='pixel': per-image adapters apply to "
+                                         r"text-to-image only"):
+        pipe.generate([ImageRequest("a red circle", seed=1, adapter="pixel")],
+                      images=[_image(0)], num_inference_steps=2)
