@@ -31,23 +31,15 @@ def write_file(path: Path, dtype: str = "float16") -> int:
     from maxdiff import checkpoint, single_file
 
     root = single_file.shipped_config("sdxl-base")
+    family = single_file.FAMILIES["sdxl-base"]
     dt = checkpoint.resolve_dtype(dtype)
-    renames = {"unet": single_file.unet_rename, "vae": single_file.vae_rename}
-    groups: dict[str, list] = {}
-    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
-        cfg = checkpoint.read_config(root / name)
-        if name in renames:
-            rename = renames[name](cfg)
-        else:
-            kind, prefix = {n: (k, p) for n, k, p in single_file.FAMILIES["sdxl-base"].text}[name]
-            rename = (single_file.clip_rename if kind == "clip" else single_file.openclip_rename)(
-                prefix)
-        for key, shape in single_file._expected(name, cfg).items():
-            target, op = rename(key)
-            slot = groups.setdefault(target, [op, [None] * op.count])
-            slot[1][op.index] = shape
+    configs = {name: checkpoint.read_config(root / name)
+               for name in single_file.family_models(family)}
+    pieces = [(rename, key, shape)
+              for name, rename in single_file.renames(family, configs).items()
+              for key, shape in single_file._expected(name, configs[name]).items()]
     tensors = {}
-    for target, (op, shapes) in groups.items():
+    for target, (op, shapes) in single_file.grouped(pieces, root).items():
         shape = op.write([np.broadcast_to(np.empty((), np.uint8), s) for s in shapes]).shape
 
         def load(shape=shape):

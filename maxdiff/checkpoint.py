@@ -402,9 +402,10 @@ def load_params(
                 f"shape {want})"
             )
         raw = source.get(stored)
-        arr = op.read(raw) if op is not None else raw
-        if rename is not None and arr.ndim == 4 and arr.shape[2:] == (1, 1) and len(want) == 2:
-            arr = arr.reshape(arr.shape[:2])  # a 1x1 conv stored where a linear layer reads it
+        if rename is not None:
+            arr = as_linear_if_1x1(op.read(raw), len(want))
+        else:
+            arr = raw
         arr = fn(arr)
         if tuple(arr.shape) != want:
             raise CheckpointError(
@@ -431,6 +432,14 @@ def load_params(
             f"{' (' + hint + ')' if getattr(source, 'hint', '') else ''}"
         )
     return _unflatten(out)
+
+
+def as_linear_if_1x1(arr: np.ndarray, ndim: int) -> np.ndarray:
+    """A 1x1 convolution's weight (out, in, 1, 1) as the linear weight (out, in) a model of
+    ``ndim``-dimensional weight reads (single files store some projections as 1x1 convs)."""
+    if arr.ndim == 4 and ndim == 2 and arr.shape[2:] == (1, 1):
+        return arr.reshape(arr.shape[:2])
+    return arr
 
 
 def _torch_shape(path: tuple[str, ...], flax_shape: tuple[int, ...]) -> tuple[int, ...]:

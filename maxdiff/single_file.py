@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -300,9 +300,10 @@ FAMILIES = {
 
 @dataclass(frozen=True)
 class Layout:
-    """What :func:`inspect` found in a file."""
+    """What :func:`inspect` found in a file, and the file opened once for every model in it."""
 
     path: Path
+    source: WeightSource = field(repr=False, compare=False)
     family: Family
     vae_prefix: str | None  # None: the file holds no VAE
     in_channels: int  # 4, or 9 for an inpainting UNet
@@ -359,7 +360,8 @@ def inspect(path: str | os.PathLike) -> Layout:
     saying what the file looks like and what maxdiff reads."""
     path = Path(path)
     checkpoint.refuse_pickle(path)
-    keys = checkpoint.SafetensorsFile(path).keys()
+    source = _open(path)
+    keys = source.keys()
     ks = set(keys)
 
     def under(prefix: str) -> bool:
@@ -379,8 +381,8 @@ def inspect(path: str | os.PathLike) -> Layout:
         raise CheckpointError(f"{path}: {_looks_like(keys)}. {_WANT}.")
     vae_prefix = next((p for p in VAE_PREFIXES if under(p + "decoder.")), None)
     conv_in = UNET + "input_blocks.0.0.weight"
-    in_ch = checkpoint.SafetensorsFile(path).shape(conv_in)[1] if conv_in in ks else 4
-    return Layout(path, family, vae_prefix, int(in_ch), "v_pred" in ks, "ztsnr" in ks)
+    in_ch = source.files[source.file_of(conv_in)].shape(conv_in)[1] if conv_in in ks else 4
+    return Layout(path, source, family, vae_prefix, int(in_ch), "v_pred" in ks, "ztsnr" in ks)
 
 
 def _open(path: Path) -> WeightSource:
@@ -411,11 +413,11 @@ def _openclip_unused(config: Mapping, prefix: str) -> Callable[[str], bool]:
 
 
 def component_source(layout: Layout, component: str, config: Mapping,
-                     source: WeightSource | None = None, hint: str = "") -> WeightSource:
+                     hint: str = "") -> WeightSource:
     """The weights of one diffusers ``component`` (``unet``, ``vae``, ``text_encoder``,
     ``text_encoder_2``) inside the file, for a model of this diffusers ``config``; ``hint``
     ends a shape error (say where the config came from)."""
-    source = source or _open(layout.path)
+    source = layout.source
     if component == "unet":
         return _mapped(source, unet_rename(config), UNET, "its UNet, model.diffusion_model.*",
                        hint=hint)
@@ -507,28 +509,50 @@ def export(folder: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
     folder = Path(folder)
     family = folder_family(folder)
     cast = checkpoint.resolve_dtype(dtype) if dtype is not None else None
-    renames: list[tuple[str, Rename]] = [
-        ("unet", unet_rename(checkpoint.read_config(folder / "unet")))]
-    if include_vae:
-        renames.append(("vae", vae_rename(checkpoint.read_config(folder / "vae"))))
-    for name, kind, prefix in family.text:
-        renames.append((name, clip_rename(prefix) if kind == "clip" else openclip_rename(prefix)))
-    groups: dict[str, list] = {}
-    for name, rename in renames:
+    configs = {name: checkpoint.read_config(folder / name) for name in family_models(family)
+               if include_vae or name != "vae"}
+    pieces = []
+    for name, rename in renames(family, configs).items():
         src = checkpoint.open_weights(folder / name, variant)
-        for key in src.keys():
-            if key.endswith(_TEXT_IGNORE):
-                continue
-            target, op = rename(key)
-            slot = groups.setdefault(target, [op, [None] * op.count])
-            slot[1][op.index] = (src, key)
-    tensors = {}
+        pieces += [(rename, key, (src, key)) for key in src.keys()
+                   if not key.endswith(_TEXT_IGNORE)]
+    tensors = {target: _lazy(op, parts, cast)
+               for target, (op, parts) in grouped(pieces, folder).items()}
+    return checkpoint.save_safetensors(tensors, out, {"format": "pt"})
+
+
+def family_models(family: Family) -> tuple[str, ...]:
+    """The diffusers components with weights in a family's single file."""
+    return ("unet", "vae", *(name for name, _, _ in family.text))
+
+
+def renames(family: Family, configs: Mapping[str, Mapping]) -> dict[str, Rename]:
+    """{component: rename} for the components of ``configs`` (their diffusers configs)."""
+    out: dict[str, Rename] = {}
+    text = {name: (kind, prefix) for name, kind, prefix in family.text}
+    for name, cfg in configs.items():
+        if name == "unet":
+            out[name] = unet_rename(cfg)
+        elif name == "vae":
+            out[name] = vae_rename(cfg)
+        else:
+            kind, prefix = text[name]
+            out[name] = (clip_rename if kind == "clip" else openclip_rename)(prefix)
+    return out
+
+
+def grouped(pieces: Iterable[tuple[Rename, str, object]], where: object = "") -> dict[str, tuple]:
+    """{file key: (op, [part, ...])} from (rename, diffusers key, part) triples: the parts of a
+    fused tensor (OpenCLIP's q, k, v) in their order. Every fused tensor must be complete."""
+    groups: dict[str, tuple] = {}
+    for rename, key, part in pieces:
+        target, op = rename(key)
+        groups.setdefault(target, (op, [None] * op.count))[1][op.index] = part
     for target, (op, parts) in groups.items():
         if any(p is None for p in parts):
-            raise CheckpointError(f"{folder}: {target} needs {op.count} tensors, found "
+            raise CheckpointError(f"{where}: {target} needs {op.count} tensors, found "
                                   f"{sum(p is not None for p in parts)}")
-        tensors[target] = _lazy(op, parts, cast)
-    return checkpoint.save_safetensors(tensors, out, {"format": "pt"})
+    return groups
 
 
 def _lazy(op: Op, parts: list, cast) -> LazyTensor:
@@ -597,7 +621,7 @@ def to_folder(path: str | os.PathLike, out: str | os.PathLike, config: str | os.
         for name, same in layout.family.tokenizers:
             if not (tmp / name).is_dir():
                 shutil.copytree(embedded / same, tmp / name)
-        for name in ("unet", "vae", *(n for n, _, _ in layout.family.text)):
+        for name in family_models(layout.family):
             cfg = checkpoint.read_config(root / name)
             if name == "vae" and vae is not None:
                 src = vae_source(vae, cfg)
@@ -637,9 +661,7 @@ def _read_lazy(src: WeightSource, stored: str, op: Op, shape: tuple[int, ...], c
         dt = cast
 
     def load() -> np.ndarray:
-        a = op.read(f.get(stored))
-        if a.ndim == 4 and len(shape) == 2 and a.shape[2:] == (1, 1):
-            a = a.reshape(a.shape[:2])
+        a = checkpoint.as_linear_if_1x1(op.read(f.get(stored)), len(shape))
         if tuple(a.shape) != tuple(shape):
             raise CheckpointError(f"{f.path}: key {stored!r} gives shape {a.shape}, the config "
                                   f"needs {shape}")

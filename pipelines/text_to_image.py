@@ -128,12 +128,9 @@ def guide(out, cfg: bool, g, r):
     return jnp.where(r > 0, r * out * (std_text / std_cfg) + (1 - r) * out, out)
 
 
-_COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 # diffusers pipeline class -> (model components, tokenizer folders): SDXL or SD 1.x / 2.x
-_KINDS = {
-    "StableDiffusionXLPipeline": (_COMPONENTS, ("tokenizer", "tokenizer_2")),
-    "StableDiffusionPipeline": (("unet", "vae", "text_encoder"), ("tokenizer",)),
-}
+_KINDS = {f.pipeline: (single_file.family_models(f), tuple(name for name, _ in f.tokenizers))
+          for f in single_file.FAMILIES.values() if f.supported}
 
 
 def _kind(model_index: dict, where: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -166,8 +163,7 @@ def model_root(path: Path, config: str | os.PathLike | None
             raise checkpoint.CheckpointError(
                 f"{path}: a {layout.family.title} file, but {root} describes a {described}; "
                 f"pass config= a {layout.family.pipeline} folder (or none)")
-        comps = ("unet", "vae", *(name for name, _, _ in layout.family.text))
-        for comp in comps:
+        for comp in single_file.family_models(layout.family):
             if not (root / comp / "config.json").is_file():
                 raise checkpoint.CheckpointError(
                     f"{root}: config= needs {comp}/config.json (a diffusers "
