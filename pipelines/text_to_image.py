@@ -740,12 +740,10 @@ class TextToImagePipeline:
         """Token ids (2, N, 77) of the prompts and of the negatives, one row per tokenizer; a
         model with one text encoder (SD 1.x / 2.x) repeats its ids in the second row, which
         its program never reads."""
-        tok2 = self.tokenizer_2 or self.tokenizer
-        ids = [tokenize(self.tokenizer, prompts), tokenize(self.tokenizer, negatives)]
-        if self.tokenizer_2 is None:
-            return np.stack([ids[0], ids[0]]), np.stack([ids[1], ids[1]])
-        return (np.stack([ids[0], tokenize(tok2, prompts_2)]),
-                np.stack([ids[1], tokenize(tok2, negatives_2)]))
+        first = (tokenize(self.tokenizer, prompts), tokenize(self.tokenizer, negatives))
+        second = first if self.tokenizer_2 is None else (
+            tokenize(self.tokenizer_2, prompts_2), tokenize(self.tokenizer_2, negatives_2))
+        return np.stack([first[0], second[0]]), np.stack([first[1], second[1]])
 
     def _seeds(self, seed, n: int) -> list[int | None]:
         """Per-image seeds from ``seed``: one int (image k gets seed + k), one per image, or None
