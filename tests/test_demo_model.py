@@ -62,22 +62,48 @@ def test_combinations_are_split_and_training_sees_only_its_own():
         assert any((t[0], t[2]) == (shape, bg) for t in train)
     _, caps, scenes = shapes.batch(0, 3000)  # what training draws (the default split)
     assert {(s.shape, s.color, s.bg) for s in scenes} == train
-    for split in ("val", "test"):
+    for split in ("val", "test", "fresh", "wording"):
         pairs = evaluate.eval_set(split)
-        assert {(sc.shape, sc.color, sc.bg) for _, _, sc in pairs} == splits[split]
+        assert {(sc.shape, sc.color, sc.bg) for _, _, sc in pairs} == splits[
+            "val" if split == "val" else "test"]
         assert not {p for p, _, _ in pairs} & set(caps)
+        assert len({s for _, s, _ in pairs}) == len(pairs)
     assert len(evaluate.eval_set("test")) >= 200
+    seeds = {split: {s for _, s, _ in evaluate.eval_set(split)} for split in evaluate.SPLITS_ALL}
+    layouts = {split: {(sc.cx, sc.cy, sc.r) for _, _, sc in evaluate.eval_set(split)}
+               for split in evaluate.SPLITS_ALL}
+    for a in evaluate.SPLITS_ALL:  # no noise seed or layout shared between two sets
+        for b in evaluate.SPLITS_ALL:
+            if a < b:
+                assert not seeds[a] & seeds[b] and not layouts[a] & layouts[b], (a, b)
+    with pytest.raises(ValueError, match="fresh"):
+        evaluate.eval_set("holdout")
     with pytest.raises(ValueError, match="split"):
         shapes.random_scene(np.random.default_rng(0), "holdout")
 
 
+def test_unseen_wordings_are_unseen():
+    """No ``wording`` template is a training template, none of its captions is one training
+    could produce, and each uses a word order or words the training captions never use."""
+    training = set(shapes.TEMPLATES_FULL + shapes.TEMPLATES_SHORT + shapes.TEMPLATES_SIZE
+                   + shapes.TEMPLATES_POS)
+    assert not training & set(evaluate.UNSEEN_TEMPLATES)
+    _, caps, _ = shapes.batch(1, 20_000, None)
+    words = {w for c in caps for w in c.replace(",", " ").split()}
+    prompts = [p for p, _, _ in evaluate.eval_set("wording")]
+    assert not set(prompts) & set(caps)
+    new_words = {w for p in prompts for w in p.replace(",", " ").split()} - words
+    assert {"is", "and", "against", "showing", "backdrop"} <= new_words
+
+
 def test_analyser_is_exact_on_ground_truth():
-    for split in ("val", "test"):
+    for split in evaluate.SPLITS_ALL:
         pairs = evaluate.eval_set(split)
         res = evaluate.score([shapes.render(sc) for _, _, sc in pairs], [sc for _, _, sc in pairs],
                              [p for p, _, _ in pairs])
-        assert res["all"] == res["size"] == res["position"] == 1.0, res["failures"]
-        assert res["n_size"] > 40 and res["n_position"] > 40
+        assert res["all"] == res["size"] == 1.0 and res["n_size"] > 30, res["failures"]
+        if split != "wording":  # its phrasings leave the position to chance
+            assert res["position"] == 1.0 and res["n_position"] > 40
     _, caps, scenes = shapes.batch(11, 300, None)
     assert evaluate.score([shapes.render(sc) for sc in scenes], scenes, caps)["all"] == 1.0
 
