@@ -572,9 +572,6 @@ def _lazy(op: Op, parts: list, cast) -> LazyTensor:
 def _expected(component: str, config: Mapping) -> dict[str, tuple[int, ...]]:
     """{diffusers / transformers key: PyTorch shape} of a model of this config (no weights:
     the Flax module's ``eval_shape``)."""
-    import jax
-    import jax.numpy as jnp
-
     from maxdiff.models import clip, unet, vae
 
     if component == "unet":
@@ -584,9 +581,7 @@ def _expected(component: str, config: Mapping) -> dict[str, tuple[int, ...]]:
     else:
         cfg = clip.CLIPTextConfig.from_dict(dict(config))
         arch = next((a for a in cfg.architectures if a in clip.ARCHITECTURES), "CLIPTextModel")
-        ids = jax.ShapeDtypeStruct((1, cfg.max_position_embeddings), jnp.int32)
-        shapes = jax.eval_shape(clip.ARCHITECTURES[arch](cfg).init, jax.random.key(0),
-                                ids)["params"]
+        shapes = clip.param_shapes(clip.ARCHITECTURES[arch](cfg))
     out = {}
     for path, leaf in checkpoint._flatten(shapes).items():
         key, _ = checkpoint.flax_to_torch_key(path, len(leaf.shape))

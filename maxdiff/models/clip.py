@@ -329,6 +329,13 @@ ARCHITECTURES = {
 }
 
 
+def param_shapes(module: nn.Module) -> dict:
+    """The parameter tree's shapes (``jax.ShapeDtypeStruct`` leaves) of a CLIP text encoder,
+    without running init (as :func:`maxdiff.models.unet.param_shapes`)."""
+    ids = jax.ShapeDtypeStruct((1, module.config.max_position_embeddings), jnp.int32)
+    return jax.eval_shape(module.init, jax.random.key(0), ids)["params"]
+
+
 def load_text_encoder(
     folder: str | os.PathLike,
     dtype: Any = "float32",
@@ -377,8 +384,7 @@ def load_text_encoder(
                          f"{', '.join(ARCHITECTURES)}")
 
     module = ARCHITECTURES[architecture](config, dtype=jnp.dtype(target))
-    ids = jax.ShapeDtypeStruct((1, config.max_position_embeddings), jnp.int32)
-    shapes = jax.eval_shape(module.init, jax.random.key(0), ids)["params"]
+    shapes = param_shapes(module)
     ignore = ("position_ids",)
     keys = set(source.keys())
     bare = ("text_model.embeddings.token_embedding.weight" not in keys
