@@ -69,7 +69,8 @@ THRESHOLDS = {"shape_color": 0.95, "background": 0.95, "shape": 0.95, "shape_fil
 # Each is scored once with the analyser as it stands at this commit; the floors asserted by
 # tests/test_demo_model.py are fixed by a rule set down before scoring: the lower end of the
 # 95 % Wilson interval of the measured figure, rounded down to a whole percent.
-FRESH = {"fresh": (20_261_204, 30_000), "wording": (20_261_205, 40_000)}  # layout, noise seeds
+FRESH = {"fresh": (20_261_204, 30_000), "wording": (20_261_205, 40_000),  # layout, noise seeds
+         "wording2": (20_261_206, 50_000)}
 UNSEEN_TEMPLATES = (
     "{shape}, {color}, on a {bg} background",
     "on a {bg} background, a {color} {shape}",
@@ -79,6 +80,25 @@ UNSEEN_TEMPLATES = (
     "{bg} backdrop, {color} {shape}",
     "a {size} {shape}, {color}, on a {bg} background",
 )
+# A second set of held-out phrasings, written (with the v2 training captions, which avoid
+# them) after ``wording`` was scored and before any model trained on v2 captions was scored:
+# ``wording`` has been looked at, so it only serves to choose settings for such a model, and
+# ``wording2`` (the test combinations, new layouts and seeds) is scored once to report it.
+UNSEEN_TEMPLATES_2 = (
+    "{bg} background; on it, a {color} {shape}",
+    "over a {bg} background sits a {color} {shape}",
+    "a {color} colored {shape} set on {bg}",
+    "background {bg}, shape {shape}, colour {color}",
+    "the background is {bg} and the {shape} is {color}",
+    "in {bg}: one {color} {shape}",
+    "draw a {shape} in {color} on a {bg} background",
+)
+# Fine-tuning on v2 captions (#25), decided before training: from the shipped model (VAE reused),
+# captions v2, 3,000 UNet steps, batch 32, lr 3e-4 after 100 warm-up steps, weight decay 0.01,
+# snapshots every 500. Choice, on data that is not reported: among the snapshots whose val "all"
+# is >= 99 %, the one with the highest "all" on `wording` (already looked at, so validation now);
+# ties go to fewer steps. It replaces the shipped model only if that figure is >= 80 % (the
+# shipped model: 69.0 %). Then `fresh` and `wording2` are scored once and published whatever they are.
 # What we would call following the words (all three right), stated before the first scoring.
 WORDING_TARGET = 0.90
 # floor_rule applied to the published scores (docs/results/demo-eval-2026-12-04/): fresh
@@ -138,8 +158,9 @@ def eval_set(split: str = "test", n: int | None = None) -> list[tuple[str, int, 
         layout = shapes.random_scene(rng, None)
         scene = shapes.Scene(shape, color, bg, *[getattr(layout, f) for f in
                                                  ("size", "pos", "cx", "cy", "r")])
-        if split == "wording":
-            t = UNSEEN_TEMPLATES[i % len(UNSEEN_TEMPLATES)]
+        if split in ("wording", "wording2"):
+            templates = UNSEEN_TEMPLATES if split == "wording" else UNSEEN_TEMPLATES_2
+            t = templates[i % len(templates)]
             prompt = t.format(size=scene.size, color=color, shape=shape, bg=bg).replace(
                 "a orange", "an orange")
         else:

@@ -61,6 +61,22 @@ TEMPLATES_POS = (
     "a {color} {shape} in the {pos} of a {bg} background",
     "{color} {shape}, {pos}, {bg} background",
 )
+# Caption set v2 (``captions: v2`` in the training config) adds these phrasings, which name the
+# background first or mark the roles with other words. The v1 captions name the background
+# first in one template only, and a model trained on them paints the shape in whichever colour
+# comes first (maxdiff/assets/demo-model/README.md). None of them is one of the evaluation's
+# held-out phrasings (pipelines/demo_eval.py UNSEEN_TEMPLATES and UNSEEN_TEMPLATES_2).
+TEMPLATES_BG_FIRST = (
+    "on {bg}, a {color} {shape}",
+    "{bg} background, {color} {shape}",
+    "a {bg} background and a {color} {shape} on it",
+    "a {bg} scene with a {color} {shape} in it",
+    "a plain {bg} background with a {size} {color} {shape}",
+    "{bg} background with a {size} {color} {shape} at the {pos}",
+    "a {color} {shape} in front of a plain {bg} background",
+    "a {bg} background; a {color} {shape} in the {pos}",
+)
+CAPTION_SETS = ("v1", "v2")
 
 
 SPLIT_SEED = 2026_12_03
@@ -153,8 +169,16 @@ def render(scene: Scene) -> np.ndarray:
     return img
 
 
-def caption(scene: Scene, rng: np.random.Generator) -> str:
-    """One caption for the scene, from a randomly chosen template family."""
+def caption(scene: Scene, rng: np.random.Generator, captions: str = "v1") -> str:
+    """One caption for the scene, from a randomly chosen template family; ``captions="v2"``
+    draws 30 % of them from :data:`TEMPLATES_BG_FIRST` (v1's draws are unchanged by it)."""
+    if captions not in CAPTION_SETS:
+        raise ValueError(f"captions={captions!r}; use one of {CAPTION_SETS}")
+    if captions == "v2" and rng.random() < 0.3:
+        t = TEMPLATES_BG_FIRST[rng.integers(len(TEMPLATES_BG_FIRST))]
+        text = t.format(size=scene.size, color=scene.color, shape=scene.shape, bg=scene.bg,
+                        pos=scene.pos)
+        return text.replace("a orange", "an orange")
     u = rng.random()
     family = (TEMPLATES_SHORT if u < 0.4 else TEMPLATES_FULL if u < 0.7
               else TEMPLATES_SIZE if u < 0.85 else TEMPLATES_POS)
@@ -164,10 +188,11 @@ def caption(scene: Scene, rng: np.random.Generator) -> str:
     return text.replace("a orange", "an orange").replace("A orange", "An orange")
 
 
-def sample(rng: np.random.Generator, split: str | None = "train") -> tuple[np.ndarray, str, Scene]:
+def sample(rng: np.random.Generator, split: str | None = "train", captions: str = "v1"
+           ) -> tuple[np.ndarray, str, Scene]:
     """One (image uint8 (64, 64, 3), caption, scene) of a ``split`` combination."""
     scene = random_scene(rng, split)
-    return render(scene), caption(scene, rng), scene
+    return render(scene), caption(scene, rng, captions), scene
 
 
 def batch(seed: int, n: int, split: str | None = "train") -> tuple[np.ndarray, list[str], list[Scene]]:

@@ -76,6 +76,10 @@ class TrainConfig(StrictConfig):
     ema_decay: float = Field(0.999, ge=0, lt=1)
     save_every: int = Field(1000, ge=1)
     max_minutes: float = Field(0.0, ge=0)  # phase-2 wall-time bound; 0: none
+    captions: str = Field("v1", pattern="^(v1|v2)$")  # shapes.CAPTION_SETS
+    # phase 2 starts from this diffusers folder's UNet and text encoders (a fine-tuning run;
+    # their configs must equal this config's) instead of random weights; "" : from scratch
+    init_from: str = ""
 
     @classmethod
     def load(cls, source: str | Path, overrides=None) -> "TrainConfig":
@@ -166,7 +170,7 @@ def make_pool(cfg: TrainConfig, vae_cfg: dict, vae_params: dict, toks, log=print
     lat, caps = [], []
     t0 = time.time()
     for _ in tqdm(range(0, cfg.pool_size, 256), desc="encode pool", dynamic_ncols=True):
-        batch = [shapes.sample(rng) for _ in range(256)]
+        batch = [shapes.sample(rng, "train", cfg.captions) for _ in range(256)]
         lat.append(np.asarray(enc(vae_params, shapes.to_model(np.stack([b[0] for b in batch])))))
         caps += [b[1] for b in batch]
     lat = np.concatenate(lat)[:cfg.pool_size]
@@ -195,12 +199,33 @@ def init_text_and_unet(cfg: TrainConfig, key) -> tuple[dict, tuple]:
     return {"unet": pu, "text_encoder": p1, "text_encoder_2": p2}, (te1, te2, unet)
 
 
+def load_text_and_unet(folder: str | Path, like: dict) -> dict:
+    """The UNet and both text encoders of a diffusers folder, as a tree shaped like ``like``
+    (what :func:`init_text_and_unet` made from this config); a config mismatch is an error."""
+    from maxdiff.models.clip import load_text_encoder
+    from maxdiff.models.unet import load_unet
+
+    folder = Path(folder)
+    loaded = {"unet": load_unet(folder / "unet")[1],
+              "text_encoder": load_text_encoder(folder / "text_encoder")[1],
+              "text_encoder_2": load_text_encoder(folder / "text_encoder_2")[1]}
+    want = jax.tree_util.tree_map(lambda x: x.shape, like)
+    got = jax.tree_util.tree_map(lambda x: x.shape, loaded)
+    if want != got:
+        raise ValueError(f"init_from={folder}: its UNet / text encoders do not have this "
+                         "config's shapes (unet, text_encoder, text_encoder_2 must match)")
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), loaded)
+
+
 def train_unet(cfg: TrainConfig, vae_cfg: dict, vae_params: dict, vocab_dir: Path, out: Path,
                sched_cfg: dict, log=print, snapshots: Path | None = None) -> dict:
     toks = _tokenizers(vocab_dir)
     pool = make_pool(cfg, vae_cfg, vae_params, toks, log)
     key = jax.random.key(cfg.seed + 4)
     params, (te1, te2, unet) = init_text_and_unet(cfg, key)
+    if cfg.init_from:
+        params = load_text_and_unet(cfg.init_from, params)
+        log(f"UNet and text encoders: from {cfg.init_from}")
     log("UNet: {:,} parameters; text encoders: {:,} + {:,}".format(
         *(count_params(params[k]) for k in ("unet", "text_encoder", "text_encoder_2"))))
     p = cfg.unet_train
