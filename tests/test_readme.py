@@ -303,20 +303,26 @@ class Served:
         if not _port_free(PORT):
             pytest.fail(f"port {PORT} is taken: the pages' service examples need it free")
         self.log = open(cwd / f"serve-{time.monotonic_ns()}.log", "w+")
-        self.proc = subprocess.Popen(["bash", "-c", f"exec env {command}"], cwd=ROOT, env=env(),
+        # its own Ray, as on a machine without one: `serve run` would otherwise join any Ray
+        # cluster running on this machine (another test run's) and shut its Serve down on exit
+        self.proc = subprocess.Popen(["bash", "-c", f"exec env {command}"], cwd=ROOT,
+                                     env=dict(env(), RAY_ADDRESS="local"),
                                      stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        deadline = time.monotonic() + 420
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.tail()
-            try:
-                if requests.get(f"http://localhost:{PORT}/healthz", timeout=5).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
-        self.stop()
-        pytest.fail(f"{command} never became healthy:\n{self.tail()}")
+        try:
+            deadline = time.monotonic() + 420
+            while time.monotonic() < deadline:
+                assert self.proc.poll() is None, self.tail()
+                try:
+                    if requests.get(f"http://localhost:{PORT}/healthz", timeout=5).status_code == 200:
+                        return
+                except (requests.ConnectionError, requests.Timeout):  # starting, or a busy machine
+                    pass
+                time.sleep(1)
+            pytest.fail(f"{command} never became healthy:\n{self.tail()}")
+        except BaseException:
+            self.stop()
+            raise
 
     def tail(self) -> str:
         self.log.flush()
