@@ -1,7 +1,7 @@
 """maxdiff's HTTP service: a Ray Serve application (FastAPI ingress + batched generator replicas).
 
 Build it with :func:`serving.app.build_app` (``serve run serving.app:build_app model=DIR`` or
-``serve run configs/serve.yaml``); see README "HTTP service". Importing this package does not
+``serve run configs/serve.yaml``); see docs/service.md. Importing this package does not
 import JAX: only generator replicas load the pipeline.
 """
 

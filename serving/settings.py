@@ -146,7 +146,7 @@ def _as_list(value) -> Any:
 
 
 class ServeSettings(StrictConfig):
-    """How the service batches, places replicas and bounds requests (see README "HTTP service").
+    """How the service batches, places replicas and bounds requests (see docs/service.md).
 
     ``build_app`` args that are :class:`pipelines.config.RunConfig` keys (model, unet, scheduler,
     dtype, steps, guidance, height, width, attention, devices, ...) go to the run config, on top
@@ -202,12 +202,12 @@ class ServeSettings(StrictConfig):
     # a request's cost: images x steps x megapixels (width x height / 2**20); 400 is 4 images of
     # 1024x1024 at 100 steps
     max_cost: float = Field(400.0, gt=0)
-    # security (README "Security model")
+    # security (docs/service.md, "Security model")
     api_keys: tuple[str, ...] | None = None  # keys or "sha256:<hex>"; a file path: one a line
     rate_limit_per_minute: float | None = Field(None, gt=0)  # per API key (or client address)
     cors_origins: tuple[str, ...] = ()  # origins allowed to call from a browser; () : no CORS
     log_prompts: bool = False  # prompts appear in the logs only when true
-    playground: bool = True  # the web playground at GET / (README "Playground")
+    playground: bool = True  # the web playground at GET / (docs/service.md, "Playground")
     # faults
     graceful_shutdown_s: float = Field(60.0, ge=0)  # in-flight batches may finish within this
     health_check_period_s: float = Field(10.0, gt=0)

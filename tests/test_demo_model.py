@@ -141,7 +141,7 @@ def test_shipped_folder():
     assert index["_class_name"] == "StableDiffusionXLPipeline"
     assert json.loads((EMBEDDED / "tokenizer_2" / "tokenizer_config.json").read_text())["pad_token"] == "!"
     assert json.loads((EMBEDDED / "scheduler" / "scheduler_config.json").read_text())[
-        "_class_name"] == "DPMSolverMultistepScheduler"  # chosen by measurement (README.md)
+        "_class_name"] == "DPMSolverMultistepScheduler"  # chosen by measurement (docs/models.md)
 
 
 def test_tokenizer_is_clips(pipe):

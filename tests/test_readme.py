@@ -1,12 +1,15 @@
-"""Every example in README.md runs as written, with model paths pointed at small models.
+"""Every example in README.md and docs/*.md runs as written, with model paths pointed at small
+models.
 
-Each fenced block of the README is claimed by exactly one runner below, or listed in
-``NOT_RUN`` with the reason; a new example that no runner claims fails
-:func:`test_every_readme_block_is_run`. Model paths (``/models/...``,
-``stable-diffusion-xl-base-1.0``, ``sdxl_lightning_4step_unet.safetensors``, ``/tmp/tiny-*``)
-are replaced by the tiny random checkpoint or temporary folders; nothing else is changed.
-The service examples run against real ``serve run`` processes on port 8000, as a user would
-start them.
+Each fenced block of every page is claimed by exactly one runner below, or listed in ``NOT_RUN``
+with the reason; a new example that no runner claims fails :func:`test_every_block_is_run`.
+Blocks that are data rather than commands carry a language tag that says so and are checked by
+what they are: a ``json`` block must parse (and a ``maxdiff.json`` example must be a valid one).
+Model paths (``/models/...``, ``stable-diffusion-xl-base-1.0``,
+``sdxl_lightning_4step_unet.safetensors``, ``/tmp/tiny-*``) are replaced by the tiny random
+checkpoint or temporary folders; nothing else is changed. The service examples run against real
+``serve run`` processes on port 8000, as a user would start them. The pages' relative links
+(and their ``#anchors``) must lead somewhere.
 """
 
 from __future__ import annotations
@@ -20,42 +23,74 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+# README first, then the docs pages by name: the Python blocks run as one session in this order
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BIN = Path(sys.executable).parent
 PORT = 8000
 
-# first line of a block -> why it is not run here
+# first line of a block (without its comment) -> why it is not run here
 NOT_RUN = {
     "# head host (TPU VMs report a \"TPU\" resource = chips per host; GPU hosts report \"GPU\")":
         "starts Ray on several hosts (the same build_app placement args run on a local "
         "multi-node cluster in tests/service/test_generate.py)",
+    "make lint":
+        "the lint and test suites themselves (docs/development.md); make demo runs below",
+    "python -m benchmarks.compare --quick --repeats 3":
+        "a benchmark (tens of minutes on an idle machine); tests/test_benchmarks.py runs its parts",
+    "python -m benchmarks.compare --quick --repeats 3 --compile off --json repeats.json":
+        "a benchmark (tens of minutes on an idle machine); tests/test_benchmarks.py runs its parts",
+    "bash benchmarks/accelerator.sh":
+        "needs an H100/H200; tests/test_benchmarks.py runs its --smoke mode on the CPU",
+    "python -m benchmarks.cold_start --model /models/sdxl-base --size 1024 --steps 4 --json cold.json":
+        "a benchmark on a full-size checkpoint; tests/test_benchmarks.py runs its load part on "
+        "the tiny one",
 }
+# lines of a runner's block that it skips -> why
 NOT_RUN_LINES = {
     "make test": "it is this test suite",
+    "make test-slow": "it is this test suite (the slow part)",
+    "bash .ci/run": "CI: make lint and both suites, this test among them",
 }
 
 
-def blocks() -> list[tuple[str, str]]:
-    """(language, code) of every fenced block, in order."""
-    return [(m.group(1), m.group(2)) for m in
-            re.finditer(r"^```(\w*)\n(.*?)^```", README, re.S | re.M)]
+class Block(NamedTuple):
+    page: str  # path relative to the repository root
+    lang: str
+    code: str
+    before: str  # the paragraph right before the block
+
+
+def blocks() -> list[Block]:
+    """Every fenced block of every page, in page order."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+            before = text[:m.start()].rstrip().rsplit("\n\n", 1)[-1]
+            found.append(Block(str(page.relative_to(ROOT)), m.group(1), m.group(2), before))
+    return found
 
 
 def first_line(code: str) -> str:
     return code.strip().splitlines()[0].strip()
 
 
-def claimed(lang: str, code: str) -> str | None:
-    head = first_line(code)
-    if head in NOT_RUN:
+def command(code: str) -> str:
+    """The first line without a trailing ``  # comment``."""
+    return first_line(code).split("  #")[0].strip()
+
+
+def claimed(block: Block) -> str | None:
+    if command(block.code) in NOT_RUN:
         return "not run"
     for name, test in RUNNERS.items():
-        if test(lang, code):
+        if test(block.lang, block.code):
             return name
     return None
 
@@ -66,25 +101,78 @@ RUNNERS = {
     "serve": lambda lang, code: first_line(code).startswith("serve run"),
     "openai": lambda lang, code: lang == "python" and "localhost:8000" in code,
     "curl": lambda lang, code: first_line(code).startswith("curl "),
-    "cli": lambda lang, code: first_line(code).startswith("MODEL="),
+    "cli": lambda lang, code: first_line(code).startswith(("MODEL=", "maxdiff ")),
     "jobs": lambda lang, code: first_line(code) == "# jobs.jsonl",
     "tiny": lambda lang, code: "tiny.make_sdxl_pipeline" in code,
     "keys": lambda lang, code: "MAXDIFF_API_KEYS=" in code,
+    "json": lambda lang, code: lang == "json",
 }
 
 
-def test_every_readme_block_is_run():
+def test_every_block_is_run():
     found = blocks()
-    assert len(found) >= 10
-    unclaimed = [first_line(c) for lang, c in found if claimed(lang, c) is None]
-    assert not unclaimed, f"README blocks that no test runs: {unclaimed}"
-    names = {claimed(lang, c) for lang, c in found}
-    assert names >= set(RUNNERS), f"runners whose block left the README: {set(RUNNERS) - names}"
+    assert {b.page for b in found} >= {"README.md", "docs/python-api.md", "docs/service.md",
+                                       "docs/cli.md", "docs/models.md"}
+    unclaimed = [f"{b.page}: {first_line(b.code)}" for b in found if claimed(b) is None]
+    assert not unclaimed, f"blocks that no test runs: {unclaimed}"
+    names = {claimed(b) for b in found}
+    assert names >= set(RUNNERS), f"runners whose blocks left the pages: {set(RUNNERS) - names}"
+    heads = {command(b.code) for b in found}
+    assert set(NOT_RUN) <= heads, f"NOT_RUN entries for blocks that are gone: {set(NOT_RUN) - heads}"
+
+
+def codes(name: str) -> list[str]:
+    """The blocks a runner claims, in page order."""
+    found = [b.code for b in blocks() if claimed(b) == name]
+    assert found, name
+    return found
 
 
 def the(name: str) -> str:
-    code, = [c for lang, c in blocks() if claimed(lang, c) == name]
+    code, = codes(name)
     return code
+
+
+def test_json_blocks_parse():
+    for b in blocks():
+        if claimed(b) != "json":
+            continue
+        data = json.loads(b.code)
+        if "maxdiff.json" in b.before:  # an example of a model folder's maxdiff.json
+            from pipelines.config import ModelDefaults
+
+            ModelDefaults.model_validate(data)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    return {_anchor(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, re.M)}
+
+
+def test_links_lead_somewhere():
+    """Every relative link of every page names a file of the repository (and an anchor of a
+    page, a heading of it); the README links every docs page."""
+    bad = []
+    for page in PAGES:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                bad.append(f"{page.name}: {target} (no such heading)")
+    assert not bad, bad
+    readme = (ROOT / "README.md").read_text()
+    unlinked = [p.name for p in PAGES[1:] if f"(docs/{p.name}" not in readme]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -145,25 +233,31 @@ def run_python(code: str, cwd: Path, timeout: int = 600) -> subprocess.Completed
 
 # ---------------------------------------------------------------------------------- runners
 def test_make_demo():
+    ran = []
     for line in the("make").splitlines():
         cmd = line.split("#")[0].strip()
         if not cmd or cmd in NOT_RUN_LINES:
             continue
         res = run_bash(cmd, ROOT)
         assert "contact sheet:" in res.stdout
+        ran.append(cmd)
+    assert ran == ["make demo"]
 
 
 def test_python_examples(paths):
-    """The library, Python API and Lightning snippets, in order, as one session would."""
+    """The front door's, the models page's and the Python API page's snippets, in page order, as
+    one session would."""
     work, subs = paths
     from maxdiff import single_file
 
     if not (work / "sdxl-base.safetensors").is_file():  # the single file the examples read
         single_file.export(work / "tiny-sdxl-f8", work / "sdxl-base.safetensors")
-    code = "\n".join(localize(the_code, subs) for lang, the_code in blocks()
-                     if claimed(lang, the_code) == "python")
+    code = "\n".join(localize(the_code, subs) for the_code in codes("python"))
     run_python(code + "\nprint('seeds', out.seeds)", work)
     assert (work / "astronaut.png").is_file()
+    from PIL import Image
+
+    assert Image.open(work / "circle.png").size == (64, 64)  # the embedded model's size
 
 
 @pytest.mark.slow  # default-suite time (45 s; tests/test_cli.py covers the CLI): make test-slow
@@ -173,7 +267,10 @@ def test_cli_examples(paths):
     (work / "jobs.jsonl").write_text(jobs)
     (work / "prompts.txt").write_text("a red circle\na blue square on white\n")
     (work / "sdxl-base.safetensors").unlink(missing_ok=True)  # the example writes it
-    run_bash(localize(the("cli"), subs), work)
+    for code in codes("cli"):  # the front door's, then the CLI page's
+        run_bash(localize(code, subs), work)
+    circles = [json.loads(line) for line in (work / "out" / "circles" / "metadata.jsonl").open()]
+    assert [r["size"] for r in circles] == ["64x64", "64x64"]  # the embedded model's size
     assert len(list((work / "out" / "demo").glob("*.png"))) == 4
     assert len(list((work / "out" / "shapes").glob("*.png"))) == 1
     edit = [json.loads(line) for line in (work / "out" / "edit" / "metadata.jsonl").open()]
@@ -204,22 +301,28 @@ class Served:
 
     def __init__(self, command: str, cwd: Path):
         if not _port_free(PORT):
-            pytest.fail(f"port {PORT} is taken: the README's service examples need it free")
+            pytest.fail(f"port {PORT} is taken: the pages' service examples need it free")
         self.log = open(cwd / f"serve-{time.monotonic_ns()}.log", "w+")
-        self.proc = subprocess.Popen(["bash", "-c", f"exec env {command}"], cwd=ROOT, env=env(),
+        # its own Ray, as on a machine without one: `serve run` would otherwise join any Ray
+        # cluster running on this machine (another test run's) and shut its Serve down on exit
+        self.proc = subprocess.Popen(["bash", "-c", f"exec env {command}"], cwd=ROOT,
+                                     env=dict(env(), RAY_ADDRESS="local"),
                                      stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        deadline = time.monotonic() + 420
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.tail()
-            try:
-                if requests.get(f"http://localhost:{PORT}/healthz", timeout=5).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
-        self.stop()
-        pytest.fail(f"{command} never became healthy:\n{self.tail()}")
+        try:
+            deadline = time.monotonic() + 420
+            while time.monotonic() < deadline:
+                assert self.proc.poll() is None, self.tail()
+                try:
+                    if requests.get(f"http://localhost:{PORT}/healthz", timeout=5).status_code == 200:
+                        return
+                except (requests.ConnectionError, requests.Timeout):  # starting, or a busy machine
+                    pass
+                time.sleep(1)
+            pytest.fail(f"{command} never became healthy:\n{self.tail()}")
+        except BaseException:
+            self.stop()
+            raise
 
     def tail(self) -> str:
         self.log.flush()
@@ -239,19 +342,27 @@ class Served:
             time.sleep(0.5)
 
 
-def _serve_lines(subs) -> list[str]:
-    lines = [line.split("  #")[0].strip() for line in the("serve").splitlines()]
-    return [localize(line, subs) for line in lines if line]
+def _serve_line(subs, start: str) -> str:
+    """The first ``serve run`` line of the pages that starts with ``start``, without its comment."""
+    lines = [line.split("  #")[0].strip() for code in codes("serve") for line in code.splitlines()]
+    return next(localize(line, subs) for line in lines if line.startswith(start))
+
+
+def _curl_examples(work: Path) -> None:
+    """Every curl block of the pages, against the running service."""
+    for code in codes("curl"):
+        run_bash(code, work)
 
 
 @pytest.mark.slow  # default-suite time (44 s; tests/service/ covers the service)
 def test_serve_run_with_a_model_folder_and_curl(paths):
     work, subs = paths
-    served = Served(_serve_lines(subs)[0], work)
+    served = Served(_serve_line(subs, "serve run serving.app:build_app model="), work)
     try:
-        run_bash(the("curl"), work)
+        _curl_examples(work)
         from PIL import Image
 
+        assert Image.open(work / "circle.png").size == (128, 128)
         im = Image.open(work / "cat.png")
         assert im.format == "PNG" and im.size == (128, 128)  # the tiny model's native size
         assert Image.open(work / "dog.png").size == (128, 128)  # /v1/edit keeps the size
@@ -266,11 +377,14 @@ def test_serve_yaml_openai_curl_and_a_size_too_large(paths):
     written; then the most common OpenAI size, far above what the model is for, is a prompt
     422 naming the limit, and the service keeps serving."""
     work, subs = paths
-    served = Served(_serve_lines(subs)[1], work)
+    served = Served(_serve_line(subs, "serve run configs/serve.yaml"), work)
     try:
-        res = run_python(the("openai"), work)
-        assert res.stdout.split() == ["2", "64x64", "64x64"]
-        run_bash(the("curl"), work)
+        printed = [run_python(code, work).stdout.split() for code in codes("openai")]
+        assert printed == [["2", "64x64"], ["2", "64x64", "64x64"]]  # README's, then the service page's
+        _curl_examples(work)
+        from PIL import Image
+
+        assert Image.open(work / "circle.png").size == (64, 64)
         import openai
 
         client = openai.OpenAI(base_url=f"http://localhost:{PORT}/v1", api_key="unused",
