@@ -223,6 +223,7 @@ class TextToImagePipeline:
         self.vae_tiling: bool | str = "auto"
         # "auto" tiles images of more than this many pixels; None: auto_tile_pixels(vae config)
         self.vae_tiling_threshold: int | None = None
+        # (the VAE weights, their jitted tile decoder / encoder), made again for new VAE weights
         self._tile_decoder = None
         self._tile_encoder = None
         self.run_config = None
@@ -576,15 +577,17 @@ class TextToImagePipeline:
     def _encode_tiled(self, images):
         """Images (B, H, W, 3) in [-1, 1] -> the VAE encoder's moments, tile by tile
         (diffusers' tiled encode; bounded memory)."""
-        if self._tile_encoder is None:
-            self._tile_encoder = tile_encoder(self.vae, self.params["vae"])
-        return tiled_encode(self.vae.config, self._tile_encoder, images)
+        vae_params = self.params["vae"]
+        if self._tile_encoder is None or self._tile_encoder[0] is not vae_params:
+            self._tile_encoder = (vae_params, tile_encoder(self.vae, vae_params))
+        return tiled_encode(self.vae.config, self._tile_encoder[1], images)
 
     def _decode_tiled(self, z, as_uint8: bool):
         """VAE latents -> pixels with diffusers' tiled decode (bounded memory)."""
-        if self._tile_decoder is None:
-            self._tile_decoder = tile_decoder(self.vae, self.params["vae"])
-        img = tiled_decode(self.vae.config, self._tile_decoder, z)
+        vae_params = self.params["vae"]
+        if self._tile_decoder is None or self._tile_decoder[0] is not vae_params:
+            self._tile_decoder = (vae_params, tile_decoder(self.vae, vae_params))
+        img = tiled_decode(self.vae.config, self._tile_decoder[1], z)
         return _to_pixels(img, as_uint8)
 
     # ------------------------------------------------------------------ calling
