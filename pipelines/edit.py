@@ -241,7 +241,7 @@ class _EditPipeline:
             fn = self._programs[key] = jax.jit(self._build(*key[1:]))
         return fn
 
-    def _tiled(self, height: int, width: int) -> bool:
+    def uses_vae_tiling(self, height: int, width: int) -> bool:
         """Whether images of this size are encoded / decoded tile by tile (this pipeline's
         ``vae_tiling``, which is the parent's unless set here)."""
         return use_tiling(self.vae_tiling, self.vae.config, height, width,
@@ -258,7 +258,7 @@ class _EditPipeline:
         shape = (lh, lw, channels)
 
         def to_latents(p, images, eps):
-            if tiled:  # images are the tiled encoder's moments (_encode_tiled)
+            if tiled:  # images are the tiled encoder's moments (encode_tiled)
                 return vae.apply({"params": p["vae"]}, images, None, eps,
                                  method=vae.moments_to_latents)
             return vae.apply({"params": p["vae"]}, images, None, eps, method=vae.image_to_latents)
@@ -335,7 +335,7 @@ class _EditPipeline:
             if mask_image is None:
                 raise ValueError("mask_image is required: white (>= 0.5) marks what to repaint")
             per_prompt["mask_image"] = _image_list(mask_image, "mask_image")
-        items, picked = self.pipe._prompt_items(
+        items, picked = self.pipe.prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             per_prompt=per_prompt, guidance_scale=guidance_scale,
             guidance_rescale=guidance_rescale, original_size=original_size,
@@ -394,7 +394,7 @@ class _EditPipeline:
         w0, h0 = _size(images[0])
         height = h0 - h0 % f if height is None else height
         width = w0 - w0 % f if width is None else width
-        self.pipe._check(steps, height, width, output_type)
+        self.check_request(steps, height, width, output_type)
         check([strength_problem(strength, steps)])
         t_start = start_step(steps, float(strength))
         for k, it in enumerate(items):
@@ -433,7 +433,7 @@ class _EditPipeline:
                 masked_pix = pix * (mask_px < 0.5)
 
         (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
-         rescale) = self.pipe._host_inputs(items, height, width)
+         rescale) = self.pipe.host_inputs(items, height, width)
 
         bucket = bucket_size(n, self.mesh.size)
         put = program_lib.BatchPut(self.mesh, bucket)
@@ -447,17 +447,17 @@ class _EditPipeline:
         scalars = jax.device_put((np.int32(t_start), np.bool_(inpaint and strength == 1.0)), rep)
         as_uint8 = output_type != "np"
         t1 = time.perf_counter()
-        tiled = self._tiled(height, width)
+        tiled = self.uses_vae_tiling(height, width)
         if tiled:  # the images (and masked images) become their tiled encoder moments
             args = list(args)
             for k in (4, 6):
                 if args[k] is not None:
-                    args[k] = self.pipe._encode_tiled(args[k])
+                    args[k] = self.pipe.encode_tiled(args[k])
         program = self._program((mode, bucket, lh, lw, steps, cfg, noise is not None,
                                  post is not None, masked_post is not None, as_uint8, tiled))
         out = program(self.params, *args, state, *scalars)
         if tiled:
-            out = self.pipe._decode_tiled(out, as_uint8)
+            out = self.pipe.decode_tiled(out, as_uint8)
         out_images = program_lib.host_images(out, n, output_type)
         t2 = time.perf_counter()
         return PipelineOutput(out_images, [int(s) for s in seeds],

@@ -207,7 +207,7 @@ class StepEngine:
         self.height = pipe.default_height if height is None else height
         self.width = pipe.default_width if width is None else width
         self.max_steps = pipe.max_steps if max_steps is None else int(max_steps)
-        pipe._check(1, self.height, self.width, output_type)
+        pipe.check_request(1, self.height, self.width, output_type)
         if not 1 <= self.max_steps <= pipe.max_steps:
             raise ValueError(f"max_steps={max_steps}; {type(pipe.scheduler).__name__} allows "
                              f"1..{pipe.max_steps}")
@@ -229,7 +229,7 @@ class StepEngine:
         self.lh, self.lw, self.channels = self.height // f, self.width // f, pipe.latent_channels
         self.sched = pipe.scheduler
         self.stochastic = self.sched.stochastic
-        self.tiled = pipe._tiled(self.height, self.width)  # the pipeline's vae_tiling rule
+        self.tiled = pipe.uses_vae_tiling(self.height, self.width)  # the pipeline's vae_tiling rule
         self.batch_sizes = sorted({min(bucket_size(n, m), slots) for n in range(1, slots + 1)})
         self._sharded = meshlib.batch_sharded(pipe.mesh)
         self._state = self._empty_state()
@@ -439,7 +439,7 @@ class StepEngine:
         return decode
 
     def _adapter_args(self):
-        tables = self.pipe._adapter_tables
+        tables = self.pipe.adapter_tables
         return () if tables is None else (tables.as_tree(),)
 
     # ------------------------------------------------------------------ public API
@@ -454,10 +454,10 @@ class StepEngine:
         that runs that step; ``handle.preview`` / ``preview_step`` hold it when ``on_progress``
         reports that step."""
         steps = self.pipe.default_steps if steps is None else steps
-        self.pipe._check(steps, self.height, self.width, self.output_type)
+        self.pipe.check_request(steps, self.height, self.width, self.output_type)
         check([steps_problem(steps, self.max_steps, "this engine's max_steps")])
         request.validate()
-        if self.pipe._adapter_index([request]) is None and request.adapter is not None:
+        if self.pipe.adapter_index([request]) is None and request.adapter is not None:
             raise ValueError(f"adapter={request.adapter!r} is not added; no adapters are added")
         if not self.cfg and cfg_on(request.guidance_scale):
             raise ValueError(f"guidance_scale={request.guidance_scale}: this engine runs without "
@@ -685,7 +685,7 @@ class StepEngine:
         p, n = self.pipe, len(take)
         items = [h.request for h in take] or [ImageRequest(prompt="", guidance_scale=0.0, seed=0)]
         (seeds, _, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
-         rescale) = p._host_inputs(items, self.height, self.width)
+         rescale) = p.host_inputs(items, self.height, self.width)
         for h, sd in zip(take, seeds):
             h.seed = int(sd)
         cfg = np.array([cfg_on(it.guidance_scale) for it in items])
@@ -693,7 +693,7 @@ class StepEngine:
         scheds = [self._schedule(k) for k in steps]
         sched = jax.tree.map(lambda *a: np.stack(a), *[sc for sc, _ in scheds])
         init_sigma = np.array([sg for _, sg in scheds], np.float32)
-        aidx = p._adapter_index(items)
+        aidx = p.adapter_index(items)
         aidx = np.zeros(len(items), np.int32) if aidx is None else aidx
         slot = np.array(free + [self.slots] * (b - n), np.int32)  # padding rows are dropped
 
@@ -712,7 +712,7 @@ class StepEngine:
         idx = jax.device_put(np.array(slots + [slots[-1]] * (b - n), np.int32), self._sharded)
         out = self._program("decode", b)(self.pipe.params, latents, idx)
         if self.tiled:
-            out = self.pipe._decode_tiled(out, self.output_type != "np")
+            out = self.pipe.decode_tiled(out, self.output_type != "np")
         return out
 
     def _fetch(self, out, n: int) -> list:

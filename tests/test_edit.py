@@ -373,7 +373,7 @@ def test_img2img_vae_tiling_matches_diffusers_enable_tiling(sdxl_dir, pipe, torc
         torch_img2img.vae.disable_tiling()
     assert ours.shape == theirs.shape == (1, 40, 48, 3)
     assert np.abs(ours - theirs).max() <= TOL
-    assert pipe.vae_tiling == "auto" and not pipe._tiled(40, 48)
+    assert pipe.vae_tiling == "auto" and not pipe.uses_vae_tiling(40, 48)
     untiled = pipe(**kw, noise=noise, image_latents_noise=post, output_type="np").images
     assert np.abs(untiled - ours).max() > 1e-3
 
