@@ -213,7 +213,7 @@ class _EditPipeline:
         if name not in self.OWN_SETTINGS:
             raise AttributeError(
                 f"{type(self).__name__}.{name} is its text-to-image pipeline's (shared, live); "
-                f"set it there (.pipe.{name}), or create the edit pipeline with from_pipe; only "
+                f"set it there (.pipe.{name} = ...), for every pipeline that shares it; only "
                 f"{', '.join(self.OWN_SETTINGS)} can be set for one edit pipeline alone")
         object.__setattr__(self, name, value)
 
