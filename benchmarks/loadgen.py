@@ -3,8 +3,14 @@ step-level (``engine=step``) batching, on the same replica settings and checkpoi
 
     pip install mlcommons-loadgen        # (the `bench` extra)
     python -m benchmarks.loadgen [--engines batch step] [--workloads uniform mixed]
+                                 [--step-policy fifo srs]
                                  [--p99-factor K | --p99 SECONDS] [--model DIR] [--quick]
                                  [--json PATH] [--logs DIR]
+
+``--step-policy`` runs ``engine=step`` once per admission policy (serve arg ``step_policy``:
+``fifo``, the default, reported as ``step``; ``srs``, shortest remaining steps first, reported
+as ``step-srs``); compare their ``mixed`` rows (p50 / p99 latencies at equal load) on an idle
+machine.
 
 For each engine, a local Ray Serve runs the service (the embedded model unless ``--model``;
 one generator replica; every request shape of the workloads compiled at warm-up, so no
@@ -307,6 +313,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", nargs="+", default=["batch", "step"])
     ap.add_argument("--workloads", nargs="+", default=["uniform", "mixed"])
+    ap.add_argument("--step-policy", nargs="+", default=["fifo"], choices=["fifo", "srs"],
+                    help="engine=step's admission policies (serve arg step_policy), one run each")
     ap.add_argument("--model", default=None, help="diffusers SDXL folder (default: embedded)")
     ap.add_argument("--p99", type=float, default=None,
                     help="Server-scenario p99 latency bound in seconds (default: --p99-factor "
@@ -371,12 +379,16 @@ def main(argv=None) -> None:
                      "engines": {}}
     logs = Path(a.logs) if a.logs else None
     try:
-        for engine in a.engines:
+        runs = [(e, p) for e in a.engines for p in (a.step_policy if e == "step" else [None])]
+        for kind, policy in runs:
+            engine = kind if policy in (None, "fifo") else f"{kind}-{policy}"
             args = {"max_batch_size": a.max_batch_size, "max_queued_requests": -1,
                     "num_cpus": 1, "ingress_num_cpus": 0, "request_timeout_s": a.timeout,
                     "max_n": 1, "warmup_shapes": shapes}
-            if engine != "batch":  # the default; an older service knows no `engine` arg
-                args["engine"] = engine
+            if kind != "batch":  # the default; an older service knows no `engine` arg
+                args["engine"] = kind
+            if policy not in (None, "fifo"):  # the default; an older service knows no policy
+                args["step_policy"] = policy
             if a.model:
                 args["model"] = a.model
             print(f"{engine}: starting (warm-up compiles {len(shapes)} shapes)", flush=True)

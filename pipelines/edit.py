@@ -47,6 +47,7 @@ from maxdiff import mesh as meshlib
 from pipelines import program as program_lib
 from pipelines.limits import STRENGTH, check, edit_adapter_problem, strength_problem
 from pipelines.requests import ImageRequest, bucket_size
+from maxdiff.models.vae_tiling import use_tiling
 from pipelines.text_to_image import (PipelineOutput, TextToImagePipeline, _to_pixels,
                                      conditioning, guide)
 
@@ -147,32 +148,104 @@ def _noise_array(x, name: str, want: tuple[int, ...], f: int) -> np.ndarray | No
 
 
 # ---------------------------------------------------------------------- the pipelines
-class _EditPipeline(TextToImagePipeline):
-    """What image-to-image and inpainting share: loading, sharing weights, the program."""
+class _EditPipeline:
+    """What image-to-image and inpainting share: the text-to-image pipeline they run on, the
+    program, calling.
+
+    An edit pipeline holds its text-to-image pipeline (:attr:`pipe`) and reads the model from it
+    on every call: weights (``params``, fused LoRAs included), text encoders, tokenizers, UNet,
+    VAE, mesh, scheduler, defaults and adapters are the parent's live ones, so a LoRA loaded on
+    the parent after :meth:`from_pipe` is used by the next edit. Every other attribute (``name``,
+    ``default_steps``, ``limits``, ``load_lora_weights`` ...) is the parent's too; only
+    :data:`OWN_SETTINGS` (``scheduler``, ``vae_tiling``, ``vae_tiling_threshold``) may be set
+    on an edit pipeline, for it alone (its parent keeps its own). Compiled programs are the
+    edit pipeline's; the weights are an input of every program (a new LoRA never recompiles
+    nor goes stale) and a program is kept per scheduler object."""
 
     kind = "img2img"
+    OWN_SETTINGS = ("scheduler", "vae_tiling", "vae_tiling_threshold")
 
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        # the UNet of an inpainting model takes 9 channels; the latents have the VAE's
-        self.latent_channels = self.vae.config.latent_channels
+    def __init__(self, pipe: TextToImagePipeline):
+        if isinstance(pipe, _EditPipeline):
+            pipe = pipe.pipe
+        if not isinstance(pipe, TextToImagePipeline):
+            raise TypeError(f"an edit pipeline runs on a TextToImagePipeline, got "
+                            f"{type(pipe).__name__}")
+        object.__setattr__(self, "pipe", pipe)
+        object.__setattr__(self, "_programs", {})
 
     @classmethod
-    def from_pipe(cls, pipe: TextToImagePipeline):
-        """A pipeline of this kind over ``pipe``'s loaded models: the same parameter arrays
-        (no copy), tokenizers, scheduler and defaults; compiled programs are not shared."""
-        new = cls.__new__(cls)
-        new.__dict__.update(pipe.__dict__)
-        new.latent_channels = pipe.vae.config.latent_channels
-        new._programs = {}
+    def from_pretrained(cls, *args, **kwargs):
+        """Load a model as :meth:`TextToImagePipeline.from_pretrained` (same arguments) and
+        edit with it."""
+        return cls(TextToImagePipeline.from_pretrained(*args, **kwargs))
+
+    @classmethod
+    def from_single_file(cls, *args, **kwargs):
+        """Load a single file as :meth:`TextToImagePipeline.from_single_file` (same arguments)."""
+        return cls(TextToImagePipeline.from_single_file(*args, **kwargs))
+
+    @classmethod
+    def from_config(cls, *args, **kwargs):
+        """Load a run config as :meth:`TextToImagePipeline.from_config` (same arguments)."""
+        return cls(TextToImagePipeline.from_config(*args, **kwargs))
+
+    @classmethod
+    def from_pipe(cls, pipe):
+        """A pipeline of this kind over ``pipe`` (a :class:`TextToImagePipeline`, or an edit
+        pipeline: its text-to-image pipeline and its own settings): the parent's live weights,
+        tokenizers, scheduler, defaults and adapters, nothing copied; compiled programs are
+        not shared."""
+        new = cls(pipe)
+        if isinstance(pipe, _EditPipeline):
+            for name in cls.OWN_SETTINGS:
+                if name in vars(pipe):
+                    setattr(new, name, vars(pipe)[name])
         return new
+
+    def __getattr__(self, name: str):
+        # only called for names not found on the edit pipeline: the parent's, live
+        if name == "pipe":  # not set yet (e.g. during unpickling)
+            raise AttributeError(name)
+        return getattr(self.pipe, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in self.OWN_SETTINGS:
+            raise AttributeError(
+                f"{type(self).__name__}.{name} is its text-to-image pipeline's (shared, live); "
+                f"set it there (.pipe.{name} = ...), for every pipeline that shares it; only "
+                f"{', '.join(self.OWN_SETTINGS)} can be set for one edit pipeline alone")
+        object.__setattr__(self, name, value)
+
+    @property
+    def latent_channels(self) -> int:
+        """The VAE's latent channels (the UNet of an inpainting model takes 9)."""
+        return self.vae.config.latent_channels
 
     @property
     def unet_channels(self) -> int:
         return self.unet.config.in_channels
 
-    def _mode(self) -> str:
-        return self.kind
+    @property
+    def num_compiled(self) -> int:
+        """How many programs this edit pipeline has compiled (one per distinct shape key)."""
+        return sum(fn._cache_size() for fn in self._programs.values())
+
+    def _program(self, key: tuple):
+        # the program closes over the scheduler (its config is static): one per scheduler object,
+        # so a new scheduler on the parent or here is never run with an old program. The cached
+        # program keeps its scheduler alive, so its id is never reused meanwhile
+        key = (id(self.scheduler), *key)
+        fn = self._programs.get(key)
+        if fn is None:
+            fn = self._programs[key] = jax.jit(self._build(*key[1:]))
+        return fn
+
+    def uses_vae_tiling(self, height: int, width: int) -> bool:
+        """Whether images of this size are encoded / decoded tile by tile (this pipeline's
+        ``vae_tiling``, which is the parent's unless set here)."""
+        return use_tiling(self.vae_tiling, self.vae.config, height, width,
+                          self.vae_tiling_threshold)
 
     # ------------------------------------------------------------------ the program
     def _build(self, mode: str, batch: int, lh: int, lw: int, steps: int, cfg: bool,
@@ -185,7 +258,7 @@ class _EditPipeline(TextToImagePipeline):
         shape = (lh, lw, channels)
 
         def to_latents(p, images, eps):
-            if tiled:  # images are the tiled encoder's moments (_encode_tiled)
+            if tiled:  # images are the tiled encoder's moments (encode_tiled)
                 return vae.apply({"params": p["vae"]}, images, None, eps,
                                  method=vae.moments_to_latents)
             return vae.apply({"params": p["vae"]}, images, None, eps, method=vae.image_to_latents)
@@ -262,7 +335,7 @@ class _EditPipeline(TextToImagePipeline):
             if mask_image is None:
                 raise ValueError("mask_image is required: white (>= 0.5) marks what to repaint")
             per_prompt["mask_image"] = _image_list(mask_image, "mask_image")
-        items, picked = self._prompt_items(
+        items, picked = self.pipe.prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             per_prompt=per_prompt, guidance_scale=guidance_scale,
             guidance_rescale=guidance_rescale, original_size=original_size,
@@ -321,7 +394,7 @@ class _EditPipeline(TextToImagePipeline):
         w0, h0 = _size(images[0])
         height = h0 - h0 % f if height is None else height
         width = w0 - w0 % f if width is None else width
-        self._check(steps, height, width, output_type)
+        self.check_request(steps, height, width, output_type)
         check([strength_problem(strength, steps)])
         t_start = start_step(steps, float(strength))
         for k, it in enumerate(items):
@@ -360,7 +433,7 @@ class _EditPipeline(TextToImagePipeline):
                 masked_pix = pix * (mask_px < 0.5)
 
         (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
-         rescale) = self._host_inputs(items, height, width)
+         rescale) = self.pipe.host_inputs(items, height, width)
 
         bucket = bucket_size(n, self.mesh.size)
         put = program_lib.BatchPut(self.mesh, bucket)
@@ -374,17 +447,17 @@ class _EditPipeline(TextToImagePipeline):
         scalars = jax.device_put((np.int32(t_start), np.bool_(inpaint and strength == 1.0)), rep)
         as_uint8 = output_type != "np"
         t1 = time.perf_counter()
-        tiled = self._tiled(height, width)
+        tiled = self.uses_vae_tiling(height, width)
         if tiled:  # the images (and masked images) become their tiled encoder moments
             args = list(args)
             for k in (4, 6):
                 if args[k] is not None:
-                    args[k] = self._encode_tiled(args[k])
+                    args[k] = self.pipe.encode_tiled(args[k])
         program = self._program((mode, bucket, lh, lw, steps, cfg, noise is not None,
                                  post is not None, masked_post is not None, as_uint8, tiled))
         out = program(self.params, *args, state, *scalars)
         if tiled:
-            out = self._decode_tiled(out, as_uint8)
+            out = self.pipe.decode_tiled(out, as_uint8)
         out_images = program_lib.host_images(out, n, output_type)
         t2 = time.perf_counter()
         return PipelineOutput(out_images, [int(s) for s in seeds],

@@ -8,7 +8,8 @@ OpenAI routes), the generator replicas and the step engine all check requests he
   for every front door; see below).
 - :func:`cfg_on`: guidance turns classifier-free guidance on above 1.
 - one rule per setting: :func:`steps_problem`, :func:`guidance_problem`, :func:`seed_problem`,
-  :func:`n_problem`, :func:`strength_problem`, :func:`size_problems` and :func:`cost_problem`.
+  :func:`n_problem`, :func:`strength_problem`, :func:`size_problems`, :func:`cost_problem`
+  and :func:`output_type_problem` (the Python API's).
   Each returns :class:`Problem` (canonical field, message, value) or None; the message states
   the allowed range and never the field's name, because
 - :data:`FIELDS` names each setting in each front door's vocabulary (``num_inference_steps``
@@ -182,6 +183,17 @@ def edit_adapter_problem(adapter: Any) -> Problem | None:
     return Problem("adapter", "per-image adapters apply to text-to-image only, not to edits "
                    "(image-to-image, inpainting); fuse a LoRA with load_lora_weights instead",
                    adapter)
+
+
+OUTPUT_TYPES = ("pil", "np")
+
+
+def output_type_problem(output_type: Any) -> Problem | None:
+    """The Python API's ``output_type``: one of :data:`OUTPUT_TYPES`."""
+    if output_type in OUTPUT_TYPES:
+        return None
+    return Problem("output_type", "must be 'pil' (PIL images) or 'np' (float32 arrays in "
+                   "[0, 1])", output_type)
 
 
 def size_problems(width: int | None, height: int | None, multiple: int, lo: int | None = None,

@@ -7,7 +7,9 @@ keeps a fixed number of *slots* on the devices (sharded over the mesh's ``data``
 pipeline's batch). Each :meth:`StepEngine.tick`:
 
 1. frees the slots of cancelled images,
-2. admits queued images into free slots: one batched text-encode program writes their text
+2. admits queued images into free slots, in the order of the engine's ``policy`` (``"fifo"``:
+   submission order; ``"srs"``: shortest remaining steps first, aged so that no image waits
+   forever; the rule is in :mod:`pipelines.step_scheduler`): one batched text-encode program writes their text
    embeddings, time ids, guidance, initial latents (from each image's seed, exactly as the
    pipeline draws them) and scheduler tables into their slots,
 3. queues ONE jitted step program that advances every active slot by one denoising step, each
@@ -79,6 +81,15 @@ latent-to-RGB projection would be cheaper but model specific).
 
 Per-image adapters (``ImageRequest.adapter``, ``TextToImagePipeline.add_adapter``) are applied
 per slot like the pipeline applies them per row; ``pipe.vae_tiling`` is honoured at decode.
+
+**Who does what.** The deciding is host-only and JAX-free, in
+:class:`pipelines.step_scheduler.SlotScheduler` (queue, slots, admission policy, queue
+positions, cancels, aborts, the ``(b, g)`` of each tick, step counting); the device side is a
+:class:`StepRunner` (slot state, the compiled admit / step / decode programs, read backs);
+:class:`StepEngine` asks the one and runs the other, paces the host with the device and reports
+progress, previews and finished images. The engine reaches the pipeline through its public
+surface only (``check_request``, ``host_inputs``, ``adapter_index``, ``adapter_tables``,
+``uses_vae_tiling``, ``decode_tiled``).
 """
 
 from __future__ import annotations
@@ -86,10 +97,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import itertools
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import jax
@@ -104,46 +113,13 @@ from maxdiff.schedulers.euler import denoised_from_sigma
 from pipelines import program as program_lib
 from pipelines.limits import cfg_on, check, steps_problem
 from pipelines.requests import ImageRequest, bucket_size
+from pipelines.step_scheduler import Handle, Policy, SlotScheduler, StepPlan, step_shapes
 from pipelines.text_to_image import _to_pixels, conditioning, encode_prompts, guide
+
+__all__ = ["StepEngine", "StepRunner", "Handle"]
 
 # scheduler-state fields that are schedules indexed by step (padded at the front per slot)
 TABLES = ("timesteps", "sigmas", "alphas_cumprod", "alphas_cumprod_prev")
-
-
-@dataclass(eq=False)
-class Handle:
-    """One image in a :class:`StepEngine`. ``status``: ``queued``, ``running``, ``done`` or
-    ``cancelled``; ``step``: denoising steps the device has *executed* of ``steps`` (read back
-    from the step program's output, never counted ahead); ``dispatched``: steps queued on the
-    device (at most ``lookahead + 1`` ahead of ``step``); ``queue_position``: 1 + the images
-    queued before it as of the last tick (0 once it holds a slot); ``image``: the result once
-    done (PIL image, or float32 (H, W, 3) in [0, 1] with ``output_type="np"``); ``seed``: the
-    seed used (drawn at admission when the request has none); ``preview`` / ``preview_step``:
-    the latest decoded denoised estimate asked for with ``submit(previews=...)`` and the step it
-    was taken after."""
-
-    request: ImageRequest
-    steps: int
-    on_progress: Callable[["Handle"], None] | None = None
-    previews: frozenset = frozenset()
-    id: int = 0
-    status: str = "queued"
-    step: int = 0
-    dispatched: int = 0
-    queue_position: int = 0
-    slot: int | None = None
-    seed: int | None = None
-    image: Any = None
-    preview: Any = None
-    preview_step: int = 0
-    submitted_at: float = field(default_factory=time.perf_counter)
-    started_at: float | None = None
-    finished_at: float | None = None
-    cancel_requested: bool = False
-
-    @property
-    def done(self) -> bool:
-        return self.status in ("done", "cancelled")
 
 
 @dataclass
@@ -185,74 +161,32 @@ def _final_order_variants(sched):
     return None
 
 
-class StepEngine:
-    """Continuous batching over denoising steps for one (height, width) of ``pipe``.
+class StepRunner:
+    """The device side of a :class:`StepEngine`: every slot's device state and the compiled
+    admit, step and decode programs (one per batch size in ``batch_sizes``, one step program per
+    ``(b, g)`` of :func:`pipelines.step_scheduler.step_shapes`). It runs what the scheduler
+    decided and knows nothing of queues or handles' order; every call only queues work on the
+    device (:meth:`fetch` waits)."""
 
-    ``slots``: images advanced together per tick (a multiple of the mesh size); ``cfg``: see the
-    module docstring; ``max_steps``: the most steps an image may take (default: the
-    scheduler's limit; the per-slot tables have this length, the programs do not depend on it);
-    ``output_type``: ``"pil"`` or ``"np"`` (float32 [0, 1]); ``lookahead``: ticks left queued
-    on the device when :meth:`tick` returns (see *Pacing* in the module docstring): 1 (default)
-    overlaps the host's work for the next tick with the device's step, 0 returns only once the
-    tick's own step has run.
-
-    Not thread-safe for concurrent :meth:`tick` calls; :meth:`submit` and :meth:`cancel` may be
-    called from other threads while one thread ticks.
-    """
-
-    def __init__(self, pipe, height: int | None = None, width: int | None = None, slots: int = 8,
-                 *, cfg: bool = True, max_steps: int | None = None, output_type: str = "pil",
-                 lookahead: int = 1):
+    def __init__(self, pipe, height: int, width: int, slots: int, batch_sizes: list[int], *,
+                 cfg: bool, max_steps: int, output_type: str):
         self.pipe = pipe
-        self.height = pipe.default_height if height is None else height
-        self.width = pipe.default_width if width is None else width
-        self.max_steps = pipe.max_steps if max_steps is None else int(max_steps)
-        pipe._check(1, self.height, self.width, output_type)
-        if not 1 <= self.max_steps <= pipe.max_steps:
-            raise ValueError(f"max_steps={max_steps}; {type(pipe.scheduler).__name__} allows "
-                             f"1..{pipe.max_steps}")
-        if pipe.scheduler.num_model_calls(2) != 2:  # PNDM: steps + 1 calls, a redone step
-            raise ValueError(
-                f"{type(pipe.scheduler).__name__} makes more model calls than steps, which the "
-                "step engine does not schedule; use engine=batch (the pipeline) or another "
-                "scheduler (e.g. EulerDiscreteScheduler, DPMSolverMultistepScheduler)")
-        m = pipe.mesh.size
-        if not isinstance(slots, int) or slots < 1 or slots % m:
-            raise ValueError(f"slots={slots!r}; it must be a positive multiple of the mesh "
-                             f"size {m}")
-        if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
-            raise ValueError(f"lookahead={lookahead!r}; it must be an integer >= 0 (ticks left "
-                             "queued on the device when tick() returns)")
-        self.slots, self.cfg, self.output_type = slots, bool(cfg), output_type
-        self.lookahead = lookahead
+        self.height, self.width, self.slots = height, width, slots
+        self.batch_sizes, self.cfg, self.max_steps = batch_sizes, cfg, max_steps
+        self.output_type = output_type
         f = pipe.vae_scale_factor
-        self.lh, self.lw, self.channels = self.height // f, self.width // f, pipe.latent_channels
+        self.lh, self.lw, self.channels = height // f, width // f, pipe.latent_channels
         self.sched = pipe.scheduler
         self.stochastic = self.sched.stochastic
-        self.tiled = pipe._tiled(self.height, self.width)  # the pipeline's vae_tiling rule
-        self.batch_sizes = sorted({min(bucket_size(n, m), slots) for n in range(1, slots + 1)})
+        self.tiled = pipe.uses_vae_tiling(height, width)  # the pipeline's vae_tiling rule
         self._sharded = meshlib.batch_sharded(pipe.mesh)
         self._state = self._empty_state()
         self._state_sharding = jax.tree.map(lambda _: self._sharded, self._state)
         self._programs: dict[tuple, Any] = {}
-        # host side: who is where
-        self._lock = threading.Lock()
-        self._queue: list[Handle] = []
-        self._slot_handles: list[Handle | None] = [None] * slots
-        self._ids = itertools.count(1)
-        self._inflight: collections.deque[_Tick] = collections.deque()  # oldest first
-        # images in and out; ticks run (and those with guided images); slot-steps done (active
-        # slots summed over ticks; guided_slot_steps: those with negative rows); tick_images:
-        # ticks by the number of images they stepped ({"1": 40, "2": 12}); host_s: seconds the
-        # ticking thread spent working (scheduling, dispatch, callbacks), wait_s: seconds it
-        # waited for the device (a tick's step, its decodes)
-        self.stats = {"submitted": 0, "finished": 0, "cancelled": 0, "ticks": 0, "guided_ticks": 0,
-                      "slot_steps": 0, "guided_slot_steps": 0, "tick_images": {},
-                      "host_s": 0.0, "wait_s": 0.0}
 
     # ------------------------------------------------------------------ state
     @functools.lru_cache(maxsize=None)
-    def _schedule(self, steps: int):
+    def schedule(self, steps: int):
         """(padded per-slot scheduler state as numpy leaves, initial noise sigma) for ``steps``."""
         state = self.sched.set_timesteps(steps, (self.lh, self.lw, self.channels))
         init_sigma = float(self.sched.init_noise_sigma(state))
@@ -276,7 +210,7 @@ class StepEngine:
         emb, pooled = jax.eval_shape(
             lambda prm, i1, i2: encode_prompts(p.text_encoder, p.text_encoder_2, prm, i1, i2),
             p.params, *ids)
-        sched, _ = self._schedule(1)
+        sched, _ = self.schedule(1)
         state = {
             "x": np.zeros(lat, np.float32), "x0": np.zeros(lat, np.float32),
             "sched": jax.tree.map(lambda a: np.zeros((s, *a.shape), a.dtype), sched),
@@ -314,18 +248,30 @@ class StepEngine:
 
     @property
     def num_compiled(self) -> int:
-        """Programs compiled so far (at most :attr:`max_programs`)."""
+        """Programs compiled so far."""
         return sum(fn._cache_size() for fn in self._programs.values())
 
     @property
-    def max_programs(self) -> int:
-        """The programs this engine can compile (all of them at :meth:`warmup`)."""
-        return len(self._step_keys()) + 2 * len(self.batch_sizes)
+    def step_shapes(self) -> list[tuple[int, int]]:
+        return step_shapes(self.batch_sizes, self.cfg)
 
-    def _step_keys(self) -> list[tuple[int, int]]:
-        """(b, g) of every step program: b active rows, g of them with negative rows."""
-        return [(b, g) for b in self.batch_sizes
-                for g in [0, *(x for x in self.batch_sizes if x <= b and self.cfg)]]
+    @property
+    def all_programs(self) -> set[tuple]:
+        """Every program this runner can run: ``("step", b, g)``, ``("admit", b)``,
+        ``("decode", b)``."""
+        return ({("step", b, g) for b, g in self.step_shapes}
+                | {(kind, b) for kind in ("admit", "decode") for b in self.batch_sizes})
+
+    @property
+    def programs(self) -> set[tuple]:
+        """The programs made so far (keys as in :attr:`all_programs`); each is compiled once,
+        so :attr:`num_compiled` equals their number."""
+        return set(self._programs)
+
+    @property
+    def max_programs(self) -> int:
+        """The programs this runner can compile (all of them at :meth:`warmup`)."""
+        return len(self.all_programs)
 
     def _build_admit(self):
         p = self.pipe
@@ -439,25 +385,161 @@ class StepEngine:
         return decode
 
     def _adapter_args(self):
-        tables = self.pipe._adapter_tables
+        tables = self.pipe.adapter_tables
         return () if tables is None else (tables.as_tree(),)
+
+    # ------------------------------------------------------------------ running
+    def admit(self, take: list[Handle], free: list[int], b: int) -> None:
+        """Write ``take`` into slots ``free`` (batch padded to ``b``; ``take`` may be empty):
+        their text embeddings, time ids, guidance, initial latents from their seeds and
+        scheduler tables. Sets each handle's ``seed`` (drawn here when the request has none)."""
+        p, n = self.pipe, len(take)
+        items = [h.request for h in take] or [ImageRequest(prompt="", guidance_scale=0.0, seed=0)]
+        (seeds, _, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
+         rescale) = p.host_inputs(items, self.height, self.width)
+        for h, sd in zip(take, seeds):
+            h.seed = int(sd)
+        cfg = np.array([cfg_on(it.guidance_scale) for it in items])
+        steps = [h.steps for h in take] or [1]
+        scheds = [self.schedule(k) for k in steps]
+        sched = jax.tree.map(lambda *a: np.stack(a), *[sc for sc, _ in scheds])
+        init_sigma = np.array([sg for _, sg in scheds], np.float32)
+        aidx = p.adapter_index(items)
+        aidx = np.zeros(len(items), np.int32) if aidx is None else aidx
+        slot = np.array(free + [self.slots] * (b - n), np.int32)  # padding rows are dropped
+
+        put = program_lib.BatchPut(p.mesh, b)
+        args = (put(slot), put(ids, ids=True), put(neg_ids, ids=True), put(zero_negative),
+                put(time_ids), put(neg_time_ids), put(np.asarray(seeds, np.uint32)),
+                put(init_sigma), put(guidance), put(rescale), put(cfg), put.tree(sched), put(aidx))
+        self._state = self._program("admit", b)(p.params, self._state, *args,
+                                                *self._adapter_args())
+
+    def step(self, plan: StepPlan):
+        """Queue one step of ``plan``'s rows; returns the device array of each row's step count
+        after it (0 for padding rows)."""
+        args = jax.device_put((plan.rows, plan.active, plan.index, plan.local, plan.short),
+                              self._sharded)
+        self._state, executed = self._program("step", plan.b, plan.g)(
+            self.pipe.params, self._state, *args, *self._adapter_args())
+        return executed
+
+    def decode(self, slots: list[int], preview: bool = False):
+        """Queue the VAE decode of ``slots``' latents (``preview``: their denoised estimates),
+        batch padded to a bucket; returns the device output for :meth:`fetch`."""
+        latents = self._state["x0" if preview else "x"]
+        n = len(slots)
+        b = min(bucket_size(n, self.pipe.mesh.size), self.slots)
+        idx = jax.device_put(np.array(slots + [slots[-1]] * (b - n), np.int32), self._sharded)
+        out = self._program("decode", b)(self.pipe.params, latents, idx)
+        if self.tiled:
+            out = self.pipe.decode_tiled(out, self.output_type != "np")
+        return out
+
+    def fetch(self, out, n: int) -> list:
+        """The first ``n`` decoded images of a decode output, on the host (waits for it)."""
+        return list(program_lib.host_images(out, n, self.output_type))
+
+    def warmup(self) -> int:
+        """Compile every program without touching any slot; returns how many are compiled."""
+        for b in self.batch_sizes:
+            self.admit([], [], b)
+            self.decode([0] * b)
+        for b, g in self.step_shapes:
+            args = jax.device_put((np.arange(b, dtype=np.int32), np.zeros(b, bool),
+                                   np.zeros(b, np.int32), np.zeros(b, np.int32),
+                                   np.zeros(b, bool)), self._sharded)
+            self._state, _ = self._program("step", b, g)(self.pipe.params, self._state, *args,
+                                                         *self._adapter_args())
+        jax.block_until_ready(self._state)
+        return self.num_compiled
+
+
+class StepEngine:
+    """Continuous batching over denoising steps for one (height, width) of ``pipe``: a
+    host-only :class:`pipelines.step_scheduler.SlotScheduler` (queue, slots, policy, batch
+    shapes) and a :class:`StepRunner` (compiled programs, device state), paced by the device.
+
+    ``slots``: images advanced together per tick (a multiple of the mesh size); ``cfg``: see the
+    module docstring; ``max_steps``: the most steps an image may take (default: the
+    scheduler's limit; the per-slot tables have this length, the programs do not depend on it);
+    ``output_type``: ``"pil"`` or ``"np"`` (float32 [0, 1]); ``lookahead``: ticks left queued
+    on the device when :meth:`tick` returns (see *Pacing* in the module docstring): 1 (default)
+    overlaps the host's work for the next tick with the device's step, 0 returns only once the
+    tick's own step has run; ``policy``: the order queued images take free slots in, ``"fifo"``
+    (default: submission order), ``"srs"`` (shortest remaining steps first, aged so that a long
+    image is never starved; the rule: :mod:`pipelines.step_scheduler`) or a
+    :class:`pipelines.step_scheduler.Policy`.
+
+    Not thread-safe for concurrent :meth:`tick` calls; :meth:`submit` and :meth:`cancel` may be
+    called from other threads while one thread ticks.
+    """
+
+    def __init__(self, pipe, height: int | None = None, width: int | None = None, slots: int = 8,
+                 *, cfg: bool = True, max_steps: int | None = None, output_type: str = "pil",
+                 lookahead: int = 1, policy: str | Policy = "fifo"):
+        self.pipe = pipe
+        self.height = pipe.default_height if height is None else height
+        self.width = pipe.default_width if width is None else width
+        self.max_steps = pipe.max_steps if max_steps is None else int(max_steps)
+        pipe.check_request(1, self.height, self.width, output_type)
+        if not 1 <= self.max_steps <= pipe.max_steps:
+            raise ValueError(f"max_steps={max_steps}; {type(pipe.scheduler).__name__} allows "
+                             f"1..{pipe.max_steps}")
+        if pipe.scheduler.num_model_calls(2) != 2:  # PNDM: steps + 1 calls, a redone step
+            raise ValueError(
+                f"{type(pipe.scheduler).__name__} makes more model calls than steps, which the "
+                "step engine does not schedule; use engine=batch (the pipeline) or another "
+                "scheduler (e.g. EulerDiscreteScheduler, DPMSolverMultistepScheduler)")
+        if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
+            raise ValueError(f"lookahead={lookahead!r}; it must be an integer >= 0 (ticks left "
+                             "queued on the device when tick() returns)")
+        self.scheduler = SlotScheduler(slots, pipe.mesh.size, self.max_steps, cfg=bool(cfg),
+                                       policy=policy)
+        self.slots, self.cfg, self.output_type = slots, bool(cfg), output_type
+        self.lookahead = lookahead
+        self.batch_sizes = self.scheduler.batch_sizes
+        self.runner = StepRunner(pipe, self.height, self.width, slots, self.batch_sizes,
+                                 cfg=self.cfg, max_steps=self.max_steps, output_type=output_type)
+        self._inflight: collections.deque[_Tick] = collections.deque()  # oldest first
+        # images in and out; ticks run (and those with guided images); slot-steps done (active
+        # slots summed over ticks; guided_slot_steps: those with negative rows); tick_images:
+        # ticks by the number of images they stepped ({"1": 40, "2": 12}); host_s: seconds the
+        # ticking thread spent working (scheduling, dispatch, callbacks), wait_s: seconds it
+        # waited for the device (a tick's step, its decodes)
+        self.stats = self.scheduler.stats
+        self.stats.update(host_s=0.0, wait_s=0.0)
+
+    @property
+    def policy(self) -> Policy:
+        return self.scheduler.policy
+
+    @property
+    def num_compiled(self) -> int:
+        """Programs compiled so far (at most :attr:`max_programs`)."""
+        return self.runner.num_compiled
+
+    @property
+    def max_programs(self) -> int:
+        """The programs this engine can compile (all of them at :meth:`warmup`)."""
+        return self.runner.max_programs
 
     # ------------------------------------------------------------------ public API
     def submit(self, request: ImageRequest, steps: int | None = None,
                on_progress: Callable[[Handle], None] | None = None,
                previews: Iterable[int] = ()) -> Handle:
         """Queue one image (``steps`` None: the pipeline's default). It joins a free slot at
-        the next tick. ``on_progress(handle)`` is called from the ticking thread once the
-        device has run each of its steps (``handle.step`` is then that step), and at ticks
-        where it stays queued but its ``queue_position`` changed. ``previews``: steps (1 to
-        ``steps``) after which its denoised estimate is VAE-decoded on the device, in the tick
-        that runs that step; ``handle.preview`` / ``preview_step`` hold it when ``on_progress``
-        reports that step."""
+        a coming tick, in the policy's order. ``on_progress(handle)`` is called from the
+        ticking thread once the device has run each of its steps (``handle.step`` is then that
+        step), and at ticks where it stays queued but its ``queue_position`` changed.
+        ``previews``: steps (1 to ``steps``) after which its denoised estimate is VAE-decoded on
+        the device, in the tick that runs that step; ``handle.preview`` / ``preview_step`` hold
+        it when ``on_progress`` reports that step."""
         steps = self.pipe.default_steps if steps is None else steps
-        self.pipe._check(steps, self.height, self.width, self.output_type)
+        self.pipe.check_request(steps, self.height, self.width, self.output_type)
         check([steps_problem(steps, self.max_steps, "this engine's max_steps")])
         request.validate()
-        if self.pipe._adapter_index([request]) is None and request.adapter is not None:
+        if self.pipe.adapter_index([request]) is None and request.adapter is not None:
             raise ValueError(f"adapter={request.adapter!r} is not added; no adapters are added")
         if not self.cfg and cfg_on(request.guidance_scale):
             raise ValueError(f"guidance_scale={request.guidance_scale}: this engine runs without "
@@ -468,39 +550,33 @@ class StepEngine:
         if bad:
             raise ValueError(f"previews={sorted(previews, key=str)}: {bad} not in 1..{steps} "
                              "(the steps after which to decode a preview)")
-        h = Handle(request=request, steps=int(steps), on_progress=on_progress,
-                   previews=previews, id=next(self._ids))
-        with self._lock:
-            self._queue.append(h)
-            self.stats["submitted"] += 1
-        return h
+        return self.scheduler.submit(Handle(request=request, steps=int(steps),
+                                            on_progress=on_progress, previews=previews))
 
     def cancel(self, handle: Handle) -> None:
         """Cancel an image: a queued one leaves the queue, a running one frees its slot at the
         next tick (no step of it is queued on the device after that; one already queued still
         runs). Images whose last step is already queued are not affected."""
-        with self._lock:
-            if not handle.done:
-                handle.cancel_requested = True
+        self.scheduler.cancel(handle)
 
     def queue_position(self, handle: Handle) -> int:
-        """0 when the image holds a slot (or is done), else 1 + the images queued before it."""
-        with self._lock:
-            return self._queue.index(handle) + 1 if handle in self._queue else 0
+        """0 when the image holds a slot (or is done), else 1 + the images ahead of it in the
+        policy's order."""
+        return self.scheduler.queue_position(handle)
 
     @property
     def active(self) -> int:
         """Slots held by images with steps still to queue."""
-        return sum(h is not None for h in self._slot_handles)
+        return self.scheduler.active
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return self.scheduler.queued
 
     @property
     def idle(self) -> bool:
         """Nothing queued, no slot held, no tick left on the device."""
-        return not self._queue and not self.active and not self._inflight
+        return not self.queued and not self.active and not self._inflight
 
     def tick(self) -> list[Handle]:
         """One scheduling round, paced by the device. Frees the slots of cancelled images,
@@ -510,9 +586,13 @@ class StepEngine:
         was queued) and reports those that finished: progress from the step program's output,
         previews, finished images. Returns the images finished or cancelled in this call."""
         t0, waited = time.perf_counter(), self.stats["wait_s"]
-        out = self._reap_cancelled()
-        self._admit()
-        self._report_queue_positions()
+        out = self.scheduler.reap_cancelled()
+        take, free, b = self.scheduler.admit()
+        if take:
+            self.runner.admit(take, free, b)
+        for h in self.scheduler.report_queue_positions():
+            if h.on_progress is not None:
+                h.on_progress(h)
         launched = self._launch()
         while self._inflight and (launched is None or len(self._inflight) > self.lookahead):
             out += self._complete(self._inflight.popleft())
@@ -522,132 +602,40 @@ class StepEngine:
     def run_until_idle(self, max_ticks: int | None = None) -> list[Handle]:
         """Tick until no image is queued or running; returns the finished handles in order."""
         done = []
-        for _ in itertools.count() if max_ticks is None else range(max_ticks):
-            if self.idle:
-                break
+        ticks = 0
+        while not self.idle and (max_ticks is None or ticks < max_ticks):
             done += self.tick()
+            ticks += 1
         return done
 
     def abort(self) -> list[Handle]:
         """Give up on every image not finished (after a failed tick): they are marked cancelled,
         the queue, the slots and the ticks in flight are dropped; returns them. The engine is
         usable afterwards."""
-        with self._lock:
-            queued, self._queue = self._queue, []
-        held = [h for h in self._slot_handles if h is not None]
         ticks, self._inflight = list(self._inflight), collections.deque()
-        draining = [h for t in ticks for h in t.finishing]
-        self._slot_handles = [None] * self.slots
-        lost = list({id(h): h for h in [*queued, *held, *draining] if not h.done}.values())
-        for h in lost:
-            h.status, h.finished_at, h.slot = "cancelled", time.perf_counter(), None
-        self.stats["cancelled"] += len(lost)
-        return lost
+        return self.scheduler.abort([h for t in ticks for h in t.finishing])
 
     def warmup(self) -> int:
         """Compile every program this engine can run (the step programs and the admit and
         decode programs of each batch size) without touching any slot; returns how many."""
-        for b in self.batch_sizes:
-            self._run_admit([], [], b)
-            self._dispatch_decode(self._state["x"], [0] * b)
-        for b, g in self._step_keys():
-            args = jax.device_put((np.arange(b, dtype=np.int32), np.zeros(b, bool),
-                                   np.zeros(b, np.int32), np.zeros(b, np.int32),
-                                   np.zeros(b, bool)), self._sharded)
-            self._state, _ = self._program("step", b, g)(self.pipe.params, self._state, *args,
-                                                         *self._adapter_args())
-        jax.block_until_ready(self._state)
-        return self.num_compiled
-
-    # ------------------------------------------------------------------ scheduling
-    def _reap_cancelled(self) -> list[Handle]:
-        out = []
-        with self._lock:
-            keep = []
-            for h in self._queue:
-                (out if h.cancel_requested else keep).append(h)
-            self._queue = keep
-        for k, h in enumerate(self._slot_handles):
-            if h is not None and h.cancel_requested:
-                self._slot_handles[k] = None
-                out.append(h)
-        for h in out:
-            h.status, h.finished_at, h.slot = "cancelled", time.perf_counter(), None
-        self.stats["cancelled"] += len(out)
-        return out
-
-    def _admit(self) -> None:
-        free = [k for k, h in enumerate(self._slot_handles) if h is None]
-        with self._lock:
-            take = self._queue[:len(free)]
-            self._queue = self._queue[len(take):]
-        if not take:
-            return
-        free = free[:len(take)]
-        b = min(bucket_size(len(take), self.pipe.mesh.size), self.slots)
-        self._run_admit(take, free, b)
-        now = time.perf_counter()
-        for h, k in zip(take, free):
-            h.slot, h.status, h.started_at, h.queue_position = k, "running", now, 0
-            self._slot_handles[k] = h
-
-    def _report_queue_positions(self) -> None:
-        moved = []
-        with self._lock:
-            for k, h in enumerate(self._queue, start=1):
-                if h.queue_position != k:
-                    h.queue_position = k
-                    moved.append(h)
-        for h in moved:
-            if h.on_progress is not None:
-                h.on_progress(h)
+        return self.runner.warmup()
 
     # ------------------------------------------------------------------ execution
     def _launch(self) -> _Tick | None:
-        """Queue one step of every active slot on the device (gathered guided-first into the
-        smallest step program that holds them), then the decodes of the images that took their
-        last step (their slots are free for the next tick: the decode reads this tick's
-        latents, whatever is admitted there later) and of the previews asked for at this step.
-        Returns the tick, or None when no slot is active."""
-        busy = [k for k, h in enumerate(self._slot_handles) if h is not None]
-        if not busy:
+        """Queue one step of every active slot on the device (the scheduler's plan), then the
+        decodes of the images that took their last step (their slots are free for the next
+        tick: the decode reads this tick's latents, whatever is admitted there later) and of
+        the previews asked for at this step. Returns the tick, or None when no slot is
+        active."""
+        plan = self.scheduler.plan_step()
+        if plan is None:
             return None
-        n, m = self.max_steps, self.pipe.mesh.size
-        # guided slots first: the step program gives negative rows to its first g rows
-        guided = [k for k in busy if cfg_on(self._slot_handles[k].request.guidance_scale)]
-        busy = guided + [k for k in busy if k not in guided]
-        b = min(bucket_size(len(busy), m), self.slots)
-        g = min(bucket_size(len(guided), m), b) if guided else 0
-        rows = busy + [k for k, h in enumerate(self._slot_handles) if h is None][:b - len(busy)]
-        active = np.arange(b) < len(busy)
-        index = np.zeros(b, np.int32)
-        local = np.zeros(b, np.int32)
-        short = np.zeros(b, bool)
-        stepped = [self._slot_handles[k] for k in busy]
-        for r, h in enumerate(stepped):
-            local[r], index[r], short[r] = h.dispatched, n - h.steps + h.dispatched, h.steps < 15
-        args = jax.device_put((np.array(rows, np.int32), active, index, local, short),
-                              self._sharded)
-        self._state, executed = self._program("step", b, g)(
-            self.pipe.params, self._state, *args, *self._adapter_args())
-        for h in stepped:
-            h.dispatched += 1
-        finishing = [h for h in stepped if h.dispatched == h.steps]
-        previewed = [h for h in stepped if h.dispatched in h.previews]
-        images = (self._dispatch_decode(self._state["x"], [h.slot for h in finishing])
-                  if finishing else None)
-        previews = (self._dispatch_decode(self._state["x0"], [h.slot for h in previewed])
+        executed = self.runner.step(plan)
+        finishing, previewed = self.scheduler.stepped(plan)
+        images = self.runner.decode([h.slot for h in finishing]) if finishing else None
+        previews = (self.runner.decode([h.slot for h in previewed], preview=True)
                     if previewed else None)
-        for h in finishing:
-            self._slot_handles[h.slot] = None
-        st = self.stats
-        st["ticks"] += 1
-        st["guided_ticks"] += int(bool(guided))
-        st["slot_steps"] += len(busy)
-        st["guided_slot_steps"] += len(guided)
-        key = str(len(busy))
-        st["tick_images"][key] = st["tick_images"].get(key, 0) + 1
-        tick = _Tick(stepped, executed, finishing, images, previewed, previews)
+        tick = _Tick(plan.handles, executed, finishing, images, previewed, previews)
         self._inflight.append(tick)
         return tick
 
@@ -671,53 +659,14 @@ class StepEngine:
                     h.on_progress(h)
         if not tick.finishing:
             return []
-        images = self._fetch(tick.images, len(tick.finishing))
-        now = time.perf_counter()
-        for h, im in zip(tick.finishing, images):
-            h.image, h.status, h.finished_at, h.slot = im, "done", now, None
+        self.scheduler.finished(tick.finishing, self._fetch(tick.images, len(tick.finishing)))
+        for h in tick.finishing:
             if h.on_progress is not None:
                 h.on_progress(h)
-        self.stats["finished"] += len(tick.finishing)
         return list(tick.finishing)
 
-    def _run_admit(self, take: list[Handle], free: list[int], b: int) -> None:
-        """Write ``take`` into slots ``free`` (batch padded to ``b``; ``take`` may be empty)."""
-        p, n = self.pipe, len(take)
-        items = [h.request for h in take] or [ImageRequest(prompt="", guidance_scale=0.0, seed=0)]
-        (seeds, _, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
-         rescale) = p._host_inputs(items, self.height, self.width)
-        for h, sd in zip(take, seeds):
-            h.seed = int(sd)
-        cfg = np.array([cfg_on(it.guidance_scale) for it in items])
-        steps = [h.steps for h in take] or [1]
-        scheds = [self._schedule(k) for k in steps]
-        sched = jax.tree.map(lambda *a: np.stack(a), *[sc for sc, _ in scheds])
-        init_sigma = np.array([sg for _, sg in scheds], np.float32)
-        aidx = p._adapter_index(items)
-        aidx = np.zeros(len(items), np.int32) if aidx is None else aidx
-        slot = np.array(free + [self.slots] * (b - n), np.int32)  # padding rows are dropped
-
-        put = program_lib.BatchPut(p.mesh, b)
-        args = (put(slot), put(ids, ids=True), put(neg_ids, ids=True), put(zero_negative),
-                put(time_ids), put(neg_time_ids), put(np.asarray(seeds, np.uint32)),
-                put(init_sigma), put(guidance), put(rescale), put(cfg), put.tree(sched), put(aidx))
-        self._state = self._program("admit", b)(p.params, self._state, *args,
-                                                *self._adapter_args())
-
-    def _dispatch_decode(self, latents, slots: list[int]):
-        """Queue the VAE decode of ``slots`` of ``latents`` (batch padded to a bucket); returns
-        the device output for :meth:`_fetch`."""
-        n = len(slots)
-        b = min(bucket_size(n, self.pipe.mesh.size), self.slots)
-        idx = jax.device_put(np.array(slots + [slots[-1]] * (b - n), np.int32), self._sharded)
-        out = self._program("decode", b)(self.pipe.params, latents, idx)
-        if self.tiled:
-            out = self.pipe._decode_tiled(out, self.output_type != "np")
-        return out
-
     def _fetch(self, out, n: int) -> list:
-        """The first ``n`` decoded images of a decode output, on the host (waits for it)."""
         t0 = time.perf_counter()
-        images = program_lib.host_images(out, n, self.output_type)
+        images = self.runner.fetch(out, n)
         self.stats["wait_s"] += time.perf_counter() - t0
-        return list(images)
+        return images

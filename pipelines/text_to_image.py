@@ -37,8 +37,8 @@ from maxdiff.models.vae_tiling import (check_tiling_setting, tile_decoder, tile_
                                        tiled_decode, tiled_encode, use_tiling)
 from pipelines import program as program_lib
 from pipelines.config import ModelDefaults, RunConfig, load_run_config
-from pipelines.limits import (MAX_SEED, Limits, cfg_on, check, n_problem, problems,
-                              seed_problem)
+from pipelines.limits import (MAX_SEED, Limits, cfg_on, check, n_problem, output_type_problem,
+                              problems, seed_problem)
 from pipelines.requests import ImageRequest, bucket_size, image_seeds
 
 DEFAULT_COMPILE_CACHE = Path(os.environ.get("MAXDIFF_COMPILE_CACHE",
@@ -223,6 +223,7 @@ class TextToImagePipeline:
         self.vae_tiling: bool | str = "auto"
         # "auto" tiles images of more than this many pixels; None: auto_tile_pixels(vae config)
         self.vae_tiling_threshold: int | None = None
+        # (the VAE weights, their jitted tile decoder / encoder), made again for new VAE weights
         self._tile_decoder = None
         self._tile_encoder = None
         self.run_config = None
@@ -475,8 +476,16 @@ class TextToImagePipeline:
         return [{"name": n, "path": p, "scale": s, "layers": len(ls),
                  "rank": max(x.rank for x in ls)} for n, p, s, ls in self._adapters]
 
-    def _adapter_index(self, items) -> np.ndarray | None:
-        """Each item's adapter index (0: none), or None when no adapter is added."""
+    @property
+    def adapter_tables(self):
+        """The per-image adapters' stacked low-rank tables (:class:`maxdiff.adapters.AdapterTables`,
+        a program input: ``adapter_tables.as_tree()``), or None when none is added."""
+        return self._adapter_tables
+
+    def adapter_index(self, items) -> np.ndarray | None:
+        """Each item's adapter index (int32 (N,), 0: none; the program input that picks each
+        image's rows of :attr:`adapter_tables`), or None when no adapter is added. ValueError
+        naming the item and the added adapters when an item names one that is not added."""
         names = {n: k for k, (n, *_) in enumerate(self._adapters, start=1)}
         out = []
         for k, it in enumerate(items):
@@ -561,30 +570,35 @@ class TextToImagePipeline:
             calls = sched_state.timesteps.shape[0]
             (latents, _), _ = jax.lax.scan(body, (latents, sched_state),
                                            jnp.arange(calls, dtype=jnp.int32))
-            if tiled:  # decoded tile by tile afterwards (_decode_tiled)
+            if tiled:  # decoded tile by tile afterwards (decode_tiled)
                 return vae.apply({"params": p["vae"]}, latents, method=vae.unscale_latents)
             img = vae.apply({"params": p["vae"]}, latents, method=vae.latents_to_image)
             return _to_pixels(img, as_uint8)
 
         return program
 
-    def _tiled(self, height: int, width: int) -> bool:
-        """Whether images of this size are encoded / decoded tile by tile (``vae_tiling``)."""
+    def uses_vae_tiling(self, height: int, width: int) -> bool:
+        """Whether images of this size are encoded / decoded tile by tile (``vae_tiling``,
+        ``vae_tiling_threshold``; the rule: :func:`maxdiff.models.vae_tiling.use_tiling`). When
+        they are, a program returns unscaled latents and :meth:`decode_tiled` makes the pixels."""
         return use_tiling(self.vae_tiling, self.vae.config, height, width,
                           self.vae_tiling_threshold)
 
-    def _encode_tiled(self, images):
-        """Images (B, H, W, 3) in [-1, 1] -> the VAE encoder's moments, tile by tile
-        (diffusers' tiled encode; bounded memory)."""
-        if self._tile_encoder is None:
-            self._tile_encoder = tile_encoder(self.vae, self.params["vae"])
-        return tiled_encode(self.vae.config, self._tile_encoder, images)
+    def encode_tiled(self, images):
+        """Images (B, H, W, 3) in [-1, 1] -> the VAE encoder's moments (B, H/f, W/f, 2C), tile
+        by tile (diffusers' tiled encode; bounded memory), with the current VAE weights."""
+        vae_params = self.params["vae"]
+        if self._tile_encoder is None or self._tile_encoder[0] is not vae_params:
+            self._tile_encoder = (vae_params, tile_encoder(self.vae, vae_params))
+        return tiled_encode(self.vae.config, self._tile_encoder[1], images)
 
-    def _decode_tiled(self, z, as_uint8: bool):
-        """VAE latents -> pixels with diffusers' tiled decode (bounded memory)."""
-        if self._tile_decoder is None:
-            self._tile_decoder = tile_decoder(self.vae, self.params["vae"])
-        img = tiled_decode(self.vae.config, self._tile_decoder, z)
+    def decode_tiled(self, z, as_uint8: bool):
+        """Unscaled VAE latents (B, H/f, W/f, C) -> pixels (B, H, W, 3), uint8 or float32 in
+        [0, 1], with diffusers' tiled decode (bounded memory), with the current VAE weights."""
+        vae_params = self.params["vae"]
+        if self._tile_decoder is None or self._tile_decoder[0] is not vae_params:
+            self._tile_decoder = (vae_params, tile_decoder(self.vae, vae_params))
+        img = tiled_decode(self.vae.config, self._tile_decoder[1], z)
         return _to_pixels(img, as_uint8)
 
     # ------------------------------------------------------------------ calling
@@ -609,7 +623,7 @@ class TextToImagePipeline:
         if negative_original_size is not None and negative_target_size is not None:
             neg_size = (tuple(negative_original_size), tuple(negative_crops_coords_top_left),
                         tuple(negative_target_size))
-        items, _ = self._prompt_items(
+        items, _ = self.prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             guidance_scale=guidance_scale, guidance_rescale=guidance_rescale,
             original_size=original_size, crops_coords_top_left=tuple(crops_coords_top_left),
@@ -617,7 +631,7 @@ class TextToImagePipeline:
         return self.generate(items, height=height, width=width, num_inference_steps=num_inference_steps,
                              latents=latents, output_type=output_type)
 
-    def _prompt_items(self, prompt, prompt_2, negative_prompt, negative_prompt_2,
+    def prompt_items(self, prompt, prompt_2, negative_prompt, negative_prompt_2,
                       num_images_per_prompt: int, seed, *, per_prompt: dict | None = None,
                       guidance_scale: float | None, **fields) -> tuple[list[ImageRequest], dict]:
         """The diffusers-style ``__call__`` arguments -> one :class:`ImageRequest` per image.
@@ -673,7 +687,7 @@ class TextToImagePipeline:
         steps = self.default_steps if num_inference_steps is None else num_inference_steps
         height = self.default_height if height is None else height
         width = self.default_width if width is None else width
-        self._check(steps, height, width, output_type)
+        self.check_request(steps, height, width, output_type)
         for k, it in enumerate(items):
             it.validate(k)
         f = self.vae_scale_factor
@@ -687,8 +701,8 @@ class TextToImagePipeline:
                                  f"{width}x{height} it must be {want} (N, C, H/{f}, W/{f})")
             latents = latents.transpose(0, 2, 3, 1)
         (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
-         rescale) = self._host_inputs(items, height, width)
-        adapter_idx = self._adapter_index(items)
+         rescale) = self.host_inputs(items, height, width)
+        adapter_idx = self.adapter_index(items)
 
         bucket = bucket_size(n, self.mesh.size)
         put = program_lib.BatchPut(self.mesh, bucket)
@@ -698,7 +712,7 @@ class TextToImagePipeline:
         state = self.scheduler.set_timesteps(steps, (bucket, lh, lw, self.latent_channels))
         state = jax.device_put(state, meshlib.replicated(self.mesh))
         as_uint8 = output_type != "np"
-        tiled = self._tiled(height, width)
+        tiled = self.uses_vae_tiling(height, width)
         program = self._program((bucket, lh, lw, steps, cfg, latents is not None, as_uint8,
                                  tiled))
         t1 = time.perf_counter()
@@ -708,13 +722,13 @@ class TextToImagePipeline:
             out = program(self.params, *args, state, self._adapter_tables.as_tree(),
                           put(adapter_idx))
         if tiled:
-            out = self._decode_tiled(out, as_uint8)
+            out = self.decode_tiled(out, as_uint8)
         images = program_lib.host_images(out, n, output_type)
         t2 = time.perf_counter()
         return PipelineOutput(images, [int(s) for s in seeds],
                               {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket})
 
-    def _host_inputs(self, items: Sequence[ImageRequest], height: int, width: int) -> tuple:
+    def host_inputs(self, items: Sequence[ImageRequest], height: int, width: int) -> tuple:
         """Per-image program inputs made on the host: (seeds (random where None), CFG on?,
         token ids (2, N, 77), negative token ids, zero_negative, time ids, negative time ids,
         guidance (1 where CFG is off for that image), guidance rescale)."""
@@ -768,7 +782,9 @@ class TextToImagePipeline:
         return Limits(multiple=self.vae_scale_factor, max_steps=self.max_steps,
                       steps_why=f"what {type(self.scheduler).__name__} allows")
 
-    def _check(self, steps, height, width, output_type):
-        check(problems(self.limits, steps=steps, width=width, height=height))
-        if output_type not in ("pil", "np"):
-            raise ValueError(f"output_type={output_type!r}; use 'pil' or 'np'")
+    def check_request(self, steps: int, height: int, width: int, output_type: str = "pil") -> None:
+        """ValueError naming every field of a request this pipeline cannot run: the step count,
+        the size (:attr:`limits`) and the output type, by the rules of :mod:`pipelines.limits`
+        (the step engine and the service's replicas check their requests here too)."""
+        check([*problems(self.limits, steps=steps, width=width, height=height),
+               output_type_problem(output_type)])

@@ -191,9 +191,9 @@ class Generator:
         try:
             if stream and job.n != 1:
                 raise ValueError("streaming returns one image; ask for one")
-            self.pipe._check(job.steps, job.height, job.width, "pil")
+            self.pipe.check_request(job.steps, job.height, job.width, "pil")
             job.validate()
-            self.pipe._adapter_index(job.images()[:1])  # an adapter this replica added
+            self.pipe.adapter_index(job.images()[:1])  # an adapter this replica added
         except ValueError as e:
             raise InvalidJob(str(e)) from None
 
@@ -204,7 +204,7 @@ class Generator:
             if not isinstance(job, EditRequest):
                 raise ValueError(f"edit takes an EditRequest, got {type(job).__name__}")
             check([edit_adapter_problem(job.adapter)], "native")
-            self.pipe._check(job.steps, job.height, job.width, "pil")
+            self.pipe.check_request(job.steps, job.height, job.width, "pil")
             job.validate()
         except ValueError as e:
             raise InvalidJob(str(e)) from None

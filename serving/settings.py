@@ -12,6 +12,10 @@ from pydantic import Field, field_validator, model_validator
 from maxdiff.config import StrictConfig, parse_overrides, validate, yaml_scalar
 from pipelines.config import RunConfig
 from pipelines.requests import parse_size
+from pipelines.step_scheduler import POLICIES
+
+# the step engine's admission policies (pipelines.step_scheduler.POLICIES): "fifo", "srs"
+StepPolicy = Literal[tuple(POLICIES)]
 
 # build_app args that go to the run config; the rest are ServeSettings.
 RUN_CONFIG_KEYS = tuple(RunConfig.model_fields)
@@ -167,6 +171,10 @@ class ServeSettings(StrictConfig):
     engine: Literal["batch", "step"] = "batch"
     # images per step-engine tick (rounded up to a multiple of the devices); None: max_batch_size
     engine_slots: int | None = Field(None, ge=1)
+    # the order queued images take free step-engine slots in: "fifo" (arrival) or "srs"
+    # (shortest remaining steps first; a waiting image gains a step of priority per tick, so
+    # none waits forever: pipelines.step_scheduler)
+    step_policy: StepPolicy = "fifo"
     # replicas and placement
     num_replicas: int = Field(1, ge=1)
     resource: str | None = None  # "GPU", "TPU" or a custom per-host resource; None: CPU only

@@ -60,11 +60,12 @@ class StepBackend(Backend):
     # ------------------------------------------------------------------ engines
     def _new_engine(self, height: int, width: int):
         """A step engine of a size (not compiled), ``engine_slots`` rounded up to a multiple
-        of the mesh size."""
+        of the mesh size, admitting by ``step_policy``."""
         from pipelines.step_engine import StepEngine
 
         m = self.pipe.mesh.size
-        return StepEngine(self.pipe, height, width, slots=-(-self.settings.slots // m) * m)
+        return StepEngine(self.pipe, height, width, slots=-(-self.settings.slots // m) * m,
+                          policy=self.settings.step_policy)
 
     def warmup(self, job: GenerationRequest) -> str | None:
         """One engine per size, whatever the steps: made and compiled on its size's first
@@ -80,7 +81,8 @@ class StepBackend(Backend):
         return sum(e.num_compiled for e in self._engines.values())
 
     def stats(self) -> dict:
-        return {"engines": {f"{w}x{h}": {"slots": e.slots, "active": e.active,
+        return {"engines": {f"{w}x{h}": {"slots": e.slots, "policy": e.policy.name,
+                                         "active": e.active,
                                          "queued": e.queued, **e.stats}
                             for (h, w), e in self._engines.items()},
                 "cancelled": sum(e.stats["cancelled"] for e in self._engines.values())}

@@ -19,6 +19,7 @@ import torch
 import tiny
 from pipelines import ImageToImagePipeline, InpaintPipeline, TextToImagePipeline
 from pipelines.edit import start_step
+from pipelines.requests import ImageRequest
 
 SIZE = 32  # pixels; the tiny VAE has a scale factor of 2, so 16x16 latents
 LAT = (4, SIZE // 2, SIZE // 2)
@@ -295,6 +296,61 @@ def test_from_pipe_shares_text_to_image_weights(sdxl_dir):
     assert isinstance(inp, InpaintPipeline) and inp._programs is not t2i._programs
 
 
+def test_edit_pipelines_see_the_parents_later_loras(sdxl_dir, tmp_path_factory):
+    """from_pipe holds the parent, not a copy: a LoRA fused on the text-to-image pipeline after
+    the edit pipeline was made changes the edit's pixels to exactly those of an edit pipeline
+    made after the load, with the programs compiled before (the weights are an input: none
+    recompiles, none goes stale); unloading gives the first pixels back. A per-image adapter
+    added on the parent later is the edit's too (its list, and the refusal that names it)."""
+    from test_adapters import make_lora_files
+
+    files = make_lora_files(sdxl_dir, tmp_path_factory.mktemp("edit-loras"))
+    t2i = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
+    i2i = ImageToImagePipeline.from_pipe(t2i)
+    inp = InpaintPipeline.from_pipe(i2i)
+    kw = dict(prompt="a red circle", image=_image(0), strength=0.75, num_inference_steps=3,
+              guidance_scale=4.0, seed=5, output_type="np")
+    before = i2i(**kw).images
+    before_inp = inp(**kw, mask_image=_mask()).images
+    compiled = (i2i.num_compiled, inp.num_compiled)
+    t2i.load_lora_weights(files["a"], scale=0.8)
+    after = i2i(**kw).images
+    fresh = ImageToImagePipeline.from_pipe(t2i)(**kw).images
+    np.testing.assert_array_equal(after, fresh)
+    assert np.abs(after - before).max() > 1e-3  # the LoRA changes the picture
+    after_inp = inp(**kw, mask_image=_mask()).images
+    np.testing.assert_array_equal(after_inp, InpaintPipeline.from_pipe(t2i)(
+        **kw, mask_image=_mask()).images)
+    assert np.abs(after_inp - before_inp).max() > 1e-3
+    assert (i2i.num_compiled, inp.num_compiled) == compiled  # no recompile, nothing stale
+    t2i.unload_lora_weights()
+    np.testing.assert_array_equal(i2i(**kw).images, before)
+
+    t2i.add_adapter("pixel", files["b"])
+    assert [a["name"] for a in i2i.adapters] == ["pixel"] and i2i.params is t2i.params
+    with pytest.raises(ValueError, match=r"adapter='pixel': per-image adapters apply to "
+                                         r"text-to-image only"):
+        i2i.generate([ImageRequest("a red circle", seed=1, adapter="pixel")],
+                     images=[_image(0)], num_inference_steps=2)
+
+
+def test_edit_pipeline_settings_are_the_parents_unless_set_on_it(sdxl_dir):
+    """Defaults are read from the parent when used; only scheduler and the VAE tiling settings
+    can be set on one edit pipeline alone, anything else is refused, naming where to set it."""
+    t2i = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
+    i2i = ImageToImagePipeline.from_pipe(t2i)
+    t2i.default_steps, t2i.vae_tiling = 7, False
+    assert i2i.default_steps == 7 and i2i.vae_tiling is False and i2i.pipe is t2i
+    i2i.vae_tiling = True
+    assert i2i.vae_tiling is True and t2i.vae_tiling is False
+    assert InpaintPipeline.from_pipe(i2i).vae_tiling is True  # an edit's own settings carry over
+    with pytest.raises(AttributeError, match=r"default_steps is its text-to-image pipeline's.*"
+                                             r"\.pipe\.default_steps"):
+        i2i.default_steps = 3
+    with pytest.raises(TypeError, match="runs on a TextToImagePipeline"):
+        ImageToImagePipeline.from_pipe(object())
+
+
 @pytest.mark.parity
 @pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_img2img_vae_tiling_matches_diffusers_enable_tiling(sdxl_dir, pipe, torch_img2img):
@@ -317,7 +373,7 @@ def test_img2img_vae_tiling_matches_diffusers_enable_tiling(sdxl_dir, pipe, torc
         torch_img2img.vae.disable_tiling()
     assert ours.shape == theirs.shape == (1, 40, 48, 3)
     assert np.abs(ours - theirs).max() <= TOL
-    assert pipe.vae_tiling == "auto" and not pipe._tiled(40, 48)
+    assert pipe.vae_tiling == "auto" and not pipe.uses_vae_tiling(40, 48)
     untiled = pipe(**kw, noise=noise, image_latents_noise=post, output_type="np").images
     assert np.abs(untiled - ours).max() > 1e-3
 

@@ -142,13 +142,44 @@ def test_new_prompt_seed_guidance_never_recompile(sdxl_dir):
     (dict(seed=[1, 2]), r"seed has 2 values but 1 image"),
     (dict(seed=-1), r"seed=-1: out of range"),
     (dict(guidance_scale=-1.0), r"guidance_scale=-1.0"),
-    (dict(output_type="jpg"), r"output_type='jpg'"),
+    (dict(output_type="jpg"), r"output_type='jpg': must be 'pil' \(PIL images\) or 'np'"),
     (dict(negative_prompt=["a", "b"]), r"negative_prompt has 2 entries but prompt has 1"),
 ])
 def test_bad_arguments(pipe, kw, match):
     kw = {"prompt": "a cat", **kw}
     with pytest.raises(ValueError, match=match):
         pipe(**kw)
+
+
+def test_nothing_outside_the_pipeline_uses_its_private_members():
+    """The step engine, the edit pipelines and the service reach the pipeline through its
+    public surface only (check_request, adapter_index, adapter_tables, uses_vae_tiling,
+    encode_tiled, decode_tiled, host_inputs, prompt_items): no ``x._name`` outside
+    text_to_image.py names a private member of TextToImagePipeline, unless ``x`` is ``self``."""
+    import ast
+
+    source = (ROOT / "pipelines" / "text_to_image.py").read_text()
+    private = {n.attr for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)
+               and n.attr.startswith("_") and not n.attr.startswith("__")
+               and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")}
+    private |= {n for n in vars(TextToImagePipeline) if n.startswith("_") and not n.startswith("__")}
+    assert {"_check", "_tiled", "_adapter_tables", "_programs"} & private  # the scan sees them
+    found = []
+    for path in sorted([*(ROOT / "pipelines").glob("*.py"), *(ROOT / "serving").glob("*.py")]):
+        if path.name == "text_to_image.py":
+            continue
+        for n in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(n, ast.Attribute) and n.attr in private
+                    and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))):
+                found.append(f"{path.name}:{n.lineno} .{n.attr}")
+    assert not found, found
+
+
+def test_check_request_names_every_bad_field(pipe):
+    with pytest.raises(ValueError, match=r"num_inference_steps=0: .*; height=31: .*; "
+                                         r"output_type='png': must be 'pil'"):
+        pipe.check_request(0, 31, 32, "png")
+    pipe.check_request(2, 32, 32)  # a valid request: nothing raised
 
 
 def test_not_a_pipeline_folder(tmp_path):

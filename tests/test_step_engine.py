@@ -71,7 +71,9 @@ def _check(eng, requests=REQUESTS):
     # negative rows for the guided images' steps only, though they shared ticks with others
     assert eng.stats["guided_slot_steps"] - before == sum(s for r, s in requests
                                                           if r.guidance_scale > 1)
-    assert eng.num_compiled <= eng.max_programs
+    # one compilation per program it ran, each one of the engine's known programs
+    assert eng.num_compiled == len(eng.runner.programs)
+    assert eng.runner.programs <= eng.runner.all_programs
     for (req, steps), img in zip(requests, mixed):
         guided = eng.stats["guided_ticks"]
         h = eng.submit(req, steps)
@@ -80,7 +82,9 @@ def _check(eng, requests=REQUESTS):
         assert eng.stats["guided_ticks"] - guided == (steps if req.guidance_scale > 1 else 0)
         assert h.image.shape == (SIZE, SIZE, 3)
         np.testing.assert_allclose(h.image, img, atol=1e-5, err_msg=f"{req.prompt}, {steps} steps")
-    assert eng.num_compiled <= eng.max_programs  # nothing new for new requests
+    # nothing compiled twice for new prompts, seeds, guidance or step counts
+    assert eng.num_compiled == len(eng.runner.programs)
+    assert eng.runner.programs <= eng.runner.all_programs
     # TextToImagePipeline on the two 2-step images (one batch: CFG on for one, off for the other)
     two = [k for k, (_, s) in enumerate(requests) if s == 2]
     ref = eng.pipe.generate([requests[k][0] for k in two], height=SIZE, width=SIZE,
@@ -159,6 +163,31 @@ def test_cancel_progress_preview_and_programs(engines):
     # every program is compiled, no more: step programs for (b, g) in (1, 0), (1, 1), (2, 0),
     # (2, 1), (2, 2), text-encode and decode for batch sizes 1 and 2
     assert eng.warmup() == eng.max_programs == 9
+
+
+def test_srs_policy_admits_the_shorter_image_first(engines):
+    """policy="srs" on a real model: with one slot busy, a 2-step image submitted after a
+    5-step one takes the slot first (shortest remaining steps; equal waits), the queue
+    positions say so from the start, and the pixels are each image's own (as with FIFO)."""
+    pipe = engines("euler-trailing").pipe
+    out = {}
+    for policy in ("fifo", "srs"):
+        eng = StepEngine(pipe, SIZE, SIZE, slots=1, output_type="np", policy=policy)
+        first = eng.submit(ImageRequest("a red circle", seed=1, guidance_scale=3.0), 2)
+        eng.tick()
+        long = eng.submit(ImageRequest("a blue square", seed=2, guidance_scale=3.0), 5)
+        short = eng.submit(ImageRequest("a green triangle", seed=3, guidance_scale=3.0), 2)
+        positions = (eng.queue_position(long), eng.queue_position(short))
+        order = [h.id for h in eng.run_until_idle()]
+        assert first.status == long.status == short.status == "done"
+        assert eng.policy.name == policy and eng.stats["tick_images"] == {"1": 9}
+        out[policy] = (positions, order, {h.steps: h.image for h in (long, short)})
+    assert out["fifo"][:2] == ((1, 2), [1, 2, 3])
+    assert out["srs"][:2] == ((2, 1), [1, 3, 2])
+    for steps in (5, 2):
+        np.testing.assert_array_equal(out["fifo"][2][steps], out["srs"][2][steps])
+    with pytest.raises(ValueError, match=r"policy='lifo'; use one of 'fifo', 'srs'"):
+        StepEngine(pipe, SIZE, SIZE, slots=1, policy="lifo")
 
 
 def test_bad_submissions(engines):

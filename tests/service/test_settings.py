@@ -19,8 +19,9 @@ def test_settings_from_cli_strings():
                                WarmupShape(width=512, height=768, steps=30, guidance=5.0))
     assert s.warmup_batch_sizes == (1, 2) and s.generator_max_ongoing == 16
     assert s.engine == "batch" and s.slots == 8  # default: whole requests batched per shape key
-    step = ServeSettings.from_args({"engine": "step", "engine_slots": "16"})
+    step = ServeSettings.from_args({"engine": "step", "engine_slots": "16", "step_policy": "srs"})
     assert (step.engine, step.engine_slots, step.generator_max_ongoing) == ("step", 16, 64)
+    assert step.step_policy == "srs" and s.step_policy == "fifo"
     yaml_style = ServeSettings.from_args({"warmup_shapes": [{"size": "64x32", "cfg": "off"},
                                                             "default"], "max_queued_requests": -1})
     assert yaml_style.warmup_shapes == (WarmupShape(width=64, height=32, guidance=0.0),
@@ -54,6 +55,7 @@ def test_settings_adapters():
     ({"warmup_shapes": "64x64:0"}, "key 'steps': Input should be greater than or equal to 1"),
     ({"warmup_batch_sizes": "1,0"}, "warmup_batch_sizes"),
     ({"engine": "steps"}, "key 'engine'"),
+    ({"step_policy": "sjf"}, "key 'step_policy': Input should be 'fifo' or 'srs'"),
     ({"max_batch_size": 8, "max_ongoing_requests": 4}, "batches could never fill"),
 ])
 def test_settings_refuse_bad_args(args, message):

@@ -267,6 +267,21 @@ def test_a_deadline_cancels_the_image_on_the_device(step_app):
     assert 1 <= ran <= 30, ran  # about 1 s of 0.1 s steps, far from its 50
 
 
+def test_stats_name_each_engines_admission_policy(step_app, sdxl_dir):
+    """/v1/stats names the step engines' policy (the serve arg step_policy, default fifo); the
+    step backend builds its engines with the policy the serve arg names."""
+    from pipelines import TextToImagePipeline
+    from serving.settings import ServeSettings
+    from serving.step_backend import StepBackend
+
+    assert _engine_stats(step_app)["policy"] == "fifo"
+    pipe = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
+    for policy in ("fifo", "srs"):
+        settings = ServeSettings.from_args({"engine": "step", "step_policy": policy})
+        backend = StepBackend(pipe, settings, None, None, {}, lambda: None)
+        assert backend._new_engine(32, 32).policy.name == policy
+
+
 @pytest.mark.slow
 def test_a_size_not_warmed_up_compiles_and_serves(step_app):
     out = _generate(step_app, width=16, height=48, steps=2, seed=3)
