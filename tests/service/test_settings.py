@@ -72,3 +72,44 @@ def test_build_app_without_a_model_says_what_to_do(monkeypatch, tmp_path):
         build_app({})
     with pytest.raises(ValueError, match="no such file, and not one of the named run configs"):
         build_app({"config": "no-such-config", "model": str(tmp_path)})
+
+
+def test_settings_models_list():
+    """Serve arg ``models``: each entry's name, run config, run-config keys and adapters, from
+    YAML (serve.yaml) or a command-line string alike."""
+    from serving.schemas import AdapterSpec, ServeSettings
+
+    for models in ([{"name": "base", "model": "/m/sdxl", "steps": "30", "lora": "/l/a:0.5"},
+                    {"name": "fast", "config": "sdxl-lightning-4step", "vae": "/v",
+                     "adapters": "ink=/l/ink"}],
+                   "[{name: base, model: /m/sdxl, steps: 30, lora: '/l/a:0.5'}, {name: fast, "
+                   "config: sdxl-lightning-4step, vae: /v, adapters: {ink: /l/ink}}]"):
+        s = ServeSettings.from_args({"models": models, "max_models_per_replica": "1"})
+        base, fast = s.models
+        assert (base.name, base.config, base.run_overrides) == (
+            "base", None, {"model": "/m/sdxl", "steps": 30, "loras": ["/l/a:0.5"]})
+        assert (fast.name, fast.config, fast.run_overrides) == (
+            "fast", "sdxl-lightning-4step", {"vae": "/v"})
+        assert fast.adapters == (AdapterSpec(name="ink", path="/l/ink"),)
+        assert s.max_models_per_replica == 1
+    assert ServeSettings.from_args({}).models == ()
+
+
+@pytest.mark.parametrize("args,message", [
+    ({"models": [{"name": "a"}, {"name": "a"}]}, "model name 'a' is given twice"),
+    ({"models": [{"name": "a:b"}]}, r"models\[0\]: key 'name': String should match pattern"),
+    ({"models": [{"model": "/m"}]}, r"models\[0\]: key 'name': Field required"),
+    ({"models": [{"name": "a", "steps": "x"}]}, r"models\[0\] \(run-config keys\): key 'steps'"),
+    ({"models": [{"name": "a", "max_n": 2}]}, r"models\[0\]: unknown key 'max_n'; allowed: name"),
+    ({"models": [{"name": "a", "adapters": "p"}]}, "name=path"),
+    ({"models": {"a": {"model": "/m"}}}, "give a list of models"),
+    ({"models": [{"name": "a"}], "dtype": "bf16"}, "serve arg 'dtype' belongs to one model"),
+    ({"models": [{"name": "a"}], "model_name": "x"}, "serve arg 'model_name' belongs to one"),
+    ({"max_models_per_replica": 0}, "key 'max_models_per_replica': Input should be greater"),
+])
+def test_settings_refuse_bad_models(args, message):
+    from serving.schemas import ServeSettings
+
+    with pytest.raises(ValueError, match=message):
+        ServeSettings.from_args(args)
+
