@@ -113,3 +113,35 @@ def test_settings_refuse_bad_models(args, message):
     with pytest.raises(ValueError, match=message):
         ServeSettings.from_args(args)
 
+
+def test_catalog_of_the_serve_args(tmp_path):
+    """One model from the single-model args, named as before; a ``models`` list in its order
+    (the first is the default) with each entry's run config; a bad run config names its
+    entry; unknown names are 404s naming the choices, except on the OpenAI route of a
+    single-model server."""
+    pytest.importorskip("ray.serve")
+    from serving.errors import ApiError
+    from serving.models import Catalog
+    from serving.schemas import ServeSettings
+
+    (tmp_path / "m1").mkdir()
+    one = Catalog.from_settings(ServeSettings.from_args({"model": str(tmp_path / "m1")}))
+    assert (one.names, one.listed, one.max_per_replica) == (["m1"], False, 1)
+    assert one.pick("dall-e-3", lenient=True) == "m1"
+    with pytest.raises(ApiError, match="'dall-e-3' is not served here; choose one of: m1"):
+        one.pick("dall-e-3")
+    s = ServeSettings.from_args({"models": [
+        {"name": "x", "model": str(tmp_path / "m1"), "steps": 3},
+        {"name": "y", "config": "sdxl-lightning-4step", "model": str(tmp_path / "m1")}]})
+    two = Catalog.from_settings(s)
+    assert (two.names, two.default.name, two.max_per_replica) == (["x", "y"], "x", 2)
+    assert two.get("x").run_config.steps == 3 and two.get("y").run_config.steps == 4
+    assert two.pick(None) == "x" and two.pick("y") == "y"
+    with pytest.raises(ApiError, match="choose one of: x, y") as e:
+        two.pick("dall-e-3", lenient=True)
+    assert (e.value.status, e.value.code, e.value.param) == (404, "model_not_found", "model")
+    assert two.key("x") != two.key("y")
+    with pytest.raises(ValueError, match=r"models\[0\] \(bad\): run config 'nope'"):
+        Catalog.from_settings(ServeSettings.from_args({"models": [{"name": "bad",
+                                                                   "config": "nope"}]}))
+
