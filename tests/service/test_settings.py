@@ -145,3 +145,21 @@ def test_catalog_of_the_serve_args(tmp_path):
         Catalog.from_settings(ServeSettings.from_args({"models": [{"name": "bad",
                                                                    "config": "nope"}]}))
 
+
+def test_the_shipped_multi_model_config_parses():
+    """configs/serve-multi-model.yaml: Ray Serve's schema accepts it and its args make a
+    catalog of two models of the embedded demo model, the first the default."""
+    pytest.importorskip("ray.serve")
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from serving.models import Catalog
+    from serving.schemas import ServeSettings
+
+    path = Path(__file__).parents[2] / "configs" / "serve-multi-model.yaml"
+    (app,) = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text())).applications
+    catalog = Catalog.from_settings(ServeSettings.from_args(app.args))
+    assert catalog.names == ["demo", "demo-draft"] and catalog.max_per_replica == 2
+    assert catalog.default.run_config.steps is None and catalog.get("demo-draft").run_config.steps == 8
