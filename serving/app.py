@@ -316,8 +316,7 @@ class Ingress:
         return {"object": "list", "data": data}
 
     @api.get("/v1/models/{model}", tags=["OpenAI-compatible"], summary="One served model",
-             responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500, 503, 504)} | {
-                 404: {"model": ErrorResponse, "description": "No such model is served."}})
+             responses={k: ERROR_RESPONSES[k] for k in (401, 404, 429, 500, 503, 504)})
     async def model(self, model: str, request: Request):
         """One model's ``/v1/models`` entry with its defaults and limits (``maxdiff``); a
         generator replica loads the model to answer if none has yet. ``<model>:<adapter>``

@@ -87,6 +87,7 @@ class ErrorResponse(BaseModel):
 ERROR_RESPONSES: dict[int | str, dict] = {
     code: {"model": ErrorResponse, "description": what} for code, what in (
         (401, "API keys are on and the request has no valid `Authorization: Bearer` key."),
+        (404, "`model` names no served model (`model_not_found`; GET /v1/models lists them)."),
         (406, "An image Accept type with more than one image."),
         (413, "The body is larger than max_body_bytes (max_image_bytes on the edit routes)."),
         (429, "The key's rate limit is reached (`Retry-After` says when to retry)."),
