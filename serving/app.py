@@ -18,7 +18,12 @@ Endpoints (OpenAPI at ``/docs``): ``GET /`` (the web playground, ``serving/playg
 ``POST /v1/images/generations`` (OpenAI Images API),
 ``POST /v1/images/edits`` (OpenAI Images API edits, multipart), ``POST /v1/generate`` (native),
 ``POST /v1/edit`` (native image-to-image and inpainting, JSON), ``GET /healthz``,
-``GET /v1/models``, ``GET /v1/stats``.
+``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /v1/stats``.
+
+Several models (serve arg ``models``, docs/multi-model.md): a request's ``model`` field (OpenAI
+and native alike; ``<model>:<adapter>`` on the OpenAI routes) names one, omitted: the first. A
+name not served is a 404 ``model_not_found`` naming the choices. The call to the generator
+carries the name as Ray Serve's multiplexed model id (:mod:`serving.models`).
 
 Streaming (both engines; only ``engine=step`` has steps and partial images to send):
 ``"stream": true`` on
@@ -39,7 +44,6 @@ request to a job, result to a response), ``client`` (calls to the generator), ``
 import functools
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, File, Form, Request, UploadFile
@@ -53,6 +57,7 @@ from serving.client import GENERATOR, GeneratorClient
 from serving.errors import TIMEOUT_HEADER, ApiError, request_id
 from serving.gate import Gate
 from serving.generator import Generator, StatsBoard
+from serving.models import Catalog
 from serving.schemas import (
     ERROR_RESPONSES,
     EditResponse,
@@ -111,7 +116,7 @@ def _headers(result: JobResult) -> dict:
 
 def _model_details(s: ServeSettings, info: dict) -> dict:
     """``/v1/models``'s ``maxdiff`` entry: the model's defaults, the engine, this server's
-    limits and the adapters loaded."""
+    limits for it and the adapters loaded."""
     details = {k: info[k] for k in (
         "scheduler", "default_steps", "default_guidance", "default_width", "default_height",
         "size_multiple", "max_size", "dtype", "devices")}
@@ -132,10 +137,10 @@ def _model_details(s: ServeSettings, info: dict) -> dict:
 class Ingress:
     """Validates, forwards to the generator deployment, encodes. Light: never imports JAX."""
 
-    def __init__(self, generator: DeploymentHandle, settings: ServeSettings, model_id: str,
+    def __init__(self, generator: DeploymentHandle, settings: ServeSettings, catalog: Catalog,
                  key_hashes: tuple[str, ...] | None = None):
         self.s = settings
-        self.model_id = model_id
+        self.catalog = catalog
         self.started = int(time.time())
         security.GATE.update(
             max_body_bytes=settings.max_body_bytes, max_image_bytes=settings.max_image_bytes,
@@ -151,13 +156,14 @@ class Ingress:
                                               TIMEOUT_HEADER],
                                expose_headers=["X-Request-Id", "X-Seed", "Retry-After"])
         self.app_name = serve.get_replica_context().app_name
-        self.generator = GeneratorClient(generator, settings, self.app_name)
+        self.generator = GeneratorClient(generator, settings, self.app_name,
+                                         catalog.default.name)
         self.board = StatsBoard.get(self.app_name)
 
-    async def _start(self, request: Request) -> tuple[float, dict]:
+    async def _start(self, request: Request, model: str) -> tuple[float, dict]:
         """(deadline, the model's info) for a generation request."""
         deadline = validation.deadline(request, self.s)
-        return deadline, await self.generator.model_info(deadline)
+        return deadline, await self.generator.model_info(model, deadline)
 
     # ------------------------------------------------------------------ routes
     @api.post("/v1/images/generations", response_model=ImagesResponse, tags=["OpenAI-compatible"],
@@ -169,14 +175,15 @@ class Ingress:
         """Same request and response as OpenAI's ``images.generate`` with
         ``response_format="b64_json"``. Steps and guidance are the served model's defaults;
         seeds are random (use ``/v1/generate`` for control)."""
-        deadline, info = await self._start(request)
+        model = openai_api.model_name(self.catalog, body.model)
+        deadline, info = await self._start(request, model)
         job = openai_api.generation_job(self.s, info, body)
         fmt, quality = body.output_format or "png", body.output_compression
         if body.stream:
             return await self.generator.stream(job, deadline, request_id(request),
                                                body.partial_images or 0,
-                                               openai_api.stream_render(job, fmt, quality))
-        result = await self.generator.run(job, deadline, request_id(request))
+                                               openai_api.stream_render(job, fmt, quality), model)
+        result = await self.generator.run(job, deadline, request_id(request), model)
         return JSONResponse(await openai_api.images_response(result, job, fmt, quality),
                             headers=_headers(result))
 
@@ -192,16 +199,17 @@ class Ingress:
         """Every setting explicit; the response carries each image's seed (pass it back to
         reproduce the image) and timings (queue, device, encode)."""
         t0 = time.perf_counter()
+        model = self.catalog.pick(body.model)
         deadline = validation.deadline(request, self.s)
         wanted, fmt = native_api.negotiate(body, request.headers.get("accept"))
-        info = await self.generator.model_info(deadline)
+        info = await self.generator.model_info(model, deadline)
         job = native_api.generation_job(self.s, info, body, wanted)
         if body.stream:
-            render = native_api.stream_render(job, fmt, info, self.model_id, t0)
+            render = native_api.stream_render(job, fmt, info, model, t0)
             return await self.generator.stream(job, deadline, request_id(request),
-                                               body.partial_images, render)
-        result = await self.generator.run(job, deadline, request_id(request))
-        data, blobs = await native_api.response(job, fmt, result, info, self.model_id, t0)
+                                               body.partial_images, render, model)
+        result = await self.generator.run(job, deadline, request_id(request), model)
+        data, blobs = await native_api.response(job, fmt, result, info, model, t0)
         headers = _headers(result)
         if wanted is not None:
             headers["X-Seed"] = str(result.seeds[0])
@@ -235,18 +243,23 @@ class Ingress:
                                                      "or webp."),
             output_compression: int | None = Form(None, ge=0, le=100,
                                                   description="jpeg/webp quality, 0-100."),
-            stream: bool | None = Form(None, description="Streaming is not supported.")):
+            stream: bool | None = Form(None, description="Streaming is not supported."),
+            model: str | None = Form(None, description="A served model's name (see "
+                                     "/v1/models); omitted: the default model.")):
         """Same request and response as OpenAI's ``images.edit`` with ``b64_json``: with a
         ``mask``, inpainting (strength 0.9999); without, image-to-image (strength 0.75;
         :data:`pipelines.limits.STRENGTH`). Steps and guidance are the served model's defaults,
-        seeds random (use ``/v1/edit`` for control). ``model``, ``user``, ``quality``,
-        ``background``, ``input_fidelity`` and other OpenAI fields are accepted and ignored."""
-        deadline, info = await self._start(request)
+        seeds random (use ``/v1/edit`` for control). ``model`` picks a served model as on
+        ``/v1/images/generations`` (an adapter part is ignored: edits take none); ``user``,
+        ``quality``, ``background``, ``input_fidelity`` and other OpenAI fields are accepted
+        and ignored."""
+        model = openai_api.model_name(self.catalog, model)
+        deadline, info = await self._start(request, model)
         job = await openai_api.edit_job(
             self.s, info, prompt=prompt, mask=mask, n=n, size=size,
             image=image if image is not None else (image_list[0] if image_list else None),
             response_format=response_format, stream=stream)
-        result = await self.generator.run(job, deadline, request_id(request))
+        result = await self.generator.run(job, deadline, request_id(request), model)
         return JSONResponse(await openai_api.images_response(result, job, output_format or "png",
                                                              output_compression),
                             headers=_headers(result))
@@ -259,11 +272,11 @@ class Ingress:
         transparency: transparent = repaint). Every setting explicit; the response carries each
         image's seed and timings like ``/v1/generate``."""
         t0 = time.perf_counter()
-        deadline, info = await self._start(request)
+        model = self.catalog.pick(body.model)
+        deadline, info = await self._start(request, model)
         job = await native_api.edit_job(self.s, info, body)
-        result = await self.generator.run(job, deadline, request_id(request))
-        data, _ = await native_api.response(job, body.output_format, result, info,
-                                            self.model_id, t0)
+        result = await self.generator.run(job, deadline, request_id(request), model)
+        data, _ = await native_api.response(job, body.output_format, result, info, model, t0)
         return JSONResponse(data, headers=_headers(result))
 
     @api.get("/", response_class=HTMLResponse, tags=["playground"],
@@ -288,27 +301,70 @@ class Ingress:
         return JSONResponse({"status": "warming_up", **detail}, status_code=503,
                             headers={"Retry-After": str(self.s.retry_after_s)})
 
-    @api.get("/v1/models", tags=["OpenAI-compatible"], summary="The served model",
+    @api.get("/v1/models", tags=["OpenAI-compatible"], summary="The served models",
              responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})
     async def models(self):
-        """The served model; once a generator replica is ready, ``maxdiff`` adds its defaults,
-        ``limits`` (what requests may ask for: sizes, steps, guidance, images) and ``adapters``
-        (the LoRA adapters loaded, serve arg adapters), and every adapter is listed as a model
-        ``<model>:<adapter>`` too (the OpenAI route's ``model`` picks it)."""
-        entry = {"id": self.model_id, "object": "model", "created": self.started,
-                 "owned_by": "maxdiff"}
-        if self.generator.info is None and (await self.generator.state())[0]:
+        """Every served model, the default first. Once a generator replica has loaded a model
+        (the default: at start), ``maxdiff`` adds its defaults, ``limits`` (what requests may
+        ask for: sizes, steps, guidance, images) and ``adapters`` (the LoRA adapters loaded,
+        serve arg adapters); each adapter is listed as a model ``<model>:<adapter>`` too (the
+        OpenAI routes' ``model`` picks it). ``GET /v1/models/{model}`` loads a model to answer."""
+        await self._known_infos()
+        data = []
+        for served in self.catalog.models:
+            data += self._entries(served.name, self.generator.infos.get(served.name))
+        return {"object": "list", "data": data}
+
+    @api.get("/v1/models/{model}", tags=["OpenAI-compatible"], summary="One served model",
+             responses={k: ERROR_RESPONSES[k] for k in (401, 404, 429, 500, 503, 504)})
+    async def model(self, model: str, request: Request):
+        """One model's ``/v1/models`` entry with its defaults and limits (``maxdiff``); a
+        generator replica loads the model to answer if none has yet. ``<model>:<adapter>``
+        answers an adapter's entry."""
+        name, _, adapter = model.partition(":")
+        self.catalog.get(name)  # 404 naming the choices
+        info = await self.generator.model_info(name, validation.deadline(request, self.s))
+        entries = self._entries(name, info)
+        found = next((e for e in entries if e["id"] == model), None)
+        if found is None:
+            raise ApiError(404, f"model {name!r} has no adapter {adapter!r}; its adapters: "
+                           f"{', '.join(a['name'] for a in info['adapters']) or 'none'}",
+                           param="model", code="model_not_found")
+        return found
+
+    def _entries(self, name: str, info: dict | None) -> list[dict]:
+        """``/v1/models`` entries of model ``name``: the model, then its adapters."""
+        entry = {"id": name, "object": "model", "created": self.started, "owned_by": "maxdiff"}
+        if info is not None:
+            entry["maxdiff"] = {"default": name == self.catalog.default.name,
+                                **_model_details(self.s, info)}
+        adapters = ((info or {}).get("adapters")
+                    or [{"name": a.name, "scale": a.scale} for a in self.catalog.get(name).adapters])
+        return [entry, *({"id": f"{name}:{a['name']}", "object": "model", "created": self.started,
+                          "owned_by": "maxdiff", "parent": name, "maxdiff": {"adapter": a}}
+                         for a in adapters)]
+
+    async def _known_infos(self) -> None:
+        """Fill the info of models a generator replica has loaded (and reported to the stats
+        actor) that this ingress has not asked for yet; the default model's is asked once
+        the generator is ready. Loads nothing."""
+        missing = [m for m in self.catalog.names if m not in self.generator.infos]
+        if not missing:
+            return
+        try:
+            found = await self.board.described.remote([self.catalog.key(m) for m in missing])
+        except Exception as e:  # the stats actor is gone: details later
+            logger.warning("stats actor unavailable: %s", type(e).__name__)
+            found = {}
+        for m in missing:
+            if self.catalog.key(m) in found:
+                self.generator.infos[m] = found[self.catalog.key(m)]
+        default = self.catalog.default.name
+        if default not in self.generator.infos and (await self.generator.state())[0]:
             try:
-                await self.generator.model_info(time.monotonic() + 10)
+                await self.generator.model_info(default, time.monotonic() + 10)
             except ApiError:  # busy or restarting: the entry without details, this time
                 pass
-        info = self.generator.info
-        if info is not None:
-            entry["maxdiff"] = _model_details(self.s, info)
-        extra = [{"id": f"{self.model_id}:{a['name']}", "object": "model",
-                  "created": self.started, "owned_by": "maxdiff", "parent": self.model_id,
-                  "maxdiff": {"adapter": a}} for a in ((info or {}).get("adapters") or [])]
-        return {"object": "list", "data": [entry, *extra]}
 
     @api.get("/v1/stats", tags=["operations"], summary="Recent batches per generator replica",
              responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})
@@ -331,16 +387,10 @@ class Ingress:
 def build_app(args: dict | None = None):
     """Ray Serve application builder: ``serve run serving.app:build_app key=value ...`` or the
     ``args:`` of an application in ``configs/serve.yaml``. Keys: :class:`ServeSettings` fields
-    plus run-config keys (model, unet, scheduler, dtype, ...; ``config`` names the run config)."""
-    from pipelines.config import load_run_config
-    from pipelines.default_model import default_model_path
-
+    plus run-config keys (model, unet, scheduler, dtype, ...; ``config`` names the run config),
+    or several models as ``models`` (docs/multi-model.md)."""
     settings = ServeSettings.from_args(args)
-    run_config = load_run_config(settings.config, settings.run_overrides)
-    model = run_config.model
-    if model is None:
-        default_model_path()  # a clear error now rather than from every replica
-    model_id = settings.model_name or (Path(model).name if model else "maxdiff-default")
+    catalog = Catalog.from_settings(settings)  # a bad run config or missing model fails here
     key_hashes = security.load_key_hashes(settings.api_keys)
     actor: dict[str, Any] = {"num_cpus": settings.num_cpus}
     if settings.resource == "GPU":
@@ -361,4 +411,4 @@ def build_app(args: dict | None = None):
     ingress = Ingress.options(num_replicas=settings.ingress_replicas,
                               max_ongoing_requests=settings.ingress_max_ongoing_requests,
                               ray_actor_options={"num_cpus": settings.ingress_num_cpus})
-    return ingress.bind(generator.bind(run_config, settings), settings, model_id, key_hashes)
+    return ingress.bind(generator.bind(catalog, settings), settings, catalog, key_hashes)

@@ -40,12 +40,13 @@ def past_deadline(arrived: float, rest: str) -> Expired:
 
 
 class Meters:
-    """A replica's Prometheus metrics (tagged with its model) and its record of recent batches
-    (``recent``, newest last) and images served (``images``), for ``/v1/stats``."""
+    """A model's Prometheus metrics on a replica (tagged with the model's name) and its record
+    of recent batches (``recent``, newest last; a deque the replica's models may share, each
+    batch naming its model) and images served (``images``), for ``/v1/stats``."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, recent: collections.deque | None = None):
         self.tags = {"model": model}
-        self.recent = collections.deque(maxlen=256)
+        self.recent = collections.deque(maxlen=256) if recent is None else recent
         self.images = 0
         tags = tuple(self.tags)
         self._images = metrics.Counter(
@@ -69,7 +70,7 @@ class Meters:
 
     def served(self, batch: dict, images: int) -> None:
         """A batch ran: keep it in ``recent`` and count its images."""
-        self.recent.append(batch)
+        self.recent.append({**batch, "model": self.tags["model"]})
         self.images += images
         self._images.inc(images, tags=self.tags)
 

@@ -30,11 +30,14 @@ async def _await(response):
 class GeneratorClient:
     """Calls to the generator deployment of application ``app_name`` through ``handle``."""
 
-    def __init__(self, handle: DeploymentHandle, settings: ServeSettings, app_name: str):
+    def __init__(self, handle: DeploymentHandle, settings: ServeSettings, app_name: str,
+                 default_model: str):
         self.handle = handle
         self.s = settings
         self.app_name = app_name
-        self.info: dict | None = None  # the model's defaults and limits, once asked
+        self.default_model = default_model
+        self.infos: dict[str, dict] = {}  # model name -> its defaults and limits, once known
+        self._handles: dict[str, DeploymentHandle] = {}
         self._ready_seen = False
         self._state = (0.0, False, {})
 
@@ -65,22 +68,33 @@ class GeneratorClient:
         if not self._ready_seen and not (await self.state())[0]:
             raise errors.warming_up(self.s.retry_after_s)
 
-    async def call(self, method: str, arg: Any, deadline: float, rid: str | None = None) -> Any:
-        """Call a generator method within the deadline; map failures to HTTP errors. A call
-        whose replica dies is made once more (Ray Serve routes it to a live replica)."""
+    def _handle(self, model: str | None) -> DeploymentHandle:
+        """The generator's handle for ``model``: its name is the call's multiplexed model id, so
+        Ray Serve routes the call to a replica that holds the model when one can take it."""
+        model = model or self.default_model
+        if model not in self._handles:
+            self._handles[model] = self.handle.options(multiplexed_model_id=model)
+        return self._handles[model]
+
+    async def call(self, method: str, arg: Any, deadline: float, rid: str | None = None,
+                   model: str | None = None) -> Any:
+        """Call a generator method on ``model`` (None: the default) within the deadline; map
+        failures to HTTP errors. A call whose replica dies is made once more (Ray Serve routes
+        it to a live replica)."""
         from ray.exceptions import RayActorError
 
         for attempt in ("retrying once", "again"):
             try:
-                return await self._call_once(method, arg, deadline)
+                return await self._call_once(method, arg, deadline, model)
             except RayActorError as e:
                 logger.warning("request %s: generator replica lost (%s); %s", rid,
                                type(e).__name__, attempt)
         raise errors.replica_lost(self.s.retry_after_s)
 
-    async def _call_once(self, method: str, arg: Any, deadline: float) -> Any:
+    async def _call_once(self, method: str, arg: Any, deadline: float, model: str | None
+                         ) -> Any:
         await self._check_ready()
-        handle = getattr(self.handle, method)
+        handle = getattr(self._handle(model), method)
         left = max(deadline - time.monotonic(), 0)
         response = handle.remote() if arg is None else handle.remote(arg, left)
         try:
@@ -96,30 +110,35 @@ class GeneratorClient:
                 response.cancel()
             raise err from None
 
-    async def model_info(self, deadline: float) -> dict:
-        """The generator's defaults and limits (asked once, then cached)."""
-        if self.info is None:
-            self.info = await self.call("info", None, deadline)
-        return self.info
+    async def model_info(self, model: str, deadline: float) -> dict:
+        """``model``'s defaults and limits (asked once, then cached): a generator replica
+        loads the model to answer if none holds it."""
+        if model not in self.infos:
+            self.infos[model] = await self.call("info", None, deadline, model=model)
+        return self.infos[model]
 
-    async def run(self, job: GenerationRequest, deadline: float, rid: str | None) -> JobResult:
-        """Run ``job`` on a generator replica: ``generate``, or ``edit`` for an EditRequest."""
+    async def run(self, job: GenerationRequest, deadline: float, rid: str | None,
+                  model: str | None = None) -> JobResult:
+        """Run ``job`` on a generator replica holding ``model`` (None: the default):
+        ``generate``, or ``edit`` for an EditRequest."""
         if self.s.log_prompts:
-            logger.info("request %s: prompt=%r negative=%r", rid, job.prompt, job.negative_prompt)
+            logger.info("request %s: model=%s prompt=%r negative=%r", rid, model, job.prompt,
+                        job.negative_prompt)
         method = "edit" if isinstance(job, EditRequest) else "generate"
-        result: JobResult = await self.call(method, job, deadline, rid)
+        result: JobResult = await self.call(method, job, deadline, rid, model)
         self._ready_seen = True
         return result
 
     async def stream(self, job: GenerationRequest, deadline: float, rid: str | None,
-                     partial_images: int, render):
+                     partial_images: int, render, model: str | None = None):
         """Start ``job`` on the generator's ``generate_stream`` and answer its events as
         Server-Sent Events; ``render(event)`` (async) gives the (name, data) pairs to send for
         one generator event. Errors before the first event are ordinary HTTP errors; later ones
         an ``error`` event. Leaving early (client gone) cancels the generator call."""
         await self._check_ready()
         left = max(deadline - time.monotonic(), 0)
-        gen = self.handle.options(stream=True).generate_stream.remote(job, left, partial_images)
+        gen = self._handle(model).options(stream=True).generate_stream.remote(job, left,
+                                                                              partial_images)
 
         def failure(e: BaseException) -> ApiError:
             err = errors.failure(e, self.s, streamed=True)

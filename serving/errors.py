@@ -29,9 +29,11 @@ class ApiError(Exception):
     """An HTTP error with a message for the client (rendered as ``{"error": {...}}``)."""
 
     def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
-                 headers: dict | None = None):
+                 headers: dict | None = None, param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
+        self.param, self.code = param, code  # the field at fault; code: the status if None
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None, *,
@@ -130,8 +132,8 @@ async def _on_api_error(request: Request, exc: ApiError):
     rid = request_id(request)
     if exc.status >= 500:  # the request id in the log too, to find it from a client's report
         logger.warning("request %s answered %d: %s", rid, exc.status, exc.message)
-    return JSONResponse(error_body(exc.status, exc.message, exc.kind, request_id=rid),
-                        status_code=exc.status, headers=exc.headers)
+    return JSONResponse(error_body(exc.status, exc.message, exc.kind, exc.param, code=exc.code,
+                                   request_id=rid), status_code=exc.status, headers=exc.headers)
 
 
 async def _on_unexpected(request: Request, exc: Exception):

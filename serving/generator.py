@@ -1,15 +1,24 @@
-"""The generator deployment: one ``TextToImagePipeline`` per replica.
+"""The generator deployment: the application's models (:class:`serving.models.Catalog`),
+loaded on demand on each replica through Ray Serve's model multiplexing.
 
 Each replica owns its host's local devices (the pipeline's mesh shards every device batch over
-them). Generation runs on the backend the serve arg ``engine`` picks (:mod:`serving.backend`):
+them) and keeps up to ``max_models_per_replica`` models loaded (``@serve.multiplexed``: a
+per-replica LRU; the request's multiplexed model id names the model, and Ray Serve's router
+prefers replicas that hold it). Each loaded model (:class:`LoadedModel`) has its own pipeline,
+backends, batch queues and metrics, so no device batch ever mixes models; the models of a
+replica take turns on its devices (one FIFO device lock). A model evicted by the LRU finishes
+the requests it has started; its memory is freed when they end.
+Generation runs on the backend the serve arg ``engine`` picks (:mod:`serving.backend`):
 ``batch`` batches whole requests per shape key (:mod:`serving.batch_backend`), ``step`` runs
 step-level continuous batching (:mod:`serving.step_backend`). Edits (``edit(job)``, an
 :class:`pipelines.requests.EditRequest`: image-to-image and inpainting) are request-batched on
 either engine, under the same device lock (FIFO: batches take turns), deadlines and stats.
 
-The constructor loads the model and compiles every ``warmup_shapes`` program (engine=batch: at
-every padded batch size a batch can have; engine=step: one engine per size) before it returns;
-Ray Serve routes to a replica only after that.
+The constructor loads the default (first) model and compiles every ``warmup_shapes`` program
+for it (engine=batch: at every padded batch size a batch can have; engine=step: one engine per
+size) before it returns; Ray Serve routes to a replica only after that. Other models are loaded
+by the first request that names them (no warm-up: each new shape compiles on its first
+request, from the persistent compilation cache when it has the program).
 
 A request carries the seconds it has left (the ingress's deadline); a request whose deadline
 passes before its images start (engine=batch), or before they finish (engine=step: they are
@@ -20,12 +29,14 @@ engine's denoised-estimate previews) and the result, for the streaming routes.
 Health: Ray Serve calls :meth:`Generator.check_health` every ``health_check_period_s``; it runs a
 tiny program on the replica's devices with the loaded weights and raises if that fails or
 hangs, so Ray Serve replaces the replica. After every batch a replica reports its stats to the
-application's :class:`StatsBoard` actor, which ``/v1/stats`` reads.
+application's :class:`StatsBoard` actor, which ``/v1/stats`` reads, and every model it loads
+publishes its defaults and limits there for ``/v1/models``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -38,10 +49,11 @@ from pipelines.limits import check, edit_adapter_problem
 from pipelines.requests import EditRequest, GenerationRequest
 from serving.backend import Backend, Expired, InvalidJob, Meters
 from serving.batch_backend import BatchBackend
+from serving.models import Catalog, Served
 from serving.schemas import JobResult
 from serving.settings import ServeSettings, WarmupShape
 
-__all__ = ["Expired", "Generator", "InvalidJob", "StatsBoard"]
+__all__ = ["Expired", "Generator", "InvalidJob", "LoadedModel", "StatsBoard"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -60,6 +72,13 @@ class _Board:
 
     def __init__(self):
         self.replicas: dict[str, tuple[float, dict]] = {}
+        self.infos: dict[str, dict] = {}  # catalog key:model name -> the model's info
+
+    def describe(self, key: str, info: dict) -> None:
+        self.infos[key] = info
+
+    def described(self, keys: list[str]) -> dict:
+        return {k: self.infos[k] for k in keys if k in self.infos}
 
     def report(self, replica_id: str, stats: dict) -> None:
         self.replicas[replica_id] = (time.time(), stats)
@@ -82,48 +101,50 @@ class StatsBoard:
                               lifetime="detached").remote()
 
 
-class Generator:
-    """Ray Serve deployment class (``build_app`` sets its options). Handle methods:
-    ``generate(job) -> JobResult``, ``generate_stream(job)``, ``edit(job) -> JobResult``,
-    ``info() -> dict``, ``stats() -> dict``."""
+class LoadedModel:
+    """One model loaded on a generator replica: its pipeline (with its adapters), backends
+    and metrics. ``replica``: the replica's identity, ``device_lock`` and ``report()`` its own,
+    shared by its models; ``meters``: this model's on this replica (kept across reloads)."""
 
-    def __init__(self, run_config, settings: ServeSettings):
+    def __init__(self, served: Served, settings: ServeSettings, meters: Meters,
+                 device_lock: asyncio.Lock, replica: dict, report, on_unload=None):
         from pipelines import TextToImagePipeline
 
         t0 = time.perf_counter()
-        self.settings = settings
-        self.pipe = TextToImagePipeline.from_config(run_config)
-        for spec in settings.adapters:  # before the warm-up: its programs carry the tables
+        self.name, self.settings, self.meters = served.name, settings, meters
+        self.pipe = TextToImagePipeline.from_config(served.run_config)
+        for spec in served.adapters:  # before the warm-up: its programs carry the tables
             self.pipe.add_adapter(spec.name, spec.path, spec.scale)
         self.load_s = time.perf_counter() - t0
-        ctx = serve.get_replica_context()
-        self.replica = {"id": ctx.replica_id.unique_id,
-                        "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
-        self._board = StatsBoard.get(ctx.app_name)
-        self.meters = Meters(self.pipe.name.rsplit("/", 1)[-1] or "default")
-        parts = (self.pipe, settings, self.meters, asyncio.Lock(), self.replica, self._report)
+        self.replica = replica
+        self._on_unload = on_unload
+        parts = (self.pipe, settings, meters, device_lock, replica, report)
         self.batches = BatchBackend(*parts)  # edits, and generation with engine=batch
         self.backend: Backend = self.batches
         if settings.engine == "step":
             from serving.step_backend import StepBackend
 
             self.backend = StepBackend(*parts)
-        self.warmup_s, self.warmed = self._warm_up()
-        logger.info("generator ready on node %s: load %.1fs, warm-up %.1fs, %d program(s)",
-                    self.replica["node_id"], self.load_s, self.warmup_s, self.pipe.num_compiled)
-        self._report()
+        self.warmup_s, self.warmed = 0.0, []
 
-    def _warm_up(self) -> tuple[float, list[str]]:
+    def __del__(self):
+        """Ray Serve's multiplexer calls this when its LRU evicts the model (and Python when
+        the object goes): the replica forgets it; requests already running keep it alive."""
+        forget, self._on_unload = getattr(self, "_on_unload", None), None
+        if forget is not None:
+            forget(self)
+
+    def warm_up(self) -> None:
+        """Compile every ``warmup_shapes`` program (blocking)."""
         t0 = time.perf_counter()
-        warmed = []
         for shape in self.settings.warmup_shapes:
             job = self.resolve(shape)
             if job is None:
                 logger.warning("warm-up %s skipped: the model has no default size", shape)
                 continue
             if (done := self.backend.warmup(job)) is not None:
-                warmed.append(done)
-        return time.perf_counter() - t0, warmed
+                self.warmed.append(done)
+        self.warmup_s = time.perf_counter() - t0
 
     def resolve(self, shape: WarmupShape) -> GenerationRequest | None:
         p = self.pipe
@@ -134,7 +155,6 @@ class Generator:
         g = p.default_guidance if shape.guidance is None else shape.guidance
         return GenerationRequest("", None, 0, 1, w, h, steps, g)
 
-    # ------------------------------------------------------------------ handle methods
     def info(self) -> dict:
         """Defaults and limits the ingress validates against."""
         p = self.pipe
@@ -142,7 +162,8 @@ class Generator:
         names = [type(p.scheduler).__name__]
         if cfg is not None and cfg.scheduler and cfg.scheduler not in names:
             names.insert(0, cfg.scheduler)
-        return {"model": p.name, "scheduler": names[0], "scheduler_names": names,
+        return {"name": self.name, "model": p.name, "scheduler": names[0],
+                "scheduler_names": names,
                 "default_steps": p.default_steps, "default_guidance": p.default_guidance,
                 "default_width": p.default_width, "default_height": p.default_height,
                 "size_multiple": size_multiple(p), "max_size": p.max_size,
@@ -153,53 +174,26 @@ class Generator:
                 "adapters": [{k: a[k] for k in ("name", "scale", "layers", "rank")}
                              for a in p.adapters]}
 
-    def stats(self, recent: int | None = None) -> dict:
-        """This replica's recent batches (newest last), images served and compiled programs."""
-        batches = list(self.meters.recent)
-        batches = batches[-recent:] if recent else batches
+    def stats(self) -> dict:
+        """What ``/v1/stats`` reports of this model on this replica beyond its images."""
         backends = {id(b): b for b in (self.batches, self.backend)}.values()
-        return {"node_id": self.replica["node_id"], "pid": self.replica["pid"],
-                "images": self.meters.images, "compiled_programs": self.pipe.num_compiled + sum(
-                    b.num_compiled for b in backends),
-                "batches": batches, "warmed": self.warmed, "warmup_s": self.warmup_s,
-                "engine": self.backend.name, **self.backend.stats()}
+        return {"compiled_programs": self.pipe.num_compiled + sum(b.num_compiled
+                                                                  for b in backends),
+                "load_s": self.load_s, **self.backend.stats()}
 
-    def _report(self) -> None:
-        try:  # fire and forget: stats must never slow or fail a request
-            self._board.report.remote(self.replica["id"], self.stats(recent=32))
-        except Exception as e:
-            logger.warning("stats report failed: %s", type(e).__name__)
-
-    async def check_health(self) -> None:
-        """Ray Serve's health check: a tiny program on this replica's devices with the loaded
-        weights must finish within ``health_check_timeout_s`` (half of it here, to answer in
-        time); otherwise raising marks the replica unhealthy and Ray Serve replaces it."""
-        await asyncio.wait_for(asyncio.to_thread(self.pipe.probe),
-                               self.settings.health_check_timeout_s / 2)
-
-    async def generate(self, job: GenerationRequest, timeout_s: float | None = None
-                       ) -> JobResult:
-        """Run ``job`` on this replica's backend; returns when its images are done.
-        ``timeout_s``: seconds the caller still waits; past that the job is dropped
-        (:class:`Expired`)."""
-        self._validate(job)
-        return await self.backend.generate(job, timeout_s)
-
-    def _validate(self, job: GenerationRequest, stream: bool = False) -> None:
-        """:class:`InvalidJob` unless this replica can run ``job`` (the request rules, an
+    def validate(self, job: GenerationRequest, stream: bool = False) -> None:
+        """:class:`InvalidJob` unless this model can run ``job`` (the request rules, an
         adapter it added, one image when streamed)."""
         try:
             if stream and job.n != 1:
                 raise ValueError("streaming returns one image; ask for one")
             self.pipe.check_request(job.steps, job.height, job.width, "pil")
             job.validate()
-            self.pipe.adapter_index(job.images()[:1])  # an adapter this replica added
+            self.pipe.adapter_index(job.images()[:1])  # an adapter this model added
         except ValueError as e:
             raise InvalidJob(str(e)) from None
 
-    async def edit(self, job: EditRequest, timeout_s: float | None = None) -> JobResult:
-        """Like :meth:`generate` for an image-to-image (no mask) or inpainting job; edit jobs
-        are batched with the jobs of their :class:`EditKey` (on either engine)."""
+    def validate_edit(self, job: EditRequest) -> None:
         try:
             if not isinstance(job, EditRequest):
                 raise ValueError(f"edit takes an EditRequest, got {type(job).__name__}")
@@ -208,7 +202,135 @@ class Generator:
             job.validate()
         except ValueError as e:
             raise InvalidJob(str(e)) from None
-        return await self.batches.generate(job, timeout_s)
+
+
+class Generator:
+    """Ray Serve deployment class (``build_app`` sets its options). Handle methods (each on
+    the model named by the call's multiplexed model id, ``handle.options(
+    multiplexed_model_id=name)``; none: the default model): ``generate(job) -> JobResult``,
+    ``generate_stream(job)``, ``edit(job) -> JobResult``, ``info() -> dict``; and
+    ``stats() -> dict`` of the replica."""
+
+    async def __init__(self, catalog: Catalog, settings: ServeSettings):
+        self.catalog, self.settings = catalog, settings
+        ctx = serve.get_replica_context()
+        self.replica = {"id": ctx.replica_id.unique_id,
+                        "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        self._board = StatsBoard.get(ctx.app_name)
+        self._device_lock = asyncio.Lock()  # FIFO: every model's batches take turns
+        self._recent = collections.deque(maxlen=256)  # every model's batches, newest last
+        self._meters: dict[str, Meters] = {}
+        self._loaded: dict[str, LoadedModel] = {}  # what the multiplexer holds, LRU first
+        self._loading: dict[str, asyncio.Future] = {}
+        self.loads: collections.Counter = collections.Counter()  # model loads on this replica
+        self.warmup_s, self.warmed = 0.0, []  # the default model's warm-up, at start
+        async def load_model(name: str) -> LoadedModel:  # a function: the multiplexer keeps
+            return await self._load(name)                # its LRU as an attribute of it
+
+        self.load_model = serve.multiplexed(
+            max_num_models_per_replica=catalog.max_per_replica)(load_model)
+        model = await self.load_model(catalog.default.name)
+        await asyncio.to_thread(model.warm_up)
+        self.warmup_s, self.warmed = model.warmup_s, model.warmed
+        logger.info("generator ready on node %s: %s loaded in %.1fs, warm-up %.1fs, %d "
+                    "program(s)", self.replica["node_id"], model.name, model.load_s,
+                    self.warmup_s, model.pipe.num_compiled)
+        self._report()
+
+    async def _load(self, name: str) -> LoadedModel:
+        """Ray Serve's multiplexed loader: load ``name`` (in a thread: the replica keeps
+        serving its other models meanwhile). A load whose caller went away (deadline, client
+        gone) still finishes, for the next request of that model."""
+        task = self._loading.get(name)
+        if task is None:
+            served = self.catalog.get(name)
+            if name not in self._meters:  # kept across reloads: counts and metrics go on
+                self._meters[name] = Meters(name, self._recent)
+            meters = self._meters[name]
+            task = self._loading[name] = asyncio.ensure_future(asyncio.to_thread(
+                LoadedModel, served, self.settings, meters, self._device_lock, self.replica,
+                self._report, self._forget))
+        try:
+            model = await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._loading.pop(name, None)
+        self.loads[name] += 1
+        self._loaded[name] = model
+        logger.info("model %s loaded in %.1fs (%d held)", name, model.load_s, len(self._loaded))
+        try:
+            self._board.describe.remote(self.catalog.key(name), model.info())
+        except Exception as e:
+            logger.warning("model info report failed: %s", type(e).__name__)
+        self._report()
+        return model
+
+    def _forget(self, model: LoadedModel) -> None:
+        if self._loaded.get(model.name) is model:  # not a newer load of the same model
+            self._loaded.pop(model.name, None)
+            logger.info("model %s unloaded (LRU; %d held)", model.name, len(self._loaded))
+
+    async def _model(self) -> LoadedModel:
+        """The model this call names (its multiplexed model id; none: the default)."""
+        name = serve.get_multiplexed_model_id() or self.catalog.default.name
+        return await self.load_model(name)
+
+    # ------------------------------------------------------------------ handle methods
+    async def info(self) -> dict:
+        """The named model's defaults and limits the ingress validates against."""
+        return (await self._model()).info()
+
+    def stats(self, recent: int | None = None) -> dict:
+        """This replica's recent batches of every model (newest last, each naming its
+        model), images served, compiled programs, and per model (``models``): loaded or not,
+        its images, loads, compiled programs and backend state."""
+        batches = list(self._recent)
+        batches = batches[-recent:] if recent else batches
+        models = {}
+        for name, meters in self._meters.items():
+            model = self._loaded.get(name)
+            models[name] = {"loaded": model is not None, "images": meters.images,
+                            "loads": self.loads[name], **(model.stats() if model else {})}
+        return {"node_id": self.replica["node_id"], "pid": self.replica["pid"],
+                "images": sum(m.images for m in self._meters.values()),
+                "compiled_programs": sum(m.get("compiled_programs", 0)
+                                         for m in models.values()),
+                "batches": batches, "warmed": self.warmed, "warmup_s": self.warmup_s,
+                "engine": self.settings.engine, "loaded_models": list(self._loaded),
+                "models": models}
+
+    def _report(self) -> None:
+        try:  # fire and forget: stats must never slow or fail a request
+            self._board.report.remote(self.replica["id"], self.stats(recent=32))
+        except Exception as e:
+            logger.warning("stats report failed: %s", type(e).__name__)
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: a tiny program on this replica's devices with the most
+        recently loaded model's weights must finish within ``health_check_timeout_s`` (half of
+        it here, to answer in time); otherwise raising marks the replica unhealthy and Ray
+        Serve replaces it."""
+        if not self._loaded:  # between an eviction and a load: nothing to run
+            return
+        model = next(reversed(self._loaded.values()))
+        await asyncio.wait_for(asyncio.to_thread(model.pipe.probe),
+                               self.settings.health_check_timeout_s / 2)
+
+    async def generate(self, job: GenerationRequest, timeout_s: float | None = None
+                       ) -> JobResult:
+        """Run ``job`` on the named model's backend; returns when its images are done.
+        ``timeout_s``: seconds the caller still waits; past that the job is dropped
+        (:class:`Expired`)."""
+        model = await self._model()
+        model.validate(job)
+        return await model.backend.generate(job, timeout_s)
+
+    async def edit(self, job: EditRequest, timeout_s: float | None = None) -> JobResult:
+        """Like :meth:`generate` for an image-to-image (no mask) or inpainting job; edit jobs
+        are batched with the jobs of their :class:`EditKey` (on either engine)."""
+        model = await self._model()
+        model.validate_edit(job)
+        return await model.batches.generate(job, timeout_s)
 
     async def generate_stream(self, job: GenerationRequest, timeout_s: float | None = None,
                               partial_images: int = 0):
@@ -220,8 +342,9 @@ class Generator:
         has no steps to report, so it yields the queued event (``queue_position`` None: request
         batching does not know it), then the result, and no partial images (OpenAI's streaming
         allows fewer than asked)."""
-        self._validate(job, stream=True)
-        async with contextlib.aclosing(self.backend.stream(job, timeout_s,
-                                                           partial_images)) as events:
+        model = await self._model()
+        model.validate(job, stream=True)
+        async with contextlib.aclosing(model.backend.stream(job, timeout_s,
+                                                            partial_images)) as events:
             async for event in events:  # closed at once when the client leaves
                 yield event

@@ -12,10 +12,18 @@ from fastapi import UploadFile
 from pipelines.requests import EditRequest, GenerationRequest, encode_image, parse_size
 from serving import validation
 from serving.errors import invalid, invalid_all
+from serving.models import Catalog
 from serving.schemas import ImagesGenerationRequest, JobResult
 from serving.settings import ServeSettings
 
 DOOR = "openai"  # how pipelines.limits names fields for this dialect
+
+
+def model_name(catalog: Catalog, model: str | None) -> str:
+    """The served model an OpenAI request's ``model`` (``<model>`` or ``<model>:<adapter>``)
+    names; omitted: the default. A name not served is a 404 naming the choices, except on a
+    single-model server (no ``models`` list), which ignores it as before."""
+    return catalog.pick(model.partition(":")[0] if model else None, lenient=True)
 
 
 def adapter(info: dict, body: ImagesGenerationRequest) -> str | None:

@@ -27,9 +27,9 @@ ImageFormat = Literal["png", "jpeg", "webp"]
 
 class ImagesGenerationRequest(BaseModel):
     """OpenAI Images API ``POST /v1/images/generations``. ``user``, ``quality``, ``style``,
-    ``background`` and ``moderation`` are accepted and ignored; unknown fields too. ``model`` is
-    ignored unless it is ``<model>:<adapter>``; that, or the extra field ``lora``, picks a LoRA
-    adapter the server loaded."""
+    ``background`` and ``moderation`` are accepted and ignored; unknown fields too. ``model``
+    names a served model (``<model>:<adapter>`` also picks a LoRA adapter it loaded, as does the
+    extra field ``lora``)."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -42,8 +42,10 @@ class ImagesGenerationRequest(BaseModel):
     output_format: ImageFormat | None = Field(None, description="png (default), jpeg or webp.")
     output_compression: int | None = Field(None, ge=0, le=100,
                                            description="jpeg/webp quality, 0-100.")
-    model: str | None = Field(None, description="Ignored, except '<model>:<adapter>', which "
-                              "picks a LoRA adapter the server loaded (see /v1/models).")
+    model: str | None = Field(None, description="A served model (see /v1/models), or "
+                              "'<model>:<adapter>' for one of its LoRA adapters; omitted: the "
+                              "default model. An unknown model is a 404 when the server serves "
+                              "a `models` list; a single-model server ignores it.")
     lora: str | None = Field(None, description="A LoRA adapter the server loaded (its name, "
                              "see /v1/models); omitted: the base model.")
     user: str | None = None
@@ -85,6 +87,7 @@ class ErrorResponse(BaseModel):
 ERROR_RESPONSES: dict[int | str, dict] = {
     code: {"model": ErrorResponse, "description": what} for code, what in (
         (401, "API keys are on and the request has no valid `Authorization: Bearer` key."),
+        (404, "`model` names no served model (`model_not_found`; GET /v1/models lists them)."),
         (406, "An image Accept type with more than one image."),
         (413, "The body is larger than max_body_bytes (max_image_bytes on the edit routes)."),
         (429, "The key's rate limit is reached (`Retry-After` says when to retry)."),
@@ -108,6 +111,11 @@ class ImagesResponse(BaseModel):
 # The native routes' shared settings. Their ranges are pipelines.limits' rules, checked by the
 # ingress against the server's limits (so a 422 states the same range as the Python API and the
 # CLI); the schema only shows them.
+def _model_field():
+    return Field(None, description="A served model's name (see /v1/models); omitted: the "
+                 "default (first) model. Another name is a 404 naming the served ones.")
+
+
 def _seed_field():
     return Field(None, description="Image k gets seed + k; omitted: random (reported).",
                  json_schema_extra={"minimum": 0, "maximum": MAX_SEED})
@@ -128,6 +136,7 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     prompt: str = Field(min_length=1)
+    model: str | None = _model_field()
     negative_prompt: str | None = None
     seed: int | None = _seed_field()
     steps: int | None = _steps_field()
@@ -156,6 +165,7 @@ class EditRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     prompt: str = Field(min_length=1)
+    model: str | None = _model_field()
     negative_prompt: str | None = None
     image: str = Field(min_length=1, description="The image to edit: base64 PNG, JPEG or WebP "
                        "(a `data:image/...;base64,` prefix is allowed).")

@@ -20,7 +20,7 @@ StepPolicy = Literal[tuple(POLICIES)]
 # build_app args that go to the run config; the rest are ServeSettings.
 RUN_CONFIG_KEYS = tuple(RunConfig.model_fields)
 # args taken as given when they come as strings (names and paths); others are parsed as YAML
-_TEXT_ARGS = ("config", "model_name", "resource", "model", "unet", "vae", "single_file_config",
+_TEXT_ARGS = ("config", "model_name", "name", "resource", "model", "unet", "vae", "single_file_config",
               "scheduler", "compile_cache_dir", "dtype", "attention", "api_keys", "cors_origins",
               "adapters")
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -137,6 +137,62 @@ class AdapterSpec(StrictConfig):
         return specs
 
 
+MODEL_NAME = ADAPTER_NAME  # a served model's name: no ':' (``<model>:<adapter>`` picks an adapter)
+# serve args that belong to one model: with a ``models:`` list each entry gives its own
+MODEL_ARGS = ("config", "model_name", "adapters", *RUN_CONFIG_KEYS)
+
+
+class ModelSpec(StrictConfig):
+    """One entry of the serve arg ``models`` (docs/multi-model.md): a name, its run config
+    (``config``, a shipped name or a YAML path) and run-config keys (model, vae,
+    single_file_config, loras, scheduler, steps, dtype, ...), and its per-request LoRA
+    ``adapters``, all as the single-model serve args have them."""
+
+    name: str = Field(pattern=MODEL_NAME)
+    config: str | None = None
+    adapters: tuple[AdapterSpec, ...] = ()
+    run_overrides: dict = {}
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _adapters(cls, v):
+        return AdapterSpec.parse_all(v)
+
+    @classmethod
+    def parse(cls, entry: Any, where: str) -> "ModelSpec":
+        if isinstance(entry, ModelSpec):
+            return entry
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: give a mapping with name, model, config, adapters, ... "
+                             f"got {entry!r}")
+        args, run = split_run_args(entry)
+        extra = set(args) - {"name", "config", "adapters"}
+        if extra:
+            raise ValueError(f"{where}: unknown key {sorted(extra)[0]!r}; allowed: name, config, "
+                             f"adapters, {', '.join(RUN_CONFIG_KEYS)}")
+        validate(RunConfig, run, f"{where} (run-config keys)")
+        return validate(cls, {**args, "run_overrides": run}, where)
+
+
+def split_run_args(args: dict) -> tuple[dict, dict]:
+    """(the other args, the run-config args) of serve args or a ``models`` entry: ``lora`` is
+    ``loras``; strings are parsed as YAML scalars ("8" -> 8, "null" -> None, "[a, b]" -> a
+    list) except names and paths."""
+    args = dict(args)
+    if "lora" in args:  # lora=PATH[:SCALE][,PATH[:SCALE]...]: the run config's loras
+        if "loras" in args:
+            raise ValueError("give the serve arg lora or loras, not both")
+        args["loras"] = args.pop("lora")
+    if isinstance(args.get("loras"), str):
+        args["loras"] = _as_list(args["loras"])
+    run = {k: args.pop(k) for k in list(args) if k in RUN_CONFIG_KEYS}
+    for values in (args, run):
+        for k, v in values.items():
+            if isinstance(v, str) and k not in _TEXT_ARGS:
+                values[k] = yaml_scalar(v)
+    return args, run
+
+
 def _as_list(value) -> Any:
     """A list arg given as a string: ``"[a, b]"`` (YAML) or ``"a,b"``; one value: a list of it."""
     if isinstance(value, (int, float, dict)) and not isinstance(value, bool):
@@ -161,6 +217,10 @@ class ServeSettings(StrictConfig):
     config: str | None = None  # run config name or path; None: defaults (the embedded model)
     run_overrides: dict = {}
     model_name: str | None = None  # the id /v1/models reports; None: the model folder's name
+    # several models in one application (docs/multi-model.md): the first is the default
+    models: tuple[ModelSpec, ...] = ()
+    # models one generator replica keeps loaded (Ray Serve's LRU); None: every model of `models`
+    max_models_per_replica: int | None = Field(None, ge=1)
     # batching: requests that share (height, width, steps, cfg on/off) share a device batch
     max_batch_size: int = Field(8, ge=1)  # requests per batch
     max_batch_images: int | None = Field(None, ge=1)  # images per device batch; None: batch size
@@ -231,6 +291,22 @@ class ServeSettings(StrictConfig):
     def _adapters(cls, v):
         return AdapterSpec.parse_all(v)
 
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models(cls, v):
+        v = yaml_scalar(v) if isinstance(v, str) else v
+        if v is None:
+            return ()
+        if isinstance(v, dict):
+            raise ValueError("give a list of models, each a mapping with a name (e.g. "
+                             "[{name: base, model: /models/sdxl}])")
+        specs = tuple(ModelSpec.parse(x, f"models[{i}]") for i, x in enumerate(v))
+        names = [m.name for m in specs]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"model name {dup!r} is given twice; each needs its own name")
+        return specs
+
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _strings(cls, v):
@@ -267,18 +343,7 @@ class ServeSettings(StrictConfig):
     @classmethod
     def from_args(cls, args: dict | None) -> "ServeSettings":
         """Parse ``build_app`` args; values may be strings (``serve run ... key=value``)."""
-        args = parse_overrides(args)
-        if "lora" in args:  # lora=PATH[:SCALE][,PATH[:SCALE]...]: the run config's loras
-            if "loras" in args:
-                raise ValueError("give the serve arg lora or loras, not both")
-            args["loras"] = args.pop("lora")
-        if isinstance(args.get("loras"), str):
-            args["loras"] = _as_list(args["loras"])
-        run = {k: args.pop(k) for k in list(args) if k in RUN_CONFIG_KEYS}
-        for values in (args, run):  # "8" -> 8, "null" -> None, "[a, b]" -> a list; paths stay
-            for k, v in values.items():
-                if isinstance(v, str) and k not in _TEXT_ARGS:
-                    values[k] = yaml_scalar(v)
+        args, run = split_run_args(parse_overrides(args))
         if "run_overrides" in args:
             raise ValueError("serve arg 'run_overrides' is internal; give run-config keys "
                              f"({', '.join(RUN_CONFIG_KEYS)}) directly")
@@ -288,6 +353,10 @@ class ServeSettings(StrictConfig):
                               *RUN_CONFIG_KEYS])
             raise ValueError(f"unknown serve arg {sorted(extra)[0]!r}; allowed: "
                              f"{', '.join(allowed)}")
+        given = sorted(k for k in (*args, *run) if k in MODEL_ARGS)
+        if args.get("models") and given:
+            raise ValueError(f"serve arg {given[0]!r} belongs to one model: with `models` give "
+                             "it in each models entry (name, config, adapters, run-config keys)")
         validate(RunConfig, run, "serve args (run-config keys)")  # bad values fail here, early
         return validate(cls, {**args, "run_overrides": run}, "serve args")
 

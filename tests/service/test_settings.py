@@ -74,3 +74,94 @@ def test_build_app_without_a_model_says_what_to_do(monkeypatch, tmp_path):
         build_app({})
     with pytest.raises(ValueError, match="no such file, and not one of the named run configs"):
         build_app({"config": "no-such-config", "model": str(tmp_path)})
+
+
+def test_settings_models_list():
+    """Serve arg ``models``: each entry's name, run config, run-config keys and adapters, from
+    YAML (serve.yaml) or a command-line string alike."""
+    from serving.schemas import AdapterSpec, ServeSettings
+
+    for models in ([{"name": "base", "model": "/m/sdxl", "steps": "30", "lora": "/l/a:0.5"},
+                    {"name": "fast", "config": "sdxl-lightning-4step", "vae": "/v",
+                     "adapters": "ink=/l/ink"}],
+                   "[{name: base, model: /m/sdxl, steps: 30, lora: '/l/a:0.5'}, {name: fast, "
+                   "config: sdxl-lightning-4step, vae: /v, adapters: {ink: /l/ink}}]"):
+        s = ServeSettings.from_args({"models": models, "max_models_per_replica": "1"})
+        base, fast = s.models
+        assert (base.name, base.config, base.run_overrides) == (
+            "base", None, {"model": "/m/sdxl", "steps": 30, "loras": ["/l/a:0.5"]})
+        assert (fast.name, fast.config, fast.run_overrides) == (
+            "fast", "sdxl-lightning-4step", {"vae": "/v"})
+        assert fast.adapters == (AdapterSpec(name="ink", path="/l/ink"),)
+        assert s.max_models_per_replica == 1
+    assert ServeSettings.from_args({}).models == ()
+
+
+@pytest.mark.parametrize("args,message", [
+    ({"models": [{"name": "a"}, {"name": "a"}]}, "model name 'a' is given twice"),
+    ({"models": [{"name": "a:b"}]}, r"models\[0\]: key 'name': String should match pattern"),
+    ({"models": [{"model": "/m"}]}, r"models\[0\]: key 'name': Field required"),
+    ({"models": [{"name": "a", "steps": "x"}]}, r"models\[0\] \(run-config keys\): key 'steps'"),
+    ({"models": [{"name": "a", "max_n": 2}]}, r"models\[0\]: unknown key 'max_n'; allowed: name"),
+    ({"models": [{"name": "a", "adapters": "p"}]}, "name=path"),
+    ({"models": {"a": {"model": "/m"}}}, "give a list of models"),
+    ({"models": [{"name": "a"}], "dtype": "bf16"}, "serve arg 'dtype' belongs to one model"),
+    ({"models": [{"name": "a"}], "model_name": "x"}, "serve arg 'model_name' belongs to one"),
+    ({"max_models_per_replica": 0}, "key 'max_models_per_replica': Input should be greater"),
+])
+def test_settings_refuse_bad_models(args, message):
+    from serving.schemas import ServeSettings
+
+    with pytest.raises(ValueError, match=message):
+        ServeSettings.from_args(args)
+
+
+def test_catalog_of_the_serve_args(tmp_path):
+    """One model from the single-model args, named as before; a ``models`` list in its order
+    (the first is the default) with each entry's run config; a bad run config names its
+    entry; unknown names are 404s naming the choices, except on the OpenAI route of a
+    single-model server."""
+    pytest.importorskip("ray.serve")
+    from serving.errors import ApiError
+    from serving.models import Catalog
+    from serving.schemas import ServeSettings
+
+    (tmp_path / "m1").mkdir()
+    one = Catalog.from_settings(ServeSettings.from_args({"model": str(tmp_path / "m1")}))
+    assert (one.names, one.listed, one.max_per_replica) == (["m1"], False, 1)
+    assert one.pick("dall-e-3", lenient=True) == "m1"
+    with pytest.raises(ApiError, match="'dall-e-3' is not served here; choose one of: m1"):
+        one.pick("dall-e-3")
+    s = ServeSettings.from_args({"models": [
+        {"name": "x", "model": str(tmp_path / "m1"), "steps": 3},
+        {"name": "y", "config": "sdxl-lightning-4step", "model": str(tmp_path / "m1")}]})
+    two = Catalog.from_settings(s)
+    assert (two.names, two.default.name, two.max_per_replica) == (["x", "y"], "x", 2)
+    assert two.get("x").run_config.steps == 3 and two.get("y").run_config.steps == 4
+    assert two.pick(None) == "x" and two.pick("y") == "y"
+    with pytest.raises(ApiError, match="choose one of: x, y") as e:
+        two.pick("dall-e-3", lenient=True)
+    assert (e.value.status, e.value.code, e.value.param) == (404, "model_not_found", "model")
+    assert two.key("x") != two.key("y")
+    with pytest.raises(ValueError, match=r"models\[0\] \(bad\): run config 'nope'"):
+        Catalog.from_settings(ServeSettings.from_args({"models": [{"name": "bad",
+                                                                   "config": "nope"}]}))
+
+
+def test_the_shipped_multi_model_config_parses():
+    """configs/serve-multi-model.yaml: Ray Serve's schema accepts it and its args make a
+    catalog of two models of the embedded demo model, the first the default."""
+    pytest.importorskip("ray.serve")
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from serving.models import Catalog
+    from serving.schemas import ServeSettings
+
+    path = Path(__file__).parents[2] / "configs" / "serve-multi-model.yaml"
+    (app,) = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text())).applications
+    catalog = Catalog.from_settings(ServeSettings.from_args(app.args))
+    assert catalog.names == ["demo", "demo-draft"] and catalog.max_per_replica == 2
+    assert catalog.default.run_config.steps is None and catalog.get("demo-draft").run_config.steps == 8

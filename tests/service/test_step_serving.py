@@ -32,7 +32,7 @@ def _generate(url, **body):
 
 def _engine_stats(url, size=SIZE):
     (replica,) = requests.get(f"{url}/v1/stats", timeout=30).json()["replicas"].values()
-    return replica["engines"][f"{size}x{size}"]
+    return replica["models"]["tiny-sdxl"]["engines"][f"{size}x{size}"]
 
 
 def _wait_for_freed_slot(url: str, cancelled_before: int, size=SIZE) -> dict:
@@ -287,4 +287,4 @@ def test_a_size_not_warmed_up_compiles_and_serves(step_app):
     out = _generate(step_app, width=16, height=48, steps=2, seed=3)
     assert png(out["images"][0]["b64_json"]).shape == (48, 16, 3)
     assert set(requests.get(f"{step_app}/v1/stats", timeout=30).json()["replicas"].popitem()[1][
-        "engines"]) == {f"{SIZE}x{SIZE}", f"{BIG}x{BIG}", "16x48"}
+        "models"]["tiny-sdxl"]["engines"]) == {f"{SIZE}x{SIZE}", f"{BIG}x{BIG}", "16x48"}

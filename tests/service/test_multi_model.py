@@ -1,0 +1,227 @@
+"""Several models in one application (serve arg ``models``, Ray Serve model multiplexing): two
+tiny SDXL checkpoints of different weights behind one endpoint, on two generator replicas that
+each keep one model loaded. Requests naming each model get that model's pixels (equal to its
+Python API output), the default when they name none; a name not served is a 404 naming the
+choices in both dialects; ``/v1/models`` lists both with their limits; and once a replica has
+loaded model B, B's requests go to it while A's go to the replica that still holds A."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import requests
+
+import tiny
+
+from .helpers import MAIN_ARGS, SIZE, STEPS, generate, png, sse_events
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+A, B = "tiny-a", "tiny-b"
+BODY = dict(steps=STEPS, guidance_scale=0.0, width=SIZE, height=SIZE)
+
+
+@pytest.fixture(scope="module")
+def sdxl_b(tmp_path_factory):
+    """A second tiny SDXL checkpoint: the same shapes as ``sdxl_dir`` (so the two share compiled
+    programs), other weights (torch seed 1)."""
+    path = tmp_path_factory.mktemp("tiny-sdxl-b")
+    tiny.make_sdxl_pipeline(path, seed=1)
+    return path
+
+
+@pytest.fixture(scope="module")
+def multi(cluster, sdxl_dir, sdxl_b):
+    from serving.app import build_app
+
+    args = {k: v for k, v in MAIN_ARGS.items() if k not in ("steps", "guidance", "model_name")}
+    args.update(num_cpus=0, num_replicas=2, max_models_per_replica=1, max_queued_requests=-1,
+                models=[{"name": A, "model": str(sdxl_dir), "steps": STEPS, "guidance": 0.0},
+                        {"name": B, "model": str(sdxl_b), "steps": 3, "guidance": 0.0}])
+    serve.run(build_app(args), name="multi", route_prefix="/multi")
+    yield f"{cluster.url}/multi"
+    serve.delete("multi")
+
+
+def _replicas(url) -> dict:
+    return requests.get(f"{url}/v1/stats", timeout=30).json()["replicas"]
+
+
+def _replicas_once(url, done, within_s: float = 30) -> dict:
+    """The replicas' stats once ``done(stats)`` (replicas report after each batch, a moment
+    after its answers go out), or after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        reps = _replicas(url)
+        if done(reps) or time.monotonic() > deadline:
+            return reps
+        time.sleep(0.2)
+
+
+def _replica_once(url, done) -> dict:
+    """The one replica's stats once ``done(stats)``."""
+    (rep,) = _replicas_once(url, lambda reps: done(next(iter(reps.values())))).values()
+    return rep
+
+
+def _python_api(path, cache, seed):
+    from pipelines import TextToImagePipeline
+
+    pipe = TextToImagePipeline.from_pretrained(path, compile_cache_dir=cache)
+    out = pipe("a red circle", seed=seed, num_inference_steps=STEPS, guidance_scale=0.0,
+               height=SIZE, width=SIZE, output_type="np").images[0]
+    return np.round(out * 255).astype(int)
+
+
+@pytest.fixture(scope="module")
+def want(cluster, sdxl_dir, sdxl_b) -> dict:
+    """Each model's Python API image of "a red circle", seed 5."""
+    return {A: _python_api(sdxl_dir, cluster.cache, 5), B: _python_api(sdxl_b, cluster.cache, 5)}
+
+
+def test_each_model_answers_with_its_own_pixels(multi, want):
+    got = {}
+    for name in (A, B, None):
+        r = generate(multi, seed=5, model=name, **BODY) if name else generate(multi, seed=5, **BODY)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == (name or A)
+        got[name] = png(r.json()["images"][0]["b64_json"]).astype(int)
+    assert np.abs(got[A] - want[A]).max() <= 1
+    assert np.abs(got[B] - want[B]).max() <= 1
+    assert np.array_equal(got[None], got[A])  # no model named: the default (first)
+    assert np.abs(want[A] - want[B]).max() > 10  # the two models really differ
+
+    # the OpenAI route: `model` picks the model; its default steps are the model's own
+    r = requests.post(f"{multi}/v1/images/generations", timeout=120,
+                      json={"prompt": "a red circle", "model": B, "size": f"{SIZE}x{SIZE}"})
+    assert r.status_code == 200 and len(r.json()["data"]) == 1, r.text
+
+
+def test_an_unknown_model_is_a_404_naming_the_choices(multi):
+    r = generate(multi, model="tiny-c", **BODY)
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert "'tiny-c'" in error["message"] and f"{A}, {B}" in error["message"]
+    for body in ({"model": "dall-e-3"}, {"model": "tiny-c:lora"}):
+        r = requests.post(f"{multi}/v1/images/generations", json={"prompt": "x", **body},
+                          timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        assert f"{A}, {B}" in r.json()["error"]["message"]
+    import openai
+
+    client = openai.OpenAI(base_url=f"{multi}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="choose one of: tiny-a, tiny-b"):
+        client.images.generate(model="dall-e-3", prompt="x", size=f"{SIZE}x{SIZE}")
+    r = requests.get(f"{multi}/v1/models/tiny-c", timeout=30)
+    assert r.status_code == 404 and f"{A}, {B}" in r.text, r.text
+
+
+def test_models_lists_both_with_their_limits(multi):
+    assert generate(multi, model=B, seed=1, **BODY).status_code == 200  # B loaded somewhere
+    r = requests.get(f"{multi}/v1/models/{B}", timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["maxdiff"]["default_steps"] == 3 and not r.json()["maxdiff"]["default"]
+    data = requests.get(f"{multi}/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in data] == [A, B]
+    a, b = (m["maxdiff"] for m in data)
+    assert a["default"] and (a["default_steps"], b["default_steps"]) == (STEPS, 3)
+    assert a["limits"]["max_size"] == b["limits"]["max_size"] == MAIN_ARGS["max_size"]
+
+
+def test_a_replica_holding_a_model_is_preferred_for_it(multi):
+    """Two replicas, one model each at most: both start with A (the default, warmed up). The
+    first B request makes one replica swap A for B; from then on B's requests go to that
+    replica, which loads B no more, and A's to the other one."""
+    r = generate(multi, model=B, seed=2, **BODY)
+    assert r.status_code == 200, r.text
+    b_replica = r.headers["X-Maxdiff-Replica"]
+    deadline = time.monotonic() + 60  # the swap reaches the routers (Ray pushes model ids)
+    while time.monotonic() < deadline:
+        reps = _replicas(multi)
+        holding = {rid: rep["loaded_models"] for rid, rep in reps.items()}
+        if len(reps) == 2 and holding.get(b_replica) == [B]:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"replica {b_replica} does not hold only {B}: {holding}")
+    time.sleep(2)  # the replicas' pushes of their model ids are every 0.1 s
+    loads_before = reps[b_replica]["models"][B]["loads"]
+    b_answers = [generate(multi, model=B, seed=10 + i, **BODY) for i in range(4)]
+    a_answers = [generate(multi, model=A, seed=20 + i, **BODY) for i in range(4)]
+    assert all(r.status_code == 200 for r in b_answers + a_answers)
+    assert {r.headers["X-Maxdiff-Replica"] for r in b_answers} == {b_replica}
+    a_replicas = {r.headers["X-Maxdiff-Replica"] for r in a_answers}
+    assert len(a_replicas) == 1 and b_replica not in a_replicas, a_replicas
+    (a_replica,) = a_replicas
+    reps = _replicas_once(multi, lambda reps: reps[a_replica]["models"][A]["images"] >= 4)
+    assert reps[b_replica]["models"][B]["loads"] == loads_before  # served without reloading
+    assert reps[a_replica]["loaded_models"] == [A]
+    assert reps[a_replica]["models"][A]["images"] >= 4
+    assert {b["model"] for b in reps[b_replica]["batches"][-4:]} == {B}
+
+
+def test_the_step_engine_runs_each_model_on_its_own_engines(cluster, sdxl_dir, sdxl_b, want):
+    """engine=step with two models on one replica: each model gets its own step engines (no
+    tick mixes models) and its own pixels."""
+    from serving.app import build_app
+
+    args = {k: v for k, v in MAIN_ARGS.items() if k not in ("steps", "guidance", "model_name")}
+    args.update(num_cpus=0, engine="step", engine_slots=2, max_queued_requests=-1,
+                warmup_shapes=[f"{SIZE}x{SIZE}"],
+                models=[{"name": A, "model": str(sdxl_dir)}, {"name": B, "model": str(sdxl_b)}])
+    serve.run(build_app(args), name="multi-step", route_prefix="/multi-step")
+    try:
+        url = f"{cluster.url}/multi-step"
+        for name in (B, A):
+            r = generate(url, seed=5, model=name, **BODY)
+            assert r.status_code == 200, r.text
+            got = png(r.json()["images"][0]["b64_json"]).astype(int)
+            assert np.abs(got - want[name]).max() <= 1, name
+        r = requests.post(f"{url}/v1/generate", stream=True, timeout=120,  # streamed: B's too
+                          json={"prompt": "a red circle", "model": B, "seed": 5, "stream": True,
+                                **BODY})
+        events = list(sse_events(r))
+        assert [name for name, _ in events].count("progress") >= 2, events  # B's engine's steps
+        assert events[-1][0] == "result" and events[-1][1]["model"] == B
+        got = png(events[-1][1]["images"][0]["b64_json"]).astype(int)
+        assert np.abs(got - want[B]).max() <= 1
+        rep = _replica_once(url, lambda rep: rep["models"][B]["images"] == 2)
+        assert rep["loaded_models"] == [A, B] and rep["engine"] == "step"
+        for name in (A, B):
+            assert list(rep["models"][name]["engines"]) == [f"{SIZE}x{SIZE}"]
+        assert rep["models"][A]["images"] == 1
+    finally:
+        serve.delete("multi-step")
+
+
+def test_models_that_take_turns_on_one_replica_lose_nothing(cluster, sdxl_dir, sdxl_b, want):
+    """One replica that holds one model at a time, asked for A and B at once: the LRU swaps
+    them (an evicted model finishes the requests it has started) and every request gets its
+    model's pixels."""
+    from serving.app import build_app
+
+    from .helpers import concurrently
+
+    args = {k: v for k, v in MAIN_ARGS.items() if k not in ("steps", "guidance", "model_name")}
+    args.update(num_cpus=0, max_models_per_replica=1, max_queued_requests=-1,
+                models=[{"name": A, "model": str(sdxl_dir)}, {"name": B, "model": str(sdxl_b)}])
+    serve.run(build_app(args), name="multi-swap", route_prefix="/multi-swap")
+    try:
+        url = f"{cluster.url}/multi-swap"
+        names = [B, A, B, A, B, A]
+        rs = concurrently(len(names), lambda i: generate(url, seed=5, model=names[i], **BODY))
+        assert [r.status_code for r in rs] == [200] * len(names), [r.text for r in rs]
+        for name, r in zip(names, rs):
+            got = png(r.json()["images"][0]["b64_json"]).astype(int)
+            assert r.json()["model"] == name and np.abs(got - want[name]).max() <= 1, name
+        rep = _replica_once(url, lambda rep: rep["models"][A]["images"]
+                            + rep["models"][B]["images"] == 6)
+        assert len(rep["loaded_models"]) == 1
+        assert rep["models"][B]["loads"] >= 1 and rep["models"][A]["loads"] >= 1
+        assert (rep["models"][A]["images"], rep["models"][B]["images"]) == (3, 3)
+    finally:
+        serve.delete("multi-swap")
