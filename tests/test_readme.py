@@ -106,6 +106,7 @@ RUNNERS = {
     "tiny": lambda lang, code: "tiny.make_sdxl_pipeline" in code,
     "keys": lambda lang, code: "MAXDIFF_API_KEYS=" in code,
     "json": lambda lang, code: lang == "json",
+    "yaml": lambda lang, code: lang == "yaml",
 }
 
 
@@ -142,6 +143,29 @@ def test_json_blocks_parse():
             from pipelines.config import ModelDefaults
 
             ModelDefaults.model_validate(data)
+
+
+def test_yaml_blocks_are_valid_configs():
+    """A ```yaml block parses; a Serve config (``applications:``) is valid for Ray Serve's own
+    schema and its maxdiff apps' args for ServeSettings; a Kubernetes manifest names its kind."""
+    import yaml
+
+    for b in blocks():
+        if claimed(b) != "yaml":
+            continue
+        data = yaml.safe_load(b.code)
+        assert isinstance(data, dict), f"{b.page}: {first_line(b.code)}"
+        if "applications" in data:
+            from ray.serve.schema import ServeDeploySchema
+
+            from serving.settings import ServeSettings
+
+            ServeDeploySchema.model_validate(data)
+            for app in data["applications"]:
+                if app["import_path"] == "serving.app:build_app":
+                    ServeSettings.from_args(app.get("args") or {})
+        elif "apiVersion" in data:
+            assert data.get("kind"), f"{b.page}: a manifest without kind"
 
 
 def _anchor(heading: str) -> str:
