@@ -347,14 +347,19 @@ def build_app(args: dict | None = None):
         actor["num_gpus"] = settings.resource_amount
     elif settings.resource:
         actor["resources"] = {settings.resource: settings.resource_amount}
-    gen_options = dict(name=GENERATOR, num_replicas=settings.num_replicas,
-                       max_ongoing_requests=settings.generator_max_ongoing,
+    scaling = settings.autoscaling_config  # None: a fixed num_replicas
+    gen_options = dict(name=GENERATOR, max_ongoing_requests=settings.generator_max_ongoing,
                        max_queued_requests=settings.max_queued_requests,
                        request_router_config=RequestRouterConfig(**ROUTER_BACKOFF),
                        graceful_shutdown_timeout_s=settings.graceful_shutdown_s,
+                       graceful_shutdown_wait_loop_s=settings.graceful_shutdown_wait_loop_s,
                        health_check_period_s=settings.health_check_period_s,
                        health_check_timeout_s=settings.health_check_timeout_s,
                        ray_actor_options=actor)
+    if scaling is None:
+        gen_options["num_replicas"] = settings.num_replicas
+    else:
+        gen_options["autoscaling_config"] = scaling
     if settings.max_replicas_per_node is not None:
         gen_options["max_replicas_per_node"] = settings.max_replicas_per_node
     generator = serve.deployment(Generator).options(**gen_options)
