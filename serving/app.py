@@ -48,7 +48,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from serving import errors, native_api, openai_api, security, validation
+from serving import cost, errors, native_api, openai_api, security, validation
 from serving.client import GENERATOR, GeneratorClient
 from serving.errors import TIMEOUT_HEADER, ApiError, request_id
 from serving.gate import Gate
@@ -317,14 +317,20 @@ class Ingress:
         requests): its node, images served, compiled programs and recent batches (newest
         last), as each replica last reported them (after every batch) to the application's
         stats actor; ``report_age_s`` says how long ago. Replicas that are gone are listed
-        until they have been silent for 10 minutes."""
+        until they have been silent for 10 minutes. ``throughput``: images/s and, with the serve
+        arg ``price_per_hour`` (per replica), the cost per 1,000 images of each live replica and
+        in total over the last ``stats_window_s`` (:mod:`serving.cost`)."""
         try:
             replicas = await self.board.snapshot.remote()
         except Exception as e:  # the stats actor is gone: report, never fail
             logger.warning("stats actor unavailable: %s", type(e).__name__)
             self.board = StatsBoard.get(self.app_name)
             replicas = {}
-        return {"replicas": replicas}
+        figures = cost.throughput(replicas, time.time(), self.s.stats_window_s,
+                                  self.s.price_per_hour, 3 * self.s.health_check_period_s)
+        for r in replicas.values():
+            r.pop("images_by_second", None)  # summed up in throughput
+        return {"replicas": replicas, "throughput": figures}
 
 
 # ---------------------------------------------------------------------------------- builder

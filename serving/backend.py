@@ -43,10 +43,12 @@ class Meters:
     """A replica's Prometheus metrics (tagged with its model) and its record of recent batches
     (``recent``, newest last) and images served (``images``), for ``/v1/stats``."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, window_s: float = 300.0):
         self.tags = {"model": model}
         self.recent = collections.deque(maxlen=256)
         self.images = 0
+        self.window_s = window_s
+        self._by_second: collections.deque = collections.deque()  # [unix second, images]
         tags = tuple(self.tags)
         self._images = metrics.Counter(
             "maxdiff_images_generated", "Images generated.", tag_keys=tags)
@@ -72,6 +74,18 @@ class Meters:
         self.recent.append(batch)
         self.images += images
         self._images.inc(images, tags=self.tags)
+        second = int(time.time())
+        if self._by_second and self._by_second[-1][0] == second:
+            self._by_second[-1][1] += images
+        else:
+            self._by_second.append([second, images])
+
+    def images_by_second(self) -> list[list[int]]:
+        """``[unix second, images finished in it]`` over the last ``window_s`` (oldest first),
+        what ``/v1/stats`` turns into images/s and cost."""
+        while self._by_second and self._by_second[0][0] < time.time() - self.window_s - 1:
+            self._by_second.popleft()
+        return [list(x) for x in self._by_second]
 
     def batch_requests(self, n: int) -> None:
         self._batch.observe(n, tags=self.tags)

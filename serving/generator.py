@@ -20,7 +20,8 @@ engine's denoised-estimate previews) and the result, for the streaming routes.
 Health: Ray Serve calls :meth:`Generator.check_health` every ``health_check_period_s``; it runs a
 tiny program on the replica's devices with the loaded weights and raises if that fails or
 hangs, so Ray Serve replaces the replica. After every batch a replica reports its stats to the
-application's :class:`StatsBoard` actor, which ``/v1/stats`` reads.
+application's :class:`StatsBoard` actor, which ``/v1/stats`` reads (and after every health
+check, so an idle replica's report stays fresh).
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ class Generator:
         self.replica = {"id": ctx.replica_id.unique_id,
                         "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
         self._board = StatsBoard.get(ctx.app_name)
-        self.meters = Meters(self.pipe.name.rsplit("/", 1)[-1] or "default")
+        self.meters = Meters(self.pipe.name.rsplit("/", 1)[-1] or "default",
+                             settings.stats_window_s)
+        self.ready_at: float | None = None  # unix time the warm-up finished
         parts = (self.pipe, settings, self.meters, asyncio.Lock(), self.replica, self._report)
         self.batches = BatchBackend(*parts)  # edits, and generation with engine=batch
         self.backend: Backend = self.batches
@@ -109,6 +112,7 @@ class Generator:
 
             self.backend = StepBackend(*parts)
         self.warmup_s, self.warmed = self._warm_up()
+        self.ready_at = time.time()  # serving (and costing) from now on
         logger.info("generator ready on node %s: load %.1fs, warm-up %.1fs, %d program(s)",
                     self.replica["node_id"], self.load_s, self.warmup_s, self.pipe.num_compiled)
         self._report()
@@ -162,6 +166,7 @@ class Generator:
                 "images": self.meters.images, "compiled_programs": self.pipe.num_compiled + sum(
                     b.num_compiled for b in backends),
                 "batches": batches, "warmed": self.warmed, "warmup_s": self.warmup_s,
+                "ready_at": self.ready_at, "images_by_second": self.meters.images_by_second(),
                 "engine": self.backend.name, **self.backend.stats()}
 
     def _report(self) -> None:
@@ -176,6 +181,7 @@ class Generator:
         time); otherwise raising marks the replica unhealthy and Ray Serve replaces it."""
         await asyncio.wait_for(asyncio.to_thread(self.pipe.probe),
                                self.settings.health_check_timeout_s / 2)
+        self._report()  # a heartbeat: /v1/stats tells live replicas from gone ones by it
 
     async def generate(self, job: GenerationRequest, timeout_s: float | None = None
                        ) -> JobResult:

@@ -88,6 +88,21 @@ def test_loadgen_flags_a_capacity_above_the_offline_throughput():
     assert inconsistent_rows(results) == ["step/mixed: capacity 6.200/s > Offline 5.900 images/s"]
 
 
+def test_loadgen_prints_the_cost_per_1000_images_of_an_offline_run():
+    """--price-per-hour: an Offline run at 2 images/s on a replica at 3.6 per hour costs
+    3.6 / 3600 / 2 x 1000 = 0.5 per 1,000 images, the figure /v1/stats computes; no price, no
+    figure."""
+    pytest.importorskip("requests")
+    from benchmarks.loadgen import cost_text
+    from serving.cost import cost_per_1000_images
+
+    assert cost_per_1000_images(3.6, 2.0) == pytest.approx(0.5)
+    assert cost_per_1000_images(None, 2.0) is None and cost_per_1000_images(3.6, 0.0) is None
+    run = {"samples_per_s": 2.0, "cost_per_1000_images": cost_per_1000_images(3.6, 2.0)}
+    assert cost_text(run, 3.6) == ", 0.5 per 1,000 images at 3.6 per replica-hour"
+    assert cost_text({"samples_per_s": 2.0, "cost_per_1000_images": None}, None) == ""
+
+
 def test_compare_text_parts_do_equal_work(sdxl_dir):
     """benchmarks.compare's text part, on the tiny checkpoint: maxdiff's callable (the
     pipeline's text states plus CLIP-L's last layer) and diffusers' (encode_prompt's calls, plus
