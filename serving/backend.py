@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -65,6 +66,11 @@ class Meters:
         self._expired = metrics.Counter(
             "maxdiff_expired_requests", "Requests dropped unstarted because their deadline "
             "passed in the queue.", tag_keys=tags)
+        self._on_replica = metrics.Gauge(
+            "maxdiff_replica_images", "Images on this replica: waiting for their batch (or "
+            "step-engine slot) or running.", tag_keys=tags)
+        self.on_replica = 0
+        self._on_replica.set(0, tags=self.tags)
         self._cancelled = metrics.Counter(
             "maxdiff_cancelled_images", "Step-engine images cancelled (client gone or deadline "
             "passed); their slots are freed at the next tick.", tag_keys=tags)
@@ -73,7 +79,8 @@ class Meters:
         """A batch ran: keep it in ``recent`` and count its images."""
         self.recent.append(batch)
         self.images += images
-        self._images.inc(images, tags=self.tags)
+        if images:  # a batch whose every request expired made none (Ray's inc refuses 0)
+            self._images.inc(images, tags=self.tags)
         second = int(time.time())
         if self._by_second and self._by_second[-1][0] == second:
             self._by_second[-1][1] += images
@@ -86,6 +93,17 @@ class Meters:
         while self._by_second and self._by_second[0][0] < time.time() - self.window_s - 1:
             self._by_second.popleft()
         return [list(x) for x in self._by_second]
+
+    @contextlib.contextmanager
+    def holding(self, images: int):
+        """A job's ``images`` are on the replica while the block runs (``maxdiff_replica_images``)."""
+        self.on_replica += images
+        self._on_replica.set(self.on_replica, tags=self.tags)
+        try:
+            yield
+        finally:
+            self.on_replica -= images
+            self._on_replica.set(self.on_replica, tags=self.tags)
 
     def batch_requests(self, n: int) -> None:
         self._batch.observe(n, tags=self.tags)

@@ -189,7 +189,8 @@ class Generator:
         ``timeout_s``: seconds the caller still waits; past that the job is dropped
         (:class:`Expired`)."""
         self._validate(job)
-        return await self.backend.generate(job, timeout_s)
+        with self.meters.holding(job.n):
+            return await self.backend.generate(job, timeout_s)
 
     def _validate(self, job: GenerationRequest, stream: bool = False) -> None:
         """:class:`InvalidJob` unless this replica can run ``job`` (the request rules, an
@@ -214,7 +215,8 @@ class Generator:
             job.validate()
         except ValueError as e:
             raise InvalidJob(str(e)) from None
-        return await self.batches.generate(job, timeout_s)
+        with self.meters.holding(job.n):
+            return await self.batches.generate(job, timeout_s)
 
     async def generate_stream(self, job: GenerationRequest, timeout_s: float | None = None,
                               partial_images: int = 0):
@@ -227,7 +229,8 @@ class Generator:
         batching does not know it), then the result, and no partial images (OpenAI's streaming
         allows fewer than asked)."""
         self._validate(job, stream=True)
-        async with contextlib.aclosing(self.backend.stream(job, timeout_s,
-                                                           partial_images)) as events:
-            async for event in events:  # closed at once when the client leaves
-                yield event
+        with self.meters.holding(job.n):
+            async with contextlib.aclosing(self.backend.stream(job, timeout_s,
+                                                               partial_images)) as events:
+                async for event in events:  # closed at once when the client leaves
+                    yield event
