@@ -23,13 +23,14 @@ def _env() -> dict:
 @pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_accelerator_smoke_prints_the_table(tmp_path):
     """benchmarks.accelerator --smoke (tiny configs, 64², batches 1 and 2, on the CPU): the
-    header, the table's columns, one row per batch with numbers, and the same in the JSON."""
+    header, the table's columns, one row per batch with numbers, and the same in the JSON; then
+    the engine comparison (8 images, 2 slots) with both engines' figures."""
     from benchmarks.accelerator import COLUMNS
 
     out = tmp_path / "acc.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.accelerator", "--smoke",
                            "--reps", "1", "--json", str(out)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     header = " | ".join(COLUMNS)
@@ -48,6 +49,18 @@ def test_accelerator_smoke_prints_the_table(tmp_path):
     assert result["setup"] == "smoke" and result["size"] == 64 and result["steps"] == 4
     assert [r["batch"] for r in result["rows"]] == [1, 2]
     assert set(COLUMNS) <= set(result["rows"][0])
+    # engine=step against engine=batch on the mixed 4/30-step workload, in the same run
+    engines = result["engines"]
+    assert (engines["images"], engines["slots"], engines["steps"]) == (8, 2, [4, 30])
+    for name in ("batch", "step"):
+        r = engines[name]
+        assert r["images_per_s"] == pytest.approx(8 / r["run_s"], rel=1e-2)
+        assert 0 < r["p50_latency_4_step_s"] <= r["run_s"]
+        assert 0 < r["p50_latency_30_step_s"] <= r["run_s"]
+        assert any(line.startswith(f"# engine={name}: 8 images, 4/30 steps mixed, 2 slots: ")
+                   for line in lines)
+    assert engines["step_over_batch_images_per_s"] == pytest.approx(
+        engines["step"]["images_per_s"] / engines["batch"]["images_per_s"], rel=1e-2)
     assert result["rows"][0]["flops_source"] == "xla cost analysis"
     assert result["rows"][0]["unet_tflop"] > 0 and result["rows"][0]["vae_tflop"] > 0
 
