@@ -15,6 +15,10 @@ if [ -z "$PY" ]; then
 fi
 "$PY" - <<'PYCHECK'
 import sys
+try:  # everything the benchmark imports, before any compile: fail in seconds, by name
+    import pipelines.step_engine, pipelines.text_to_image  # noqa: F401
+except ImportError as e:
+    sys.exit(f"# missing module {e.name!r}: install it (or carry its wheel) for {sys.executable}")
 import jax
 dev = jax.devices()[0]
 print(f"# jax {jax.__version__}, backend {jax.default_backend()}, {len(jax.devices())} device(s): {dev.device_kind}")
