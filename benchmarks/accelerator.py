@@ -31,6 +31,16 @@ notes' 6.75 TFLOP per UNet forward and 10.5 TFLOP per VAE decode (XLA's cost ana
 count cuDNN's fused attention calls), else XLA's cost analysis of the compiled UNet and VAE
 programs; the text encoders are counted as 2 x parameters x 77 tokens each.
 
+Then ``engine=step`` against ``engine=batch`` on the same device and weights (the question:
+does step-level batching win where batching is cheap?): ``4 x slots`` one-image requests
+arriving at once, their step counts taking turns between 4 and 30 (no CFG). ``engine=batch`` is
+request batching as the service does it (a batch queue per step count, batches of at most
+``slots`` images, run in the order they formed); ``engine=step`` is a
+:class:`pipelines.step_engine.StepEngine` of ``slots`` slots. Each runs the workload once
+untimed (its compiles) and once timed: images/s, and the median latency of the 4-step and the
+30-step images (``# engine=...`` lines, ``engines`` in the JSON). It is skipped, and said so,
+when it would end past ``--total-budget-s`` (540).
+
 Compilation (5 pipeline programs + 10 part programs at full size) would take most of the
 budget one after another, so all programs are compiled first, in parallel threads (XLA's
 compiler releases the GIL), into a fresh persistent compilation cache; the pipeline's own
@@ -291,6 +301,88 @@ def memory_bytes(compiled) -> int | None:
         return None
 
 
+# --- engine=step against engine=batch ---------------------------------------------------------
+
+def mixed_workload(n: int, steps: tuple[int, ...] = (4, 30)) -> list[tuple[object, int]]:
+    """``n`` one-image requests, all arriving at once, their step counts taking turns (4, 30,
+    4, 30, ...): (ImageRequest, steps) in arrival order."""
+    return [(r, steps[k % len(steps)]) for k, r in enumerate(items(n))]
+
+
+def run_batch_engine(pipe, work, slots: int) -> list[float]:
+    """What ``engine=batch`` does with requests that all arrived at once: one batch queue per
+    shape key (here: the step count), batches of at most ``slots`` images, run in the order
+    they formed (FIFO, the keys taking turns); returns each image's latency (s) in order."""
+    t0 = time.perf_counter()
+    queues: dict[int, list[int]] = {}
+    for k, (_, steps) in enumerate(work):
+        queues.setdefault(steps, []).append(k)
+    batches = []
+    while any(queues.values()):
+        for steps, q in queues.items():
+            if q:
+                batches.append((steps, q[:slots]))
+                del q[:slots]
+    latency = [0.0] * len(work)
+    for steps, idx in batches:
+        out = pipe.generate([work[k][0] for k in idx], num_inference_steps=steps,
+                            output_type="np")
+        np_images = out.images  # on the host: the batch is done
+        assert len(np_images) == len(idx)
+        for k in idx:
+            latency[k] = time.perf_counter() - t0
+    return latency
+
+
+def run_step_engine(engine, work) -> list[float]:
+    """The same requests through a step engine (``engine=step``): submitted at once, ticked
+    until idle; returns each image's latency (s) in order."""
+    t0 = time.perf_counter()
+    handles = [engine.submit(r, steps) for r, steps in work]
+    engine.run_until_idle()
+    assert all(h.status == "done" for h in handles)
+    return [h.finished_at - t0 for h in handles]
+
+
+def compare_engines(pipe, slots: int, n: int, budget_end: float) -> dict | None:
+    """engine=step against engine=batch on the device, on the mixed 4/30-step workload
+    (no CFG): each engine runs the workload once untimed (its compiles) and once timed, unless
+    ``budget_end`` (``time.perf_counter()``) would pass first. images/s over the whole run,
+    and the median latency of the 4-step and of the 30-step images: request batching runs the
+    short images in batches of their own, but they queue behind whole 30-step batches; the
+    step engine lets them leave after 4 ticks, and pays for its per-step programs."""
+    from pipelines.step_engine import StepEngine
+
+    work = mixed_workload(n)
+    result: dict = {"images": n, "slots": slots, "steps": [4, 30]}
+    engine = StepEngine(pipe, slots=slots, cfg=False, max_steps=30, output_type="np")
+    runners = {"batch": lambda: run_batch_engine(pipe, work, slots),
+               "step": lambda: run_step_engine(engine, work)}
+    for name, run in runners.items():
+        t = time.perf_counter()
+        if t > budget_end:
+            result[name] = {"skipped": "over the time budget", "first_run_s": None}
+            continue
+        run()  # compiles what this engine needs for the workload
+        warm_s = time.perf_counter() - t
+        if time.perf_counter() + warm_s > budget_end:  # the timed run takes at most as long
+            result[name] = {"skipped": "over the time budget", "first_run_s": round(warm_s, 2)}
+            continue
+        latency = run()
+        total = max(latency)
+        result[name] = {
+            "images_per_s": round(n / total, 4), "run_s": round(total, 4),
+            "first_run_s": round(warm_s, 2),
+            "p50_latency_4_step_s": round(statistics.median(
+                t for t, (_, s) in zip(latency, work) if s == 4), 4),
+            "p50_latency_30_step_s": round(statistics.median(
+                t for t, (_, s) in zip(latency, work) if s == 30), 4)}
+    if "images_per_s" in result["batch"] and "images_per_s" in result["step"]:
+        result["step_over_batch_images_per_s"] = round(
+            result["step"]["images_per_s"] / result["batch"]["images_per_s"], 3)
+    return result
+
+
 # --- timing --------------------------------------------------------------------------------
 
 def median_time(fn, reps: int, warm_up: bool = True) -> float:
@@ -343,6 +435,15 @@ def main(argv=None) -> int:
                     help="parallel compilations")
     ap.add_argument("--budget-s", type=float, default=450.0,
                     help="skip the remaining batch sizes once this much time has passed")
+    ap.add_argument("--engines-images", type=int, default=None,
+                    help="images of the engine=step vs engine=batch comparison (mixed 4/30 "
+                         "steps, no CFG; default 4 x --engines-slots); 0 skips it")
+    ap.add_argument("--engines-slots", type=int, default=None,
+                    help="slots of the step engine = the batch engine's batch size (default 8; "
+                         "smoke 2)")
+    ap.add_argument("--total-budget-s", type=float, default=540.0,
+                    help="the comparison (after the table) is cut short past this many "
+                         "seconds from the start")
     ap.add_argument("--cache-dir", help="persistent compilation cache (default: a fresh "
                                         "temporary folder)")
     ap.add_argument("--json", help="also write the results here")
@@ -448,14 +549,32 @@ def main(argv=None) -> int:
                           fmt(row["ms/VAE decode"]), f"{row['TFLOP/s']:.3g}", fmt(row["MFU %"]),
                           fmt(row["UNet MFU %"]), fmt(row["peak GiB"], 2)]), flush=True)
         rows.append({**row, **extra})
-    total = time.perf_counter() - t_start
     if skipped:
         print(f"# skipped batch sizes {skipped}: over the {args.budget_s:.0f} s budget", flush=True)
+    slots = args.engines_slots or (2 if args.smoke else 8)
+    n_mixed = 4 * slots if args.engines_images is None else args.engines_images
+    engines = None
+    if n_mixed:
+        engines = compare_engines(pipe, slots, n_mixed, t_start + args.total_budget_s)
+        for name in ("batch", "step"):
+            r = engines[name]
+            if "skipped" in r:
+                print(f"# engine={name}: skipped ({r['skipped']}; first run "
+                      f"{r['first_run_s']} s)", flush=True)
+                continue
+            print(f"# engine={name}: {n_mixed} images, 4/30 steps mixed, {slots} slots: "
+                  f"{r['images_per_s']:.3f} images/s, p50 latency 4-step "
+                  f"{r['p50_latency_4_step_s']:.3f} s, 30-step {r['p50_latency_30_step_s']:.3f} s",
+                  flush=True)
+        if "step_over_batch_images_per_s" in engines:
+            print(f"# engine=step / engine=batch images/s: "
+                  f"{engines['step_over_batch_images_per_s']:.3f}", flush=True)
+    total = time.perf_counter() - t_start
     print(f"# total {total:.1f} s (FLOPs: {rows[0]['flops_source'] if rows else '-'})", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(
             dict(header, total_s=round(total, 1), skipped_batches=skipped, columns=COLUMNS,
-                 rows=rows), indent=1))
+                 rows=rows, engines=engines), indent=1))
     return 0
 
 

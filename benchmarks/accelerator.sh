@@ -2,7 +2,8 @@
 # One prepared command for a machine with one accelerator (H100 / H200): SDXL-Lightning-shaped
 # random weights, 1024², bf16, 4 Euler trailing steps, no CFG, batches 1 2 4 8 16; prints
 # images/s, ms per UNet step, ms per VAE decode, MFU and peak memory, and writes JSON.
-# Stays under 8 minutes including compilation (see benchmarks/accelerator.py).
+# Then engine=step against engine=batch on a mixed 4/30-step workload. Stays under 10 minutes
+# including compilation (see benchmarks/accelerator.py).
 #
 #   bash benchmarks/accelerator.sh                  # results in benchmarks/results/accelerator-*.json
 #   bash benchmarks/accelerator.sh --batches 1 4    # any benchmarks.accelerator option
@@ -14,6 +15,10 @@ if [ -z "$PY" ]; then
 fi
 "$PY" - <<'PYCHECK'
 import sys
+try:  # everything the benchmark imports, before any compile: fail in seconds, by name
+    import pipelines.step_engine, pipelines.text_to_image  # noqa: F401
+except ImportError as e:
+    sys.exit(f"# missing module {e.name!r}: install it (or carry its wheel) for {sys.executable}")
 import jax
 dev = jax.devices()[0]
 print(f"# jax {jax.__version__}, backend {jax.default_backend()}, {len(jax.devices())} device(s): {dev.device_kind}")
@@ -25,5 +30,5 @@ PYCHECK
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
 mkdir -p benchmarks/results
 out="benchmarks/results/accelerator-$(date -u +%Y%m%dT%H%M%SZ).json"
-timeout 480 "$PY" -m benchmarks.accelerator --json "$out" "$@"
+timeout 590 "$PY" -m benchmarks.accelerator --json "$out" "$@"
 echo "# results: $out"

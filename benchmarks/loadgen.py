@@ -61,6 +61,10 @@ Scenarios:
   Then both engines run at the same rate (``--equal-load`` of the batch engine's capacity) and
   their p99 latencies are compared.
 
+``--price-per-hour P`` (what the one generator replica's host costs per hour) adds the cost
+per 1,000 images to each Offline run, ``P / 3600 / (images/s) x 1000``, the figure
+``/v1/stats`` reports with the serve arg ``price_per_hour`` (:mod:`serving.cost`).
+
 ``--logs DIR`` keeps LoadGen's summary and detail logs of every run under
 ``DIR/<engine>/<workload>/<scenario>-<rate>/`` (the published runs are in ``docs/results/``).
 
@@ -88,6 +92,8 @@ from pathlib import Path
 
 import numpy as np
 import requests
+
+from serving.cost import cost_per_1000_images
 
 PROMPTS = ["a red circle on a blue background", "small green triangle, top left, white background",
            "a large yellow square on black", "a purple circle in the bottom right corner",
@@ -309,6 +315,14 @@ def overhead(url: str, pipe, size: tuple[int, int], batch: int, steps: int,
             "overhead_pct": round(100 * (s - d) / d, 1)}
 
 
+def cost_text(offline: dict, price_per_hour: float | None) -> str:
+    """The cost part of an Offline line: ``", $X per 1,000 images at $P/h"``, or nothing."""
+    if offline.get("cost_per_1000_images") is None:
+        return ""
+    return (f", {offline['cost_per_1000_images']:.4g} per 1,000 images at {price_per_hour:g} "
+            "per replica-hour")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", nargs="+", default=["batch", "step"])
@@ -347,6 +361,9 @@ def main(argv=None) -> None:
     ap.add_argument("--overhead-steps", type=int, nargs="+", default=[4, 30])
     ap.add_argument("--quick", action="store_true",
                     help="short runs (20 s, 3 bisection steps): a smoke run, not for publishing")
+    ap.add_argument("--price-per-hour", type=float, default=None,
+                    help="what the one generator replica (its host) costs per hour: the Offline "
+                         "runs also print $ per 1,000 images (as /v1/stats computes it)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--logs", default=None, help="keep LoadGen's summary and detail logs here")
     a = ap.parse_args(argv)
@@ -374,6 +391,7 @@ def main(argv=None) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": a.port})
     url = f"http://127.0.0.1:{a.port}"
     results: dict = {"p99_bound_s": a.p99, "size": f"{w}x{h}", "model": a.model or "embedded",
+                     "price_per_hour": a.price_per_hour,
                      "max_batch_size": a.max_batch_size, "seconds": a.seconds,
                      "min_queries": a.min_queries, "offline_concurrency": a.offline_concurrency,
                      "engines": {}}
@@ -412,8 +430,11 @@ def main(argv=None) -> None:
                                          seconds=1, min_queries=a.offline_queries,
                                          timeout=a.timeout, logs=wl_logs,
                                          concurrency=a.offline_concurrency, tag=tag)
+                        r["cost_per_1000_images"] = cost_per_1000_images(
+                            a.price_per_hour, r["samples_per_s"])
                         print(f"  {wl} offline ({tag}): {r['samples_per_s']} images/s "
-                              f"({r['errors']} errors)", flush=True)
+                              f"({r['errors']} errors){cost_text(r, a.price_per_hour)}",
+                              flush=True)
                         return r
 
                     off = offline("before")

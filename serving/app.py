@@ -52,7 +52,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from serving import errors, native_api, openai_api, security, validation
+from serving import cost, errors, native_api, openai_api, security, validation
 from serving.client import GENERATOR, GeneratorClient
 from serving.errors import TIMEOUT_HEADER, ApiError, request_id
 from serving.gate import Gate
@@ -373,14 +373,20 @@ class Ingress:
         requests): its node, images served, compiled programs and recent batches (newest
         last), as each replica last reported them (after every batch) to the application's
         stats actor; ``report_age_s`` says how long ago. Replicas that are gone are listed
-        until they have been silent for 10 minutes."""
+        until they have been silent for 10 minutes. ``throughput``: images/s and, with the serve
+        arg ``price_per_hour`` (per replica), the cost per 1,000 images of each live replica and
+        in total over the last ``stats_window_s`` (:mod:`serving.cost`)."""
         try:
             replicas = await self.board.snapshot.remote()
         except Exception as e:  # the stats actor is gone: report, never fail
             logger.warning("stats actor unavailable: %s", type(e).__name__)
             self.board = StatsBoard.get(self.app_name)
             replicas = {}
-        return {"replicas": replicas}
+        figures = cost.throughput(replicas, time.time(), self.s.stats_window_s,
+                                  self.s.price_per_hour, 3 * self.s.health_check_period_s)
+        for r in replicas.values():
+            r.pop("images_by_second", None)  # summed up in throughput
+        return {"replicas": replicas, "throughput": figures}
 
 
 # ---------------------------------------------------------------------------------- builder
@@ -397,14 +403,19 @@ def build_app(args: dict | None = None):
         actor["num_gpus"] = settings.resource_amount
     elif settings.resource:
         actor["resources"] = {settings.resource: settings.resource_amount}
-    gen_options = dict(name=GENERATOR, num_replicas=settings.num_replicas,
-                       max_ongoing_requests=settings.generator_max_ongoing,
+    scaling = settings.autoscaling_config  # None: a fixed num_replicas
+    gen_options = dict(name=GENERATOR, max_ongoing_requests=settings.generator_max_ongoing,
                        max_queued_requests=settings.max_queued_requests,
                        request_router_config=RequestRouterConfig(**ROUTER_BACKOFF),
                        graceful_shutdown_timeout_s=settings.graceful_shutdown_s,
+                       graceful_shutdown_wait_loop_s=settings.graceful_shutdown_wait_loop_s,
                        health_check_period_s=settings.health_check_period_s,
                        health_check_timeout_s=settings.health_check_timeout_s,
                        ray_actor_options=actor)
+    if scaling is None:
+        gen_options["num_replicas"] = settings.num_replicas
+    else:
+        gen_options["autoscaling_config"] = scaling
     if settings.max_replicas_per_node is not None:
         gen_options["max_replicas_per_node"] = settings.max_replicas_per_node
     generator = serve.deployment(Generator).options(**gen_options)

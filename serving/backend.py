@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -44,10 +45,13 @@ class Meters:
     of recent batches (``recent``, newest last; a deque the replica's models may share, each
     batch naming its model) and images served (``images``), for ``/v1/stats``."""
 
-    def __init__(self, model: str, recent: collections.deque | None = None):
+    def __init__(self, model: str, recent: collections.deque | None = None,
+                 window_s: float = 300.0):
         self.tags = {"model": model}
         self.recent = collections.deque(maxlen=256) if recent is None else recent
         self.images = 0
+        self.window_s = window_s
+        self._by_second: collections.deque = collections.deque()  # [unix second, images]
         tags = tuple(self.tags)
         self._images = metrics.Counter(
             "maxdiff_images_generated", "Images generated.", tag_keys=tags)
@@ -64,6 +68,11 @@ class Meters:
         self._expired = metrics.Counter(
             "maxdiff_expired_requests", "Requests dropped unstarted because their deadline "
             "passed in the queue.", tag_keys=tags)
+        self._on_replica = metrics.Gauge(
+            "maxdiff_replica_images", "Images on this replica: waiting for their batch (or "
+            "step-engine slot) or running.", tag_keys=tags)
+        self.on_replica = 0
+        self._on_replica.set(0, tags=self.tags)
         self._cancelled = metrics.Counter(
             "maxdiff_cancelled_images", "Step-engine images cancelled (client gone or deadline "
             "passed); their slots are freed at the next tick.", tag_keys=tags)
@@ -72,7 +81,31 @@ class Meters:
         """A batch ran: keep it in ``recent`` and count its images."""
         self.recent.append({**batch, "model": self.tags["model"]})
         self.images += images
-        self._images.inc(images, tags=self.tags)
+        if images:  # a batch whose every request expired made none (Ray's inc refuses 0)
+            self._images.inc(images, tags=self.tags)
+        second = int(time.time())
+        if self._by_second and self._by_second[-1][0] == second:
+            self._by_second[-1][1] += images
+        else:
+            self._by_second.append([second, images])
+
+    def images_by_second(self) -> list[list[int]]:
+        """``[unix second, images finished in it]`` over the last ``window_s`` (oldest first),
+        what ``/v1/stats`` turns into images/s and cost."""
+        while self._by_second and self._by_second[0][0] < time.time() - self.window_s - 1:
+            self._by_second.popleft()
+        return [list(x) for x in self._by_second]
+
+    @contextlib.contextmanager
+    def holding(self, images: int):
+        """A job's ``images`` are on the replica while the block runs (``maxdiff_replica_images``)."""
+        self.on_replica += images
+        self._on_replica.set(self.on_replica, tags=self.tags)
+        try:
+            yield
+        finally:
+            self.on_replica -= images
+            self._on_replica.set(self.on_replica, tags=self.tags)
 
     def batch_requests(self, n: int) -> None:
         self._batch.observe(n, tags=self.tags)

@@ -43,7 +43,9 @@ class GeneratorClient:
 
     async def state(self) -> tuple[bool, dict]:
         """(ready, detail): ready once a generator replica is RUNNING, i.e. its constructor
-        (model load and warm-up compiles) has returned. Cached for a second."""
+        (model load and warm-up compiles) has returned, and while autoscaling has scaled the
+        generator to zero after that (``detail["scaled_to_zero"]``: requests wait for a replica
+        to start). Cached for a second."""
         at, ready, detail = self._state
         if time.monotonic() - at < 1.0:
             return ready, detail
@@ -57,6 +59,10 @@ class GeneratorClient:
             detail = {"generator_replicas": states, "generator_status":
                       getattr(dep.status, "value", str(dep.status)) if dep else "missing"}
             ready = running > 0
+            if not ready and self._ready_seen and self.s.scales_to_zero and detail[
+                    "generator_status"] in ("HEALTHY", "UPSCALING"):
+                # idle at min_replicas 0: a request is taken and waits for a replica to start
+                ready, detail["scaled_to_zero"] = True, True
         except Exception as e:  # controller unreachable: not ready
             ready, detail = False, {"error": f"{type(e).__name__}: {e}"}
         self._state = (time.monotonic(), ready, detail)

@@ -29,8 +29,9 @@ engine's denoised-estimate previews) and the result, for the streaming routes.
 Health: Ray Serve calls :meth:`Generator.check_health` every ``health_check_period_s``; it runs a
 tiny program on the replica's devices with the loaded weights and raises if that fails or
 hangs, so Ray Serve replaces the replica. After every batch a replica reports its stats to the
-application's :class:`StatsBoard` actor, which ``/v1/stats`` reads, and every model it loads
-publishes its defaults and limits there for ``/v1/models``.
+application's :class:`StatsBoard` actor, which ``/v1/stats`` reads (and after every health
+check, so an idle replica's report stays fresh), and every model it loads publishes its
+defaults and limits there for ``/v1/models``.
 """
 
 from __future__ import annotations
@@ -224,6 +225,7 @@ class Generator:
         self._loading: dict[str, asyncio.Future] = {}
         self.loads: collections.Counter = collections.Counter()  # model loads on this replica
         self.warmup_s, self.warmed = 0.0, []  # the default model's warm-up, at start
+        self.ready_at: float | None = None  # unix time the default model's warm-up finished
         async def load_model(name: str) -> LoadedModel:  # a function: the multiplexer keeps
             return await self._load(name)                # its LRU as an attribute of it
 
@@ -232,6 +234,7 @@ class Generator:
         model = await self.load_model(catalog.default.name)
         await asyncio.to_thread(model.warm_up)
         self.warmup_s, self.warmed = model.warmup_s, model.warmed
+        self.ready_at = time.time()  # serving (and costing) from now on
         logger.info("generator ready on node %s: %s loaded in %.1fs, warm-up %.1fs, %d "
                     "program(s)", self.replica["node_id"], model.name, model.load_s,
                     self.warmup_s, model.pipe.num_compiled)
@@ -245,7 +248,7 @@ class Generator:
         if task is None:
             served = self.catalog.get(name)
             if name not in self._meters:  # kept across reloads: counts and metrics go on
-                self._meters[name] = Meters(name, self._recent)
+                self._meters[name] = Meters(name, self._recent, self.settings.stats_window_s)
             meters = self._meters[name]
             task = self._loading[name] = asyncio.ensure_future(asyncio.to_thread(
                 LoadedModel, served, self.settings, meters, self._device_lock, self.replica,
@@ -297,7 +300,17 @@ class Generator:
                                          for m in models.values()),
                 "batches": batches, "warmed": self.warmed, "warmup_s": self.warmup_s,
                 "engine": self.settings.engine, "loaded_models": list(self._loaded),
-                "models": models}
+                "models": models, "ready_at": self.ready_at,
+                "images_by_second": self._images_by_second()}
+
+    def _images_by_second(self) -> list[list[int]]:
+        """``[unix second, images]`` finished on this replica over the stats window, every
+        model's together (oldest first): what ``/v1/stats`` turns into images/s and cost."""
+        total: dict[int, int] = collections.Counter()
+        for meters in self._meters.values():
+            for second, images in meters.images_by_second():
+                total[second] += images
+        return [[sec, total[sec]] for sec in sorted(total)]
 
     def _report(self) -> None:
         try:  # fire and forget: stats must never slow or fail a request
@@ -315,6 +328,7 @@ class Generator:
         model = next(reversed(self._loaded.values()))
         await asyncio.wait_for(asyncio.to_thread(model.pipe.probe),
                                self.settings.health_check_timeout_s / 2)
+        self._report()  # a heartbeat: /v1/stats tells live replicas from gone ones by it
 
     async def generate(self, job: GenerationRequest, timeout_s: float | None = None
                        ) -> JobResult:
@@ -323,14 +337,16 @@ class Generator:
         (:class:`Expired`)."""
         model = await self._model()
         model.validate(job)
-        return await model.backend.generate(job, timeout_s)
+        with model.meters.holding(job.n):
+            return await model.backend.generate(job, timeout_s)
 
     async def edit(self, job: EditRequest, timeout_s: float | None = None) -> JobResult:
         """Like :meth:`generate` for an image-to-image (no mask) or inpainting job; edit jobs
         are batched with the jobs of their :class:`EditKey` (on either engine)."""
         model = await self._model()
         model.validate_edit(job)
-        return await model.batches.generate(job, timeout_s)
+        with model.meters.holding(job.n):
+            return await model.batches.generate(job, timeout_s)
 
     async def generate_stream(self, job: GenerationRequest, timeout_s: float | None = None,
                               partial_images: int = 0):
@@ -344,7 +360,8 @@ class Generator:
         allows fewer than asked)."""
         model = await self._model()
         model.validate(job, stream=True)
-        async with contextlib.aclosing(model.backend.stream(job, timeout_s,
-                                                            partial_images)) as events:
-            async for event in events:  # closed at once when the client leaves
-                yield event
+        with model.meters.holding(job.n):
+            async with contextlib.aclosing(model.backend.stream(job, timeout_s,
+                                                                partial_images)) as events:
+                async for event in events:  # closed at once when the client leaves
+                    yield event

@@ -5,7 +5,7 @@ strictly from ``build_app``'s args (a dict from ``serve run ... key=value`` or a
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -193,6 +193,42 @@ def split_run_args(args: dict) -> tuple[dict, dict]:
     return args, run
 
 
+class Autoscaling(StrictConfig):
+    """Ray Serve's ``autoscaling_config`` for the generator deployment (serve arg
+    ``autoscaling``; ``num_replicas: auto`` turns it on with these defaults). The defaults suit
+    image generation, where a new replica loads the model and compiles for seconds to minutes:
+    scale up after 30 s of load (a shorter burst is served sooner by the replicas already warm),
+    down after 10 minutes idle (a replica is slow to bring back), never below one replica unless
+    ``min_replicas: 0`` is asked for (the first request after zero waits for a cold start)."""
+
+    min_replicas: int = Field(1, ge=0)  # 0: scale to zero when idle
+    max_replicas: int = Field(4, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)  # None: min_replicas (at least 1)
+    # requests per replica (running and waiting for it) the autoscaler aims at; None: a full
+    # batch (max_batch_size; engine=step: engine_slots)
+    target_ongoing_requests: float | None = Field(None, gt=0)
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+    downscale_to_zero_delay_s: float | None = Field(None, ge=0)  # None: downscale_delay_s
+    metrics_interval_s: float = Field(10.0, gt=0)  # how often replicas and callers report load
+    look_back_period_s: float = Field(30.0, gt=0)  # the window the load is averaged over
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"autoscaling.min_replicas={self.min_replicas} is above "
+                             f"autoscaling.max_replicas={self.max_replicas}")
+        if self.initial_replicas is not None and not (
+                self.min_replicas <= self.initial_replicas <= self.max_replicas):
+            raise ValueError(f"autoscaling.initial_replicas={self.initial_replicas} must lie "
+                             f"in [min_replicas, max_replicas] = [{self.min_replicas}, "
+                             f"{self.max_replicas}]")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(f"autoscaling.look_back_period_s={self.look_back_period_s} must be "
+                             f"above autoscaling.metrics_interval_s={self.metrics_interval_s}")
+        return self
+
+
 def _as_list(value) -> Any:
     """A list arg given as a string: ``"[a, b]"`` (YAML) or ``"a,b"``; one value: a list of it."""
     if isinstance(value, (int, float, dict)) and not isinstance(value, bool):
@@ -236,7 +272,10 @@ class ServeSettings(StrictConfig):
     # none waits forever: pipelines.step_scheduler)
     step_policy: StepPolicy = "fifo"
     # replicas and placement
-    num_replicas: int = Field(1, ge=1)
+    # a fixed count, or "auto": replicas follow the load within `autoscaling` (its defaults
+    # unless given; an `autoscaling` block alone also turns it on)
+    num_replicas: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
+    autoscaling: Autoscaling | None = None
     resource: str | None = None  # "GPU", "TPU" or a custom per-host resource; None: CPU only
     resource_amount: float = Field(1.0, gt=0)  # of `resource` per replica (e.g. every chip)
     num_cpus: float = Field(1.0, ge=0)  # per generator replica
@@ -276,8 +315,15 @@ class ServeSettings(StrictConfig):
     cors_origins: tuple[str, ...] = ()  # origins allowed to call from a browser; () : no CORS
     log_prompts: bool = False  # prompts appear in the logs only when true
     playground: bool = True  # the web playground at GET / (docs/service.md, "Playground")
+    # cost (/v1/stats): what one generator replica costs per hour (its host, or its share of
+    # one: every accelerator it holds), in any currency; None: no cost figures
+    price_per_hour: float | None = Field(None, ge=0)
+    stats_window_s: float = Field(300.0, gt=0)  # /v1/stats' images/s and cost: this window
     # faults
-    graceful_shutdown_s: float = Field(60.0, ge=0)  # in-flight batches may finish within this
+    # a replica being removed (scale-down, redeploy) takes no new requests and finishes its
+    # in-flight ones within this; checked every graceful_shutdown_wait_loop_s
+    graceful_shutdown_s: float = Field(60.0, ge=0)
+    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0)
     health_check_period_s: float = Field(10.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
 
@@ -285,6 +331,22 @@ class ServeSettings(StrictConfig):
     @classmethod
     def _shapes(cls, v):
         return tuple(WarmupShape.parse(x) for x in (_as_list(v) or ()))
+
+    @field_validator("num_replicas", mode="before")
+    @classmethod
+    def _replicas(cls, v):
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError("num_replicas must be a count >= 1 or auto")
+
+    @field_validator("autoscaling", mode="before")
+    @classmethod
+    def _autoscaling(cls, v):
+        if v is None or isinstance(v, Autoscaling):
+            return v
+        if not isinstance(v, dict):
+            raise ValueError("give a mapping, e.g. {min_replicas: 0, max_replicas: 4}")
+        return validate(Autoscaling, v, "autoscaling")
 
     @field_validator("adapters", mode="before")
     @classmethod
@@ -329,6 +391,10 @@ class ServeSettings(StrictConfig):
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.autoscaling is not None and "num_replicas" in self.model_fields_set \
+                and self.num_replicas != "auto":
+            raise ValueError(f"num_replicas={self.num_replicas} and an autoscaling block: give "
+                             "num_replicas: auto with autoscaling, or a fixed num_replicas alone")
         if self.max_queued_requests < 1 and self.max_queued_requests != -1:
             raise ValueError("max_queued_requests must be >= 1, or -1 for no limit")
         if (self.max_ongoing_requests is not None
@@ -369,6 +435,23 @@ class ServeSettings(StrictConfig):
         if self.max_ongoing_requests:
             return self.max_ongoing_requests
         return 4 * self.slots if self.engine == "step" else 2 * self.max_batch_size
+
+    @property
+    def autoscaling_config(self) -> dict | None:
+        """Ray Serve's ``autoscaling_config`` for the generator, or None (fixed replicas)."""
+        if self.num_replicas != "auto" and self.autoscaling is None:
+            return None
+        a = self.autoscaling or Autoscaling()
+        config = a.model_dump(exclude_none=True)
+        config["target_ongoing_requests"] = a.target_ongoing_requests or (
+            self.slots if self.engine == "step" else self.max_batch_size)
+        if a.initial_replicas is None and a.min_replicas == 0:
+            config["initial_replicas"] = 1  # start serving; scale to zero once idle
+        return config
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return (self.autoscaling_config or {}).get("min_replicas", 1) == 0
 
     @property
     def slots(self) -> int:

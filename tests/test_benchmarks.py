@@ -23,13 +23,14 @@ def _env() -> dict:
 @pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_accelerator_smoke_prints_the_table(tmp_path):
     """benchmarks.accelerator --smoke (tiny configs, 64², batches 1 and 2, on the CPU): the
-    header, the table's columns, one row per batch with numbers, and the same in the JSON."""
+    header, the table's columns, one row per batch with numbers, and the same in the JSON; then
+    the engine comparison (8 images, 2 slots) with both engines' figures."""
     from benchmarks.accelerator import COLUMNS
 
     out = tmp_path / "acc.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.accelerator", "--smoke",
                            "--reps", "1", "--json", str(out)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     header = " | ".join(COLUMNS)
@@ -48,6 +49,18 @@ def test_accelerator_smoke_prints_the_table(tmp_path):
     assert result["setup"] == "smoke" and result["size"] == 64 and result["steps"] == 4
     assert [r["batch"] for r in result["rows"]] == [1, 2]
     assert set(COLUMNS) <= set(result["rows"][0])
+    # engine=step against engine=batch on the mixed 4/30-step workload, in the same run
+    engines = result["engines"]
+    assert (engines["images"], engines["slots"], engines["steps"]) == (8, 2, [4, 30])
+    for name in ("batch", "step"):
+        r = engines[name]
+        assert r["images_per_s"] == pytest.approx(8 / r["run_s"], rel=1e-2)
+        assert 0 < r["p50_latency_4_step_s"] <= r["run_s"]
+        assert 0 < r["p50_latency_30_step_s"] <= r["run_s"]
+        assert any(line.startswith(f"# engine={name}: 8 images, 4/30 steps mixed, 2 slots: ")
+                   for line in lines)
+    assert engines["step_over_batch_images_per_s"] == pytest.approx(
+        engines["step"]["images_per_s"] / engines["batch"]["images_per_s"], rel=1e-2)
     assert result["rows"][0]["flops_source"] == "xla cost analysis"
     assert result["rows"][0]["unet_tflop"] > 0 and result["rows"][0]["vae_tflop"] > 0
 
@@ -86,6 +99,21 @@ def test_loadgen_flags_a_capacity_above_the_offline_throughput():
                            "step": {"uniform": row(20.9, 21.8, 21.8),
                                     "mixed": row(5.5, 5.9, 6.2)}}}
     assert inconsistent_rows(results) == ["step/mixed: capacity 6.200/s > Offline 5.900 images/s"]
+
+
+def test_loadgen_prints_the_cost_per_1000_images_of_an_offline_run():
+    """--price-per-hour: an Offline run at 2 images/s on a replica at 3.6 per hour costs
+    3.6 / 3600 / 2 x 1000 = 0.5 per 1,000 images, the figure /v1/stats computes; no price, no
+    figure."""
+    pytest.importorskip("requests")
+    from benchmarks.loadgen import cost_text
+    from serving.cost import cost_per_1000_images
+
+    assert cost_per_1000_images(3.6, 2.0) == pytest.approx(0.5)
+    assert cost_per_1000_images(None, 2.0) is None and cost_per_1000_images(3.6, 0.0) is None
+    run = {"samples_per_s": 2.0, "cost_per_1000_images": cost_per_1000_images(3.6, 2.0)}
+    assert cost_text(run, 3.6) == ", 0.5 per 1,000 images at 3.6 per replica-hour"
+    assert cost_text({"samples_per_s": 2.0, "cost_per_1000_images": None}, None) == ""
 
 
 def test_compare_text_parts_do_equal_work(sdxl_dir):

@@ -46,6 +46,31 @@ def test_settings_adapters():
             ServeSettings.from_args({"adapters": bad})
 
 
+def test_autoscaling_settings():
+    """num_replicas: auto takes the image-generation defaults; an autoscaling block alone turns
+    autoscaling on; the target defaults to a full batch (engine=step: the engine's slots); a
+    generator that may scale to zero starts with one replica."""
+    from serving.schemas import ServeSettings
+
+    assert ServeSettings.from_args({"num_replicas": "3"}).autoscaling_config is None
+    auto = ServeSettings.from_args({"num_replicas": "auto", "max_batch_size": "4"})
+    assert auto.autoscaling_config == {
+        "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 4,
+        "upscale_delay_s": 30.0, "downscale_delay_s": 600.0, "metrics_interval_s": 10.0,
+        "look_back_period_s": 30.0}
+    assert not auto.scales_to_zero
+    zero = ServeSettings.from_args({"autoscaling": "{min_replicas: 0, max_replicas: 8}",
+                                    "engine": "step", "engine_slots": "16"})
+    assert zero.num_replicas == 1 and zero.scales_to_zero
+    assert {k: zero.autoscaling_config[k] for k in (
+        "min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests")} == {
+        "min_replicas": 0, "max_replicas": 8, "initial_replicas": 1, "target_ongoing_requests": 16}
+    # what Ray Serve itself accepts
+    from ray.serve.config import AutoscalingConfig
+
+    AutoscalingConfig(**zero.autoscaling_config)
+
+
 @pytest.mark.parametrize("args,message", [
     ({"max_batchsize": 4}, "unknown serve arg 'max_batchsize'"),
     ({"max_batch_size": "many"}, "key 'max_batch_size': Input should be a valid integer"),
@@ -57,6 +82,22 @@ def test_settings_adapters():
     ({"engine": "steps"}, "key 'engine'"),
     ({"step_policy": "sjf"}, "key 'step_policy': Input should be 'fifo' or 'srs'"),
     ({"max_batch_size": 8, "max_ongoing_requests": 4}, "batches could never fill"),
+    ({"num_replicas": 0}, "key 'num_replicas': num_replicas must be a count >= 1 or auto"),
+    ({"num_replicas": "many"}, "num_replicas must be a count >= 1 or auto"),
+    ({"num_replicas": 2, "autoscaling": {}}, "give num_replicas: auto with autoscaling"),
+    ({"autoscaling": {"max_replica": 2}}, "unknown key 'max_replica'; allowed keys: min_replicas"),
+    ({"autoscaling": {"min_replicas": -1}}, "key 'min_replicas': Input should be greater than or "
+                                            "equal to 0"),
+    ({"autoscaling": "{min_replicas: 3, max_replicas: 2}"},
+     r"autoscaling.min_replicas=3 is above autoscaling.max_replicas=2"),
+    ({"autoscaling": {"initial_replicas": 9}}, r"must lie in \[min_replicas, max_replicas\] = "
+                                               r"\[1, 4\]"),
+    ({"autoscaling": {"target_ongoing_requests": 0}}, "key 'target_ongoing_requests': Input "
+                                                      "should be greater than 0"),
+    ({"autoscaling": {"look_back_period_s": 5, "metrics_interval_s": 5}},
+     "look_back_period_s=5.0 must be above autoscaling.metrics_interval_s=5.0"),
+    ({"autoscaling": 3}, "key 'autoscaling': give a mapping"),
+    ({"price_per_hour": -1}, "key 'price_per_hour': Input should be greater than or equal to 0"),
 ])
 def test_settings_refuse_bad_args(args, message):
     from serving.schemas import ServeSettings
