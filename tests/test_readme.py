@@ -45,6 +45,9 @@ NOT_RUN = {
         "a benchmark (tens of minutes on an idle machine); tests/test_benchmarks.py runs its parts",
     "python -m benchmarks.compare --quick --repeats 3 --compile off --json repeats.json":
         "a benchmark (tens of minutes on an idle machine); tests/test_benchmarks.py runs its parts",
+    "kubectl apply -f deploy/rayservice-gpu.yaml":
+        "needs a Kubernetes cluster with the KubeRay operator; tests/test_deploy.py validates "
+        "both manifests against Ray Serve's schema and configs/serve.yaml",
     "bash benchmarks/accelerator.sh":
         "needs an H100/H200; tests/test_benchmarks.py runs its --smoke mode on the CPU",
     "python -m benchmarks.cold_start --model /models/sdxl-base --size 1024 --steps 4 --json cold.json":
@@ -166,6 +169,10 @@ def test_yaml_blocks_are_valid_configs():
                     ServeSettings.from_args(app.get("args") or {})
         elif "apiVersion" in data:
             assert data.get("kind"), f"{b.page}: a manifest without kind"
+        else:  # a fragment of serve args
+            from serving.settings import ServeSettings
+
+            ServeSettings.from_args(data)
 
 
 def _anchor(heading: str) -> str:
