@@ -1,6 +1,6 @@
 """Prompt fidelity of a model on the shapes task, scored by a deterministic image analyser.
 
-    python -m pipelines.demo_eval [--split val|test|fresh|wording] [--model DIR] [--steps N ...]
+    python -m pipelines.demo_eval [--split val|test|fresh|wording|wording2] [--model DIR] [--steps N ...]
                                   [--guidance G ...] [--sampler S ...]
 
 Held out, three ways: the (shape, colour, background) combinations of ``val`` and ``test``
@@ -111,6 +111,7 @@ FLOORS = {
                 "shape_fill_rule": 0.88},
 }
 SPLITS_ALL = ("val", "test", *FRESH)
+WORDINGS = {"wording": UNSEEN_TEMPLATES, "wording2": UNSEEN_TEMPLATES_2}  # set -> its phrasings
 
 PALETTE = np.array(list(shapes.COLORS.values()), np.float32)
 NAMES = list(shapes.COLORS)
@@ -142,8 +143,9 @@ def eval_set(split: str = "test", n: int | None = None) -> list[tuple[str, int, 
     """``n`` (prompt, noise seed, scene) triples over a set's combinations, each combination
     equally often (sorted, cycled); layouts and captions random from a seed training never uses.
 
-    ``split``: ``val`` (choosing settings), ``test`` (the first report), ``fresh`` or ``wording``
-    (the test combinations again, drawn after the analyser was frozen; see :data:`FRESH`)."""
+    ``split``: ``val`` (choosing settings), ``test`` (the first report), ``fresh``, ``wording``
+    or ``wording2`` (the test combinations again, drawn after the analyser was frozen; see
+    :data:`FRESH`)."""
     if split not in SPLITS_ALL:
         raise ValueError(f"unknown evaluation set {split!r}; use one of {SPLITS_ALL}")
     n = n or (N_VAL if split == "val" else N_TEST)
@@ -158,11 +160,8 @@ def eval_set(split: str = "test", n: int | None = None) -> list[tuple[str, int, 
         layout = shapes.random_scene(rng, None)
         scene = shapes.Scene(shape, color, bg, *[getattr(layout, f) for f in
                                                  ("size", "pos", "cx", "cy", "r")])
-        if split in ("wording", "wording2"):
-            templates = UNSEEN_TEMPLATES if split == "wording" else UNSEEN_TEMPLATES_2
-            t = templates[i % len(templates)]
-            prompt = t.format(size=scene.size, color=color, shape=shape, bg=bg).replace(
-                "a orange", "an orange")
+        if split in WORDINGS:
+            prompt = shapes.fill(WORDINGS[split][i % len(WORDINGS[split])], scene)
         else:
             prompt = shapes.caption(scene, rng)
         out.append((prompt, noise + i, scene))

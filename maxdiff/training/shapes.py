@@ -169,23 +169,27 @@ def render(scene: Scene) -> np.ndarray:
     return img
 
 
+def fill(template: str, scene: Scene, pos: str | None = None) -> str:
+    """``template`` with the scene's words (``pos`` instead of its position if given), with
+    "an" before "orange"."""
+    text = template.format(size=scene.size, color=scene.color, shape=scene.shape, bg=scene.bg,
+                           pos=scene.pos if pos is None else pos)
+    return text.replace("a orange", "an orange").replace("A orange", "An orange")
+
+
 def caption(scene: Scene, rng: np.random.Generator, captions: str = "v1") -> str:
     """One caption for the scene, from a randomly chosen template family; ``captions="v2"``
     draws 30 % of them from :data:`TEMPLATES_BG_FIRST` (v1's draws are unchanged by it)."""
     if captions not in CAPTION_SETS:
         raise ValueError(f"captions={captions!r}; use one of {CAPTION_SETS}")
     if captions == "v2" and rng.random() < 0.3:
-        t = TEMPLATES_BG_FIRST[rng.integers(len(TEMPLATES_BG_FIRST))]
-        text = t.format(size=scene.size, color=scene.color, shape=scene.shape, bg=scene.bg,
-                        pos=scene.pos)
-        return text.replace("a orange", "an orange")
+        return fill(TEMPLATES_BG_FIRST[rng.integers(len(TEMPLATES_BG_FIRST))], scene)
     u = rng.random()
     family = (TEMPLATES_SHORT if u < 0.4 else TEMPLATES_FULL if u < 0.7
               else TEMPLATES_SIZE if u < 0.85 else TEMPLATES_POS)
     t = family[rng.integers(len(family))]
     pos = "middle" if scene.pos == "center" and "{pos}," in t and rng.random() < 0.5 else scene.pos
-    text = t.format(size=scene.size, color=scene.color, shape=scene.shape, bg=scene.bg, pos=pos)
-    return text.replace("a orange", "an orange").replace("A orange", "An orange")
+    return fill(t, scene, pos)
 
 
 def sample(rng: np.random.Generator, split: str | None = "train", captions: str = "v1"
