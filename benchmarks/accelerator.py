@@ -510,7 +510,7 @@ def main(argv=None) -> int:
 
     full_1024 = not args.smoke and spec["size"] == 1024
     text_flops = 2 * 77 * (n_params["text_encoder"] + n_params["text_encoder_2"])
-    rows, skipped = [], []
+    rows, skipped, failed = [], [], []
     print(" | ".join(COLUMNS), flush=True)
     for b in batches:
         if time.perf_counter() - t_start > args.budget_s:
@@ -525,37 +525,46 @@ def main(argv=None) -> int:
             source = "xla cost analysis"
             unet_fl, vae_fl = xla_flops(unet_c), xla_flops(vae_c)
         pipe_fl = 4 * unet_fl + vae_fl + text_flops * b
-        t_first = time.perf_counter()
-        pipe.generate(items(b), num_inference_steps=4)  # loads the program from the cache
-        first_s = time.perf_counter() - t_first
-        t_pipe = median_time(lambda: pipe.generate(items(b), num_inference_steps=4), args.reps,
-                             warm_up=False)  # the first call was the warm-up
-        unet_args, vae_args = inputs[("unet", b)], inputs[("vae", b)]
-        t_unet = median_time(lambda: jax.block_until_ready(unet_c(*unet_args)), args.reps)
-        t_vae = median_time(lambda: jax.block_until_ready(vae_c(*vae_args)), args.reps)
-        pk = peak_bytes()
-        row = {"batch": b, "images/s": b / t_pipe, "ms/UNet step": 1e3 * t_unet,
-               "ms/VAE decode": 1e3 * t_vae, "TFLOP/s": pipe_fl / t_pipe / 1e12,
-               "MFU %": None if peak is None else 100 * pipe_fl / t_pipe / 1e12 / peak,
-               "UNet MFU %": None if peak is None else 100 * unet_fl / t_unet / 1e12 / peak,
-               "peak GiB": None if pk is None else pk / 2**30}
-        extra = dict(pipeline_s=t_pipe, first_call_s=first_s, flops_source=source,
-                     unet_tflop=unet_fl / 1e12, vae_tflop=vae_fl / 1e12,
-                     pipeline_tflop=pipe_fl / 1e12,
-                     program_bytes={k: memory_bytes(compiled[(k, b)])
-                                    for k in ("pipeline", "unet", "vae")},
-                     vae_mfu_pct=None if peak is None else 100 * vae_fl / t_vae / 1e12 / peak)
-        print(" | ".join([str(b), fmt(row["images/s"], 2), fmt(row["ms/UNet step"]),
-                          fmt(row["ms/VAE decode"]), f"{row['TFLOP/s']:.3g}", fmt(row["MFU %"]),
-                          fmt(row["UNet MFU %"]), fmt(row["peak GiB"], 2)]), flush=True)
-        rows.append({**row, **extra})
+        try:  # one batch size that does not fit (memory) must not cost the others
+            t_first = time.perf_counter()
+            pipe.generate(items(b), num_inference_steps=4)  # loads the program from the cache
+            first_s = time.perf_counter() - t_first
+            t_pipe = median_time(lambda: pipe.generate(items(b), num_inference_steps=4), args.reps,
+                                 warm_up=False)  # the first call was the warm-up
+            unet_args, vae_args = inputs[("unet", b)], inputs[("vae", b)]
+            t_unet = median_time(lambda: jax.block_until_ready(unet_c(*unet_args)), args.reps)
+            t_vae = median_time(lambda: jax.block_until_ready(vae_c(*vae_args)), args.reps)
+            pk = peak_bytes()
+            row = {"batch": b, "images/s": b / t_pipe, "ms/UNet step": 1e3 * t_unet,
+                   "ms/VAE decode": 1e3 * t_vae, "TFLOP/s": pipe_fl / t_pipe / 1e12,
+                   "MFU %": None if peak is None else 100 * pipe_fl / t_pipe / 1e12 / peak,
+                   "UNet MFU %": None if peak is None else 100 * unet_fl / t_unet / 1e12 / peak,
+                   "peak GiB": None if pk is None else pk / 2**30}
+            extra = dict(pipeline_s=t_pipe, first_call_s=first_s, flops_source=source,
+                         unet_tflop=unet_fl / 1e12, vae_tflop=vae_fl / 1e12,
+                         pipeline_tflop=pipe_fl / 1e12,
+                         program_bytes={k: memory_bytes(compiled[(k, b)])
+                                        for k in ("pipeline", "unet", "vae")},
+                         vae_mfu_pct=None if peak is None else 100 * vae_fl / t_vae / 1e12 / peak)
+            print(" | ".join([str(b), fmt(row["images/s"], 2), fmt(row["ms/UNet step"]),
+                              fmt(row["ms/VAE decode"]), f"{row['TFLOP/s']:.3g}", fmt(row["MFU %"]),
+                              fmt(row["UNet MFU %"]), fmt(row["peak GiB"], 2)]), flush=True)
+            rows.append({**row, **extra})
+        except Exception as e:  # noqa: BLE001  (XlaRuntimeError: RESOURCE_EXHAUSTED, ...)
+            failed.append({"batch": b, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(f"# batch {b}: failed: {failed[-1]['error']}", flush=True)
     if skipped:
         print(f"# skipped batch sizes {skipped}: over the {args.budget_s:.0f} s budget", flush=True)
     slots = args.engines_slots or (2 if args.smoke else 8)
     n_mixed = 4 * slots if args.engines_images is None else args.engines_images
     engines = None
     if n_mixed:
-        engines = compare_engines(pipe, slots, n_mixed, t_start + args.total_budget_s)
+        try:
+            engines = compare_engines(pipe, slots, n_mixed, t_start + args.total_budget_s)
+        except Exception as e:  # noqa: BLE001  (the table above is kept either way)
+            msg = f"{type(e).__name__}: {str(e)[:300]}"
+            engines = {n: {"skipped": f"failed: {msg}", "first_run_s": None}
+                       for n in ("batch", "step")}
         for name in ("batch", "step"):
             r = engines[name]
             if "skipped" in r:
@@ -573,7 +582,8 @@ def main(argv=None) -> int:
     print(f"# total {total:.1f} s (FLOPs: {rows[0]['flops_source'] if rows else '-'})", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(
-            dict(header, total_s=round(total, 1), skipped_batches=skipped, columns=COLUMNS,
+            dict(header, total_s=round(total, 1), skipped_batches=skipped,
+                 failed_batches=failed, columns=COLUMNS,
                  rows=rows, engines=engines), indent=1))
     return 0
 
