@@ -102,9 +102,9 @@ UNSEEN_TEMPLATES_2 = (
 # Training from scratch on v2 captions (#25), decided before that run, after the fine-tune fell
 # short: configs/train-demo.yaml as the shipped model was trained (10,000 UNet steps, batch 32,
 # lr 6e-4 after 200 warm-up steps, weight decay 0.01) with captions=v2, the VAE reused from the
-# shipped model (its phase sees images only, no captions), run on one H200 (float32 with
-# JAX_DEFAULT_MATMUL_PRECISION=highest; 2 CPU cores would need about 1.5 h), snapshots every
-# 2,500 steps (four: what one device call brings back). Choice: the fine-tune's rule above
+# shipped model (its phase sees images only, no captions), snapshots every 2,500 steps. The
+# H200 attempt (float32, 26 steps/s) was stopped by its call's time limit at step 2,387 before
+# any snapshot, so the run is `make train-demo-v2` on 2 CPU cores. Choice: the fine-tune's rule above
 # unchanged (val all >= 99 %, then the highest wording all, ties to fewer steps; it ships only
 # at >= 80 % on wording), evaluated on this repository's CPU path; fresh and wording2 once.
 # What we would call following the words (all three right), stated before the first scoring.
