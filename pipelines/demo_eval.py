@@ -104,7 +104,9 @@ UNSEEN_TEMPLATES_2 = (
 # lr 6e-4 after 200 warm-up steps, weight decay 0.01) with captions=v2, the VAE reused from the
 # shipped model (its phase sees images only, no captions), snapshots every 2,500 steps. The
 # H200 attempt (float32, 26 steps/s) was stopped by its call's time limit at step 2,387 before
-# any snapshot, so the run is `make train-demo-v2` on 2 CPU cores. Choice: the fine-tune's rule above
+# any snapshot, so the run is `make train-demo-v2` on 2 CPU cores (started 13:51 UTC; at the
+# shared machine's 1 step/s the candidates are the snapshots written by 16:00, scored as they
+# come; set before any was scored). Choice: the fine-tune's rule above
 # unchanged (val all >= 99 %, then the highest wording all, ties to fewer steps; it ships only
 # at >= 80 % on wording), evaluated on this repository's CPU path; fresh and wording2 once.
 # What we would call following the words (all three right), stated before the first scoring.
