@@ -20,10 +20,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=20
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow --durations=10
 
 demo: $(STAMP)
 	$(PY) -m pipelines.demo
