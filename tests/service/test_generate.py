@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,24 +150,37 @@ def test_concurrent_requests_share_a_batch(main_app, pipe):
         assert np.abs(got - np.asarray(single, int)).max() <= 1
 
 
-def test_a_new_shape_does_not_hold_up_compiled_ones(main_app):
+def test_a_new_shape_does_not_hold_up_compiled_ones(cluster, main_app):
     """A 16x16 request (its own batch queue; its program compiles for seconds) sent together
-    with 32x32 ones: the 32x32 requests are served while it compiles."""
+    with 32x32 ones: the 32x32 requests are served while it compiles. The program must really
+    compile: the runs share a persistent compilation cache that outlives them, so the 16x16
+    request takes a step count drawn per run, and the cache entries written during the test
+    are removed afterwards (a cached program loads in milliseconds and races the others)."""
+    import random
+
+    steps = random.choice([k for k in range(1, MAIN_ARGS["max_steps"] + 1) if k != STEPS])
+    cache = Path(cluster.cache)
+    before = set(cache.rglob("*"))
     done = {}
 
     def send(i):
         r = generate_as_a_client(main_app.url, seed=i,
-                                  **({"width": 16, "height": 16} if i == 0 else {}))
+                                  **({"width": 16, "height": 16, "steps": steps} if i == 0 else {}))
         done[i] = time.monotonic()
         return r
 
-    rs = concurrently(4, send)
+    try:
+        rs = concurrently(4, send)
+    finally:
+        for f in set(cache.rglob("*")) - before:
+            if f.is_file():
+                f.unlink(missing_ok=True)
     assert [r.status_code for r in rs] == [200] * 4, [r.text for r in rs]
     assert png(rs[0].json()["images"][0]["b64_json"]).shape == (16, 16, 3)
-    assert max(done[i] for i in (1, 2, 3)) < done[0]
+    assert max(done[i] for i in (1, 2, 3)) < done[0], (steps, done)
     shapes = {b["shape"] for rep in requests.get(f"{main_app.url}/v1/stats").json()[
         "replicas"].values() for b in rep["batches"]}
-    assert {f"16x16:{STEPS}:nocfg", f"{SIZE}x{SIZE}:{STEPS}:nocfg"} <= shapes
+    assert {f"16x16:{steps}:nocfg", f"{SIZE}x{SIZE}:{STEPS}:nocfg"} <= shapes
 
 
 def test_prometheus_metrics(cluster, main_app):

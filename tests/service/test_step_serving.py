@@ -134,8 +134,11 @@ def test_streamed_progress_and_previews_follow_the_device(step_app):
     s = (done - t0) / n  # this run's time per step
     for at, k in steps:
         assert at - t0 >= 0.5 * k * s, (k, at - t0, s)
-    gaps = np.diff([t0, *(at for at, _ in steps), done])
-    assert gaps.max() <= 4 * s, gaps  # spread over the run
+    # spread over the run, not bunched at its start or its end: about half of the progress events
+    # come before the run's midpoint (a rank test, so one slow step on a shared machine, which
+    # a largest-gap bound took for bunching, moves at most the events around it)
+    early = sum(at - t0 < (done - t0) / 2 for at, _ in steps)
+    assert n // 4 <= early <= 3 * n // 4, (early, [round(at - t0, 3) for at, _ in steps])
     names = [(name, d.get("step")) for _, name, d in events]
     for k in (7, 13):  # partial_images=2 of 20 steps: previews after steps 7 and 13
         i = names.index(("partial_image", k))
