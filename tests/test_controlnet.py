@@ -136,16 +136,16 @@ def test_sd15_controlnet_bgr_parity(tmp_path):
 
 @pytest.mark.parity
 def test_sd2_style_controlnet_parity(tmp_path):
-    """SD 2.x-like (linear projections, per-block head counts, three blocks, one layer each,
-    other time-embedding settings) with diffusers' other options: a resnet-only mid block
-    (UNetMidBlock2D), one conditioning channel and global pooling (guess mode then does not
-    change the scaling)."""
+    """SD 2.x-like (linear projections, per-block head counts and transformer depths, a 0 among
+    them, three blocks, one layer each, other time-embedding settings) with diffusers' other
+    options: a resnet-only mid block (UNetMidBlock2D), one conditioning channel and global
+    pooling (guess mode then does not change the scaling)."""
     unet = dict(tiny.SD15_UNET, block_out_channels=(16, 32, 32),
                 down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
                 attention_head_dim=(2, 4, 4), use_linear_projection=True, layers_per_block=1,
                 upcast_attention=True, flip_sin_to_cos=False, freq_shift=1,
-                transformer_layers_per_block=(1, 2, 1))
+                transformer_layers_per_block=(0, 2, 1))  # 0: norm and projections only
     cn = tiny.make_controlnet(tmp_path, unet, seed=5, mid_block_type="UNetMidBlock2D",
                               conditioning_channels=1, global_pool_conditions=True,
                               conditioning_embedding_out_channels=(8, 8, 16))
