@@ -38,7 +38,7 @@ from maxdiff import checkpoint
 from maxdiff.checkpoint import CheckpointError, LazyTensor, WeightSource
 
 __all__ = ["Op", "MappedSource", "Layout", "inspect", "component_source", "vae_source",
-           "unet_source", "export", "shipped_config", "FAMILIES"]
+           "unet_source", "controlnet_source", "export", "shipped_config", "FAMILIES"]
 
 UNET = "model.diffusion_model."
 VAE_PREFIXES = ("first_stage_model.", "vae.")
@@ -152,6 +152,55 @@ def unet_rename(config: Mapping, prefix: str = UNET) -> Rename:
         return prefix + where, SAME
 
     return rename
+
+
+# ----------------------------------------------------------------------------- ControlNet
+CONTROLNET = "control_model."
+
+
+def controlnet_rename(config: Mapping, prefix: str = CONTROLNET) -> Rename:
+    """diffusers ControlNet key -> (original key, op): the UNet half is named as in the UNet
+    (:func:`unet_rename`); the conditioning encoder is ``input_hint_block`` (its convolutions
+    at the even places, SiLUs between), the zero convolutions ``zero_convs.{i}.0`` and
+    ``middle_block_out.0``."""
+    unet = unet_rename(config, prefix)
+    steps = len(config.get("conditioning_embedding_out_channels") or (16, 32, 96, 256)) - 1
+    hint = {"conv_in": 0, "conv_out": 4 * steps + 2}
+
+    def rename(key: str) -> tuple[str, Op]:
+        mod, leaf = key.rsplit(".", 1)
+        p = mod.split(".")
+        if p[0] == "controlnet_cond_embedding":
+            if len(p) == 2 and p[1] in hint:
+                return f"{prefix}input_hint_block.{hint[p[1]]}.{leaf}", SAME
+            if len(p) == 3 and p[1] == "blocks":
+                return f"{prefix}input_hint_block.{2 * int(p[2]) + 2}.{leaf}", SAME
+        elif p[0] == "controlnet_down_blocks" and len(p) == 2:
+            return f"{prefix}zero_convs.{p[1]}.0.{leaf}", SAME
+        elif mod == "controlnet_mid_block":
+            return f"{prefix}middle_block_out.0.{leaf}", SAME
+        else:
+            return unet(key)
+        raise CheckpointError(f"no original-layout name for ControlNet key {key!r}")
+
+    return rename
+
+
+def controlnet_source(path: str | os.PathLike, config: Mapping) -> WeightSource:
+    """A single-file ControlNet: diffusers keys, or the original layout under
+    ``control_model.`` or bare (``time_embed.0.weight``, ``input_hint_block.0.weight``, ...)."""
+    path = Path(path)
+    source = _open(path)
+    keys = source.keys()
+    if any(k.startswith(CONTROLNET) for k in keys):
+        return _mapped(source, controlnet_rename(config), CONTROLNET,
+                       f"a ControlNet in the original layout, {CONTROLNET}*")
+    if "input_hint_block.0.weight" in keys:
+        return _mapped(source, controlnet_rename(config, ""), "",
+                       "a ControlNet in the original layout")
+    if "controlnet_cond_embedding.conv_in.weight" in keys:
+        return source
+    raise CheckpointError(f"{path}: not a ControlNet: {_looks_like(keys)}")
 
 
 # ----------------------------------------------------------------------------- VAE
@@ -335,7 +384,8 @@ def _looks_like(keys: list[str]) -> str:
     if has("lora_down", "lora_up", "lora_A", "lora_B", "lora_unet_", "lora_te"):
         return ("a LoRA file; load it with load_lora_weights() / --lora, not as the model")
     if has("control_model.", "controlnet_cond_embedding", "input_hint_block"):
-        return "a ControlNet, which maxdiff does not load yet"
+        return ("a ControlNet; load it with maxdiff.models.controlnet.load_controlnet "
+                "(pipelines do not take ControlNets yet)")
     if has("joint_blocks."):
         return "a Stable Diffusion 3 model, which maxdiff does not load"
     if has("double_blocks.", "single_blocks."):

@@ -219,11 +219,14 @@ def paths(tmp_path_factory):
     unet = sdxl_dir / "unet" / "diffusion_pytorch_model.safetensors"
     lora_1 = tiny.make_sdxl_lora(sdxl_dir, work / "pixel-art-xl.safetensors", seed=1)
     tiny.make_sdxl_lora(sdxl_dir, work / "lora-folder" / "pytorch_lora_weights.safetensors", seed=2)
+    controlnet = work / "controlnet-canny-sdxl-1.0"
+    tiny.make_controlnet(controlnet, tiny.SDXL_UNET)
     subs = [  # longest first
         ("/models/stable-diffusion-xl-base-1.0", str(sdxl_dir)),
         ("stable-diffusion-xl-base-1.0", str(sdxl_dir)),
         ("/models/sdxl_lightning_4step_unet.safetensors", str(unet)),
         ("sdxl_lightning_4step_unet.safetensors", str(unet)),
+        ("/models/controlnet-canny-sdxl-1.0", str(controlnet)),
         ("/models/sdxl-base-bf16", str(work / "sdxl-base-bf16")),
         ("/models/pixel-art-xl.safetensors", str(lora_1)),
         ("/models/lora-folder", str(work / "lora-folder")),

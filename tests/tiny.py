@@ -150,6 +150,23 @@ def make_unet(folder: str | Path, config: dict, seed: int = 0):
     return model
 
 
+def make_controlnet(folder: str | Path, unet_config: dict, seed: int = 0, **overrides):
+    """A random diffusers ControlNet for a UNet of ``unet_config`` (its config made by
+    diffusers' ``ControlNetModel.from_unet``), with ``overrides`` of that config."""
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    with torch.device("meta"):  # only the config is needed
+        made = ControlNetModel.from_unet(UNet2DConditionModel(**unet_config),
+                                         load_weights_from_unet=False)
+    # (without diffusers' bookkeeping keys: "_use_default_values" would undo the overrides)
+    config = {k: v for k, v in made.config.items() if not k.startswith("_")}
+    torch.manual_seed(seed)
+    model = ControlNetModel.from_config({**config, **overrides}).eval()
+    _randomize(model, seed)
+    model.save_pretrained(folder)
+    return model
+
+
 def make_vae(folder: str | Path, config: dict = VAE, seed: int = 0):
     from diffusers import AutoencoderKL
 

@@ -16,7 +16,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -55,17 +55,27 @@ _IGNORED = {"sample_size", "dropout", "upcast_attention", "addition_embed_type_n
 
 
 @dataclass(frozen=True)
-class UNetConfig:
-    """The fields of diffusers' ``UNet2DConditionModel`` config that shape the network."""
+class EncoderConfig:
+    """The config fields diffusers' ``UNet2DConditionModel`` and ``ControlNetModel`` share (the
+    time embedding, ``conv_in``, down blocks and mid block), with diffusers' defaults.
+
+    Subclasses name the model (``NAME``), the keys supported only at one value (``FIXED``),
+    the keys that do not change the maths (``IGNORED``) and the mid blocks they build
+    (``MID_BLOCKS``); they also provide ``conv_in_kernel``, ``time_embedding_dim``,
+    ``time_cond_proj_dim`` and ``resnet_out_scale_factor`` (fields of the UNet, fixed in a
+    ControlNet).
+    """
+
+    NAME: ClassVar[str] = "model"
+    FIXED: ClassVar[dict] = {}
+    IGNORED: ClassVar[set] = set()
+    MID_BLOCKS: ClassVar[tuple] = MID_BLOCKS
 
     in_channels: int = 4
-    out_channels: int = 4
-    center_input_sample: bool = False
     flip_sin_to_cos: bool = True
     freq_shift: int = 0
     down_block_types: tuple = ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",)
     mid_block_type: str | None = "UNetMidBlock2DCrossAttn"
-    up_block_types: tuple = ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3
     only_cross_attention: Any = False
     block_out_channels: tuple = (320, 640, 1280, 1280)
     layers_per_block: Any = 2
@@ -75,65 +85,59 @@ class UNetConfig:
     norm_eps: float = 1e-5
     cross_attention_dim: Any = 1280
     transformer_layers_per_block: Any = 1
-    reverse_transformer_layers_per_block: Any = None
     attention_head_dim: Any = 8
     num_attention_heads: Any = None
     use_linear_projection: bool = False
     addition_embed_type: str | None = None
     addition_time_embed_dim: int | None = None
-    resnet_out_scale_factor: float = 1.0
-    time_embedding_dim: int | None = None
-    time_cond_proj_dim: int | None = None
-    conv_in_kernel: int = 3
-    conv_out_kernel: int = 3
     projection_class_embeddings_input_dim: int | None = None
-    mid_block_only_cross_attention: bool | None = None
 
     @classmethod
-    def from_dict(cls, d: dict) -> "UNetConfig":
-        """Build from a diffusers ``config.json`` dict; unsupported settings raise ``ValueError``."""
+    def from_dict(cls, d: dict):
+        """Build from a diffusers ``config.json`` dict; unsupported settings raise ``ValueError``
+        naming the key."""
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {}
         for k, v in d.items():
             if k in fields:
                 kw[k] = tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
-            elif k in _FIXED:
-                if v != _FIXED[k]:
-                    raise ValueError(f"UNet config: {k}={v!r} is not supported (only {_FIXED[k]!r})")
-            elif k not in _IGNORED and not k.startswith("_"):
-                raise ValueError(f"UNet config: unknown key {k!r}; maxdiff supports "
-                                 f"{', '.join(sorted(fields | set(_FIXED)))}")
+            elif k in cls.FIXED:
+                if v != cls.FIXED[k]:
+                    raise ValueError(f"{cls.NAME} config: {k}={v!r} is not supported "
+                                     f"(only {cls.FIXED[k]!r})")
+            elif k not in cls.IGNORED and not k.startswith("_"):
+                raise ValueError(f"{cls.NAME} config: unknown key {k!r}; maxdiff supports "
+                                 f"{', '.join(sorted(fields | set(cls.FIXED)))}")
         cfg = cls(**kw)
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
         n = len(self.block_out_channels)
-        for name, types, allowed in (("down_block_types", self.down_block_types, DOWN_BLOCKS),
-                                     ("up_block_types", self.up_block_types, UP_BLOCKS)):
-            if len(types) != n:
-                raise ValueError(f"UNet config: {name} has {len(types)} entries, "
-                                 f"block_out_channels has {n}; they must match")
-            for t in types:
-                if t not in allowed:
-                    raise ValueError(f"UNet config: {name} entry {t!r} is not supported; "
-                                     f"use {' or '.join(allowed)}")
-        if self.mid_block_type not in MID_BLOCKS:
-            raise ValueError(f"UNet config: mid_block_type={self.mid_block_type!r} is not "
-                             f"supported; use 'UNetMidBlock2DCrossAttn' or null")
+        if len(self.down_block_types) != n:
+            raise ValueError(f"{self.NAME} config: down_block_types has {len(self.down_block_types)} "
+                             f"entries, block_out_channels has {n}; they must match")
+        for t in self.down_block_types:
+            if t not in DOWN_BLOCKS:
+                raise ValueError(f"{self.NAME} config: down_block_types entry {t!r} is not "
+                                 f"supported; use {' or '.join(DOWN_BLOCKS)}")
+        if self.mid_block_type not in self.MID_BLOCKS:
+            allowed = " or ".join("null" if m is None else repr(m) for m in self.MID_BLOCKS)
+            raise ValueError(f"{self.NAME} config: mid_block_type={self.mid_block_type!r} is not "
+                             f"supported; use {allowed}")
         if self.addition_embed_type not in (None, "text_time"):
-            raise ValueError(f"UNet config: addition_embed_type={self.addition_embed_type!r} "
+            raise ValueError(f"{self.NAME} config: addition_embed_type={self.addition_embed_type!r} "
                              "is not supported; use 'text_time' (SDXL) or null")
         if self.addition_embed_type == "text_time" and (
                 self.addition_time_embed_dim is None
                 or self.projection_class_embeddings_input_dim is None):
-            raise ValueError("UNet config: addition_embed_type='text_time' needs "
+            raise ValueError(f"{self.NAME} config: addition_embed_type='text_time' needs "
                              "addition_time_embed_dim and projection_class_embeddings_input_dim")
         for name in ("only_cross_attention", "layers_per_block", "cross_attention_dim",
-                     "transformer_layers_per_block", "attention_head_dim"):
+                     "transformer_layers_per_block", "attention_head_dim", "num_attention_heads"):
             v = getattr(self, name)
             if isinstance(v, tuple) and len(v) != n:
-                raise ValueError(f"UNet config: {name} has {len(v)} entries, expected {n} "
+                raise ValueError(f"{self.NAME} config: {name} has {len(v)} entries, expected {n} "
                                  "(one per block) or a single value")
 
     def per_block(self, name: str) -> tuple:
@@ -146,6 +150,37 @@ class UNetConfig:
         (its naming quirk); ``num_attention_heads``, when given, takes precedence."""
         v = self.num_attention_heads if self.num_attention_heads is not None else self.attention_head_dim
         return tuple(v) if isinstance(v, tuple) else (v,) * len(self.block_out_channels)
+
+
+@dataclass(frozen=True)
+class UNetConfig(EncoderConfig):
+    """The fields of diffusers' ``UNet2DConditionModel`` config that shape the network."""
+
+    NAME: ClassVar[str] = "UNet"
+    FIXED: ClassVar[dict] = _FIXED
+    IGNORED: ClassVar[set] = _IGNORED
+
+    out_channels: int = 4
+    center_input_sample: bool = False
+    up_block_types: tuple = ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3
+    reverse_transformer_layers_per_block: Any = None
+    resnet_out_scale_factor: float = 1.0
+    time_embedding_dim: int | None = None
+    time_cond_proj_dim: int | None = None
+    conv_in_kernel: int = 3
+    conv_out_kernel: int = 3
+    mid_block_only_cross_attention: bool | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        n = len(self.block_out_channels)
+        if len(self.up_block_types) != n:
+            raise ValueError(f"UNet config: up_block_types has {len(self.up_block_types)} entries, "
+                             f"block_out_channels has {n}; they must match")
+        for t in self.up_block_types:
+            if t not in UP_BLOCKS:
+                raise ValueError(f"UNet config: up_block_types entry {t!r} is not supported; "
+                                 f"use {' or '.join(UP_BLOCKS)}")
 
 
 def timestep_embedding(t: jax.Array, dim: int, flip_sin_to_cos: bool, shift: float,
@@ -190,8 +225,13 @@ class _BlockSpec:
     resample: bool
 
 
-class UNet2DConditionModel(nn.Module):
-    config: UNetConfig
+class UNetEncoder(nn.Module):
+    """The half of the UNet a ControlNet copies: the time (and SDXL size/crop + pooled text)
+    embedding, ``conv_in``, the down blocks and the mid block, under diffusers' names.
+    :class:`UNet2DConditionModel` and :class:`maxdiff.models.controlnet.ControlNetModel`
+    build these pieces from here; ``config`` is an :class:`EncoderConfig`."""
+
+    config: Any
     attention_kernel: str = "auto"
     attention_chunk: int = DEFAULT_CHUNK
     dtype: Any = jnp.float32
@@ -208,44 +248,45 @@ class UNet2DConditionModel(nn.Module):
                              c.resnet_out_scale_factor if scale is None else scale, self.dtype,
                              name=name)
 
-    @nn.compact
-    def __call__(self, sample: jax.Array, timesteps: jax.Array, encoder_hidden_states: jax.Array,
-                 text_embeds: jax.Array | None = None, time_ids: jax.Array | None = None,
-                 timestep_cond: jax.Array | None = None) -> jax.Array:
+    @property
+    def temb_dim(self) -> int:
         c = self.config
-        chans = c.block_out_channels
-        n = len(chans)
-        b = sample.shape[0]
-        dt = self.dtype
-        sample = sample.astype(dt)
-        encoder_hidden_states = encoder_hidden_states.astype(dt)
-        if c.center_input_sample:
-            sample = 2 * sample - 1.0
+        return c.time_embedding_dim or c.block_out_channels[0] * 4
 
-        # time (and SDXL's size/crop + pooled text) embedding
-        t = jnp.broadcast_to(jnp.asarray(timesteps, jnp.float32).reshape(-1), (b,))
-        temb_dim = c.time_embedding_dim or chans[0] * 4
+    def _embedding(self, batch: int, timesteps, text_embeds, time_ids, timestep_cond) -> jax.Array:
+        """The (B, temb_dim) embedding of the timesteps (plus, for SDXL, of the pooled text
+        embeddings and the six size/crop ids)."""
+        c = self.config
+        dt = self.dtype
+        chans = c.block_out_channels
+        t = jnp.broadcast_to(jnp.asarray(timesteps, jnp.float32).reshape(-1), (batch,))
         t_emb = timestep_embedding(t, chans[0], c.flip_sin_to_cos, c.freq_shift).astype(dt)
-        emb = TimestepEmbedding(temb_dim, c.time_cond_proj_dim, dt, name="time_embedding")(
+        emb = TimestepEmbedding(self.temb_dim, c.time_cond_proj_dim, dt, name="time_embedding")(
             t_emb, timestep_cond)
         if c.addition_embed_type == "text_time":
             if text_embeds is None or time_ids is None:
-                raise ValueError("this UNet (addition_embed_type='text_time', SDXL) needs "
+                raise ValueError(f"this {c.NAME} (addition_embed_type='text_time', SDXL) needs "
                                  "text_embeds and time_ids")
             tid = timestep_embedding(time_ids.reshape(-1), c.addition_time_embed_dim,
-                                     c.flip_sin_to_cos, c.freq_shift).reshape(b, -1)
+                                     c.flip_sin_to_cos, c.freq_shift).reshape(batch, -1)
             add = jnp.concatenate([text_embeds.astype(dt), tid.astype(dt)], axis=-1)
-            emb = emb + TimestepEmbedding(temb_dim, dtype=dt, name="add_embedding")(add)
+            emb = emb + TimestepEmbedding(self.temb_dim, dtype=dt, name="add_embedding")(add)
+        return emb
 
-        h = conv(chans[0], "conv_in", dt, kernel=c.conv_in_kernel,
-                 padding=(c.conv_in_kernel - 1) // 2)(sample)
+    def _conv_in(self, sample: jax.Array) -> jax.Array:
+        c = self.config
+        return conv(c.block_out_channels[0], "conv_in", self.dtype, kernel=c.conv_in_kernel,
+                    padding=(c.conv_in_kernel - 1) // 2)(sample)
 
+    def _down(self, h: jax.Array, emb: jax.Array, context: jax.Array) -> tuple[jax.Array, list]:
+        """The down blocks: the lowest-resolution features and the skip connections
+        (``conv_in``'s output, then every resnet/attention layer's and downsampler's)."""
+        c = self.config
+        chans = c.block_out_channels
         heads = c.heads
         layers = c.per_block("layers_per_block")
         tlayers = c.per_block("transformer_layers_per_block")
         only_cross = c.per_block("only_cross_attention")
-
-        # down
         skips = [h]
         for i, btype in enumerate(c.down_block_types):
             cin = chans[i - 1] if i else chans[0]
@@ -253,27 +294,114 @@ class UNet2DConditionModel(nn.Module):
             cross = btype == "CrossAttnDownBlock2D"
             tl = tlayers[i] if isinstance(tlayers[i], tuple) else (tlayers[i],) * layers[i]
             for j in range(layers[i]):
-                h = self._resnet(cin if j == 0 else cout, cout, temb_dim,
+                h = self._resnet(cin if j == 0 else cout, cout, self.temb_dim,
                                  f"down_blocks.{i}.resnets.{j}")(h, emb)
                 if cross:
                     h = self._transformer(cout, heads[i], tl[j], only_cross[i],
-                                          f"down_blocks.{i}.attentions.{j}")(h, encoder_hidden_states)
+                                          f"down_blocks.{i}.attentions.{j}")(h, context)
                 skips.append(h)
-            if i < n - 1:
-                h = Downsample2D(cout, c.downsample_padding, dt,
+            if i < len(chans) - 1:
+                h = Downsample2D(cout, c.downsample_padding, self.dtype,
                                  name=f"down_blocks.{i}.downsamplers.0")(h)
                 skips.append(h)
+        return h, skips
 
-        # mid
+    def _mid(self, h: jax.Array, emb: jax.Array, context: jax.Array) -> jax.Array:
+        """The mid block: resnet, transformer, resnet (``UNetMidBlock2DCrossAttn``), one resnet
+        (``UNetMidBlock2D`` without attention, as a ControlNet builds it) or nothing."""
+        c = self.config
+        ch = c.block_out_channels[-1]
+        scale = c.mid_block_scale_factor
         if c.mid_block_type == "UNetMidBlock2DCrossAttn":
-            tl_mid = tlayers[-1] if not isinstance(tlayers[-1], tuple) else tlayers[-1][0]
-            ch = chans[-1]
-            h = self._resnet(ch, ch, temb_dim, "mid_block.resnets.0", c.mid_block_scale_factor)(h, emb)
-            h = self._transformer(ch, heads[-1], tl_mid, False,
-                                  "mid_block.attentions.0")(h, encoder_hidden_states)
-            h = self._resnet(ch, ch, temb_dim, "mid_block.resnets.1", c.mid_block_scale_factor)(h, emb)
+            tl = c.per_block("transformer_layers_per_block")[-1]
+            tl = tl[0] if isinstance(tl, tuple) else tl
+            h = self._resnet(ch, ch, self.temb_dim, "mid_block.resnets.0", scale)(h, emb)
+            h = self._transformer(ch, c.heads[-1], tl, False, "mid_block.attentions.0")(h, context)
+            h = self._resnet(ch, ch, self.temb_dim, "mid_block.resnets.1", scale)(h, emb)
+        elif c.mid_block_type == "UNetMidBlock2D":
+            h = self._resnet(ch, ch, self.temb_dim, "mid_block.resnets.0", scale)(h, emb)
+        return h
+
+    def dummy_inputs(self, batch: int = 1, height: int = 8, width: int = 8, seq: int = 77):
+        """Abstract inputs of the right shapes, for ``jax.eval_shape(model.init, ...)``."""
+        c = self.config
+        ctx_dim = c.per_block("cross_attention_dim")[0]
+        args = dict(
+            sample=jax.ShapeDtypeStruct((batch, height, width, c.in_channels), jnp.float32),
+            timesteps=jax.ShapeDtypeStruct((batch,), jnp.float32),
+            encoder_hidden_states=jax.ShapeDtypeStruct((batch, seq, ctx_dim), jnp.float32),
+        )
+        if c.addition_embed_type == "text_time":
+            pooled = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
+            args["text_embeds"] = jax.ShapeDtypeStruct((batch, pooled), jnp.float32)
+            args["time_ids"] = jax.ShapeDtypeStruct((batch, 6), jnp.float32)
+        if c.time_cond_proj_dim is not None:
+            args["timestep_cond"] = jax.ShapeDtypeStruct((batch, c.time_cond_proj_dim), jnp.float32)
+        return args
+
+
+def _add_residuals(skips: list, mid: jax.Array, down_res, mid_res, dtype) -> tuple[list, jax.Array]:
+    """ControlNet residuals added where diffusers' UNet adds them: one per skip connection,
+    and one to the mid block's output."""
+    if (down_res is None) != (mid_res is None):
+        raise ValueError("down_block_additional_residuals and mid_block_additional_residual go "
+                         "together (a ControlNet's two outputs): pass both or neither")
+    if len(down_res) != len(skips):
+        raise ValueError(f"down_block_additional_residuals has {len(down_res)} entries; this UNet "
+                         f"has {len(skips)} skip connections (one residual each)")
+    for i, (r, s) in enumerate(zip(down_res, skips)):
+        _check_residual(f"down_block_additional_residuals[{i}]", r, s)
+    _check_residual("mid_block_additional_residual", mid_res, mid)
+    return ([s + r.astype(dtype) for s, r in zip(skips, down_res)], mid + mid_res.astype(dtype))
+
+
+def _check_residual(name: str, r, features: jax.Array) -> None:
+    try:
+        fits = jnp.broadcast_shapes(jnp.shape(r), features.shape) == features.shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name} has shape {tuple(jnp.shape(r))}; the UNet's features there "
+                         f"have shape {features.shape}")
+
+
+class UNet2DConditionModel(UNetEncoder):
+    """diffusers' ``UNet2DConditionModel``. ``down_block_additional_residuals`` (one array per
+    skip connection) and ``mid_block_additional_residual``: a ControlNet's outputs, added to
+    the skip connections and to the mid block's output as diffusers does; without them the
+    program is the plain UNet's."""
+
+    config: UNetConfig
+
+    @nn.compact
+    def __call__(self, sample: jax.Array, timesteps: jax.Array, encoder_hidden_states: jax.Array,
+                 text_embeds: jax.Array | None = None, time_ids: jax.Array | None = None,
+                 timestep_cond: jax.Array | None = None,
+                 down_block_additional_residuals: tuple | None = None,
+                 mid_block_additional_residual: jax.Array | None = None) -> jax.Array:
+        c = self.config
+        chans = c.block_out_channels
+        n = len(chans)
+        dt = self.dtype
+        sample = sample.astype(dt)
+        encoder_hidden_states = encoder_hidden_states.astype(dt)
+        if c.center_input_sample:
+            sample = 2 * sample - 1.0
+
+        emb = self._embedding(sample.shape[0], timesteps, text_embeds, time_ids, timestep_cond)
+        h = self._conv_in(sample)
+        h, skips = self._down(h, emb, encoder_hidden_states)
+        h = self._mid(h, emb, encoder_hidden_states)
+        if down_block_additional_residuals is not None or mid_block_additional_residual is not None:
+            skips, h = _add_residuals(skips, h, down_block_additional_residuals,
+                                      mid_block_additional_residual, dt)
+        temb_dim = self.temb_dim
 
         # up
+        heads = c.heads
+        layers = c.per_block("layers_per_block")
+        tlayers = c.per_block("transformer_layers_per_block")
+        only_cross = c.per_block("only_cross_attention")
         rchans = chans[::-1]
         rheads = heads[::-1]
         rlayers = layers[::-1]
@@ -308,25 +436,7 @@ class UNet2DConditionModel(nn.Module):
         return conv(c.out_channels, "conv_out", dt, kernel=c.conv_out_kernel,
                     padding=(c.conv_out_kernel - 1) // 2)(h)
 
-    def dummy_inputs(self, batch: int = 1, height: int = 8, width: int = 8, seq: int = 77):
-        """Abstract inputs of the right shapes, for ``jax.eval_shape(model.init, ...)``."""
-        c = self.config
-        ctx_dim = c.per_block("cross_attention_dim")[0]
-        args = dict(
-            sample=jax.ShapeDtypeStruct((batch, height, width, c.in_channels), jnp.float32),
-            timesteps=jax.ShapeDtypeStruct((batch,), jnp.float32),
-            encoder_hidden_states=jax.ShapeDtypeStruct((batch, seq, ctx_dim), jnp.float32),
-        )
-        if c.addition_embed_type == "text_time":
-            pooled = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
-            args["text_embeds"] = jax.ShapeDtypeStruct((batch, pooled), jnp.float32)
-            args["time_ids"] = jax.ShapeDtypeStruct((batch, 6), jnp.float32)
-        if c.time_cond_proj_dim is not None:
-            args["timestep_cond"] = jax.ShapeDtypeStruct((batch, c.time_cond_proj_dim), jnp.float32)
-        return args
-
-
-def param_shapes(model: UNet2DConditionModel) -> dict:
+def param_shapes(model: UNetEncoder) -> dict:
     """The parameter tree's shapes (``jax.ShapeDtypeStruct`` leaves), without running init."""
     inputs = model.dummy_inputs()
     return jax.eval_shape(model.init, jax.random.key(0), **inputs)["params"]
