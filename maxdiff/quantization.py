@@ -41,7 +41,8 @@ by tensor; the float UNet weights are dropped once quantized. LoRA adapters (fus
 request) are refused on a quantized pipeline (:func:`lora_problem`): fusing needs the float
 weights and would keep both copies.
 
-qwix is imported only when a quantization other than ``"none"`` is asked for.
+qwix is imported only when a quantization other than ``"none"`` is asked for, and JAX only
+by the functions that need it (the configs import :data:`Quantization` without JAX).
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ from __future__ import annotations
 import sys
 from typing import Any, Literal
 
-import jax
 
 MODES = ("none", "int8-weights", "int8", "fp8")
 Quantization = Literal["none", "int8-weights", "int8", "fp8"]
@@ -87,12 +87,21 @@ def lora_problem(quantization: str, what: str = "LoRA adapters") -> str | None:
             "quantization='none' with LoRA adapters")
 
 
+def _qwix(mode: str):
+    try:
+        import qwix
+    except ImportError:
+        raise ImportError(f"quantization={mode!r} needs qwix: pip install 'maxdiff[quant]' "
+                          "(or qwix>=0.1.8)") from None
+    return qwix
+
+
 def rules(mode: str) -> list:
     """The qwix PTQ rules of ``mode`` (none for ``"none"``)."""
     check_quantization(mode)
     if mode == "none":
         return []
-    import qwix
+    qwix = _qwix(mode)
 
     weight, act = QTYPES[mode]
     return [qwix.QuantizationRule(module_path=UNET_LAYERS, op_names=("dot_general",),
@@ -114,8 +123,9 @@ def quantize(model, params: dict, mode: str, *, example_inputs: dict | None = No
     check_quantization(mode)
     if mode == "none":
         return model, params
-    import qwix
+    import jax
 
+    qwix = _qwix(mode)
     provider = qwix.PtqProvider(rules(mode))
     qmodel = qwix.quantize_model(model, provider)
     inputs = example_inputs if example_inputs is not None else model.dummy_inputs()
@@ -136,6 +146,8 @@ def _is_quantized(x) -> bool:
 def quantized_layers(params: dict) -> list[str]:
     """The paths ("a/b/kernel") of the quantized weights in a parameter tree (quantized or
     abstract); empty for a float tree."""
+    import jax
+
     flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_quantized)[0]
     return ["/".join(str(getattr(k, "key", k)) for k in path) for path, leaf in flat
             if _is_quantized(leaf)]
@@ -143,4 +155,6 @@ def quantized_layers(params: dict) -> list[str]:
 
 def nbytes(params: Any) -> int:
     """Bytes of a parameter tree's arrays (quantized values and their scales included)."""
+    import jax
+
     return int(sum(x.nbytes for x in jax.tree_util.tree_leaves(params)))

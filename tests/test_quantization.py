@@ -187,3 +187,66 @@ def test_lora_is_refused_on_a_quantized_pipeline(sdxl_dir, int8_pipe, tmp_path):
     assert int8_pipe.lora_adapters == [] and int8_pipe.adapters == []
     with pytest.raises(ValueError, match=r"loras are not supported with quantization='fp8'"):
         load_run_config(None, {"quantization": "fp8", "loras": [str(lora)]})
+
+
+def test_serve_args_refuse_adapters_and_loras_with_quantization(sdxl_dir, tmp_path):
+    """The service's front door: a bad value, fused loras or per-request adapters with a
+    quantized model fail when the application is built (before any replica starts)."""
+    from serving.models import Catalog
+    from serving.settings import ServeSettings
+
+    lora = tiny.make_sdxl_lora(sdxl_dir, tmp_path / "lora.safetensors")
+    with pytest.raises(ValueError, match=r"'quantization'.*'none', 'int8-weights', 'int8' or 'fp8'"):
+        ServeSettings.from_args({"model": str(sdxl_dir), "quantization": "int4"})
+    with pytest.raises(ValueError, match=r"loras are not supported with quantization='int8'"):
+        ServeSettings.from_args({"model": str(sdxl_dir), "quantization": "int8", "lora": str(lora)})
+    s = ServeSettings.from_args({"model": str(sdxl_dir), "quantization": "int8",
+                                 "adapters": f"style={lora}"})
+    with pytest.raises(ValueError, match=r"serve arg adapters are not supported with "
+                                         r"quantization='int8'"):
+        Catalog.from_settings(s)
+    s = ServeSettings.from_args({"models": [
+        {"name": "plain", "model": str(sdxl_dir), "adapters": {"style": str(lora)}},
+        {"name": "small", "model": str(sdxl_dir), "quantization": "int8-weights",
+         "adapters": {"style": str(lora)}}]})
+    with pytest.raises(ValueError, match=r"models\[1\] \(small\): adapters are not supported "
+                                         r"with quantization='int8-weights'"):
+        Catalog.from_settings(s)
+    s = ServeSettings.from_args({"model": str(sdxl_dir), "quantization": "fp8"})
+    assert Catalog.from_settings(s).default.run_config.quantization == "fp8"
+
+
+def test_cli_quantization_flag(sdxl_dir, int8_pipe, tmp_path):
+    """``maxdiff generate --quantization int8`` (the console script in a subprocess): the
+    record and the PNG say int8 and the pixels are the Python API's with the same setting;
+    with --lora it is refused before loading (exit 2, the reason named)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    from pipelines import requests
+
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    cmd = [sys.executable, "-m", "pipelines.cli", "generate", "a red circle", "--model",
+           str(sdxl_dir), "--steps", "1", "--seed", "3"]
+    lora = tiny.make_sdxl_lora(sdxl_dir, tmp_path / "lora.safetensors")
+    res = subprocess.run([*cmd, "--quantization", "int8", "--lora", str(lora), "--out",
+                          str(tmp_path / "refused")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert "loras are not supported with quantization='int8'" in res.stderr
+    res = subprocess.run([*cmd, "--quantization", "int8", "--out", str(tmp_path / "out")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rec = json.loads((tmp_path / "out" / "metadata.jsonl").read_text().splitlines()[0])
+    assert rec["quantization"] == "int8"
+    file = tmp_path / "out" / rec["file"]
+    assert requests.read_image_info(file)["quantization"] == "int8"
+    got = np.asarray(Image.open(file), np.int16)
+    want = np.asarray(int8_pipe("a red circle", num_inference_steps=1, seed=rec["seed"],
+                                guidance_scale=rec["guidance"]).images[0], np.int16)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1  # XLA threads: last bit
