@@ -250,3 +250,36 @@ def test_cli_quantization_flag(sdxl_dir, int8_pipe, tmp_path):
     want = np.asarray(int8_pipe("a red circle", num_inference_steps=1, seed=rec["seed"],
                                 guidance_scale=rec["guidance"]).images[0], np.int16)
     assert got.shape == want.shape and np.abs(got - want).max() <= 1  # XLA threads: last bit
+
+
+@pytest.mark.parametrize("mode", ["int8-weights", "int8"])
+def test_step_engine_runs_the_quantized_unet(sdxl_dir, int8_pipe, mode):
+    """The step engine (engine=step serving) builds its own programs from the pipeline's UNet
+    and weights. With int8 weights only, its images equal the pipeline's (to float rounding).
+    With int8 activations they are equal only up to quantization noise: the engine's program
+    (2 slots) and the pipeline's (a batch of 1) differ in the last bits of their float work,
+    and rounding activations to int8 turns such a difference into a whole int8 step now and
+    then (the tiny random UNet moves by ~0.05 for a 1e-6 change of its input). Within one
+    program an image never depends on its batch (per-token scales): the same request twice in
+    one tick gives the same image."""
+    from pipelines.requests import ImageRequest
+    from pipelines.step_engine import StepEngine
+
+    pipe = int8_pipe if mode == "int8" else TextToImagePipeline.from_pretrained(
+        sdxl_dir, quantization=mode, compile_cache_dir=None)
+    items = [ImageRequest("a red circle", seed=1, guidance_scale=4.0),
+             ImageRequest("a red circle", seed=1, guidance_scale=4.0),
+             ImageRequest("a photo of a cat", seed=2, guidance_scale=1.0)]
+    eng = StepEngine(pipe, SIZE, SIZE, slots=2, output_type="np")
+    handles = [eng.submit(items[0], 2), eng.submit(items[1], 2)]
+    eng.run_until_idle()
+    handles.append(eng.submit(items[2], 2))
+    eng.run_until_idle()
+    np.testing.assert_array_equal(handles[0].image, handles[1].image)
+    for h, it in zip(handles, items):
+        alone = pipe.generate([it], height=SIZE, width=SIZE, num_inference_steps=2,
+                              output_type="np").images[0]
+        if mode == "int8-weights":
+            np.testing.assert_allclose(h.image, alone, atol=1e-5)
+        else:
+            assert _psnr(h.image, alone) >= MIN_PSNR[mode]
