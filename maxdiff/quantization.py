@@ -153,6 +153,16 @@ def quantized_layers(params: dict) -> list[str]:
             if _is_quantized(leaf)]
 
 
+def weights(params: Any) -> list:
+    """One leaf per weight of a parameter tree (quantized or not), with the ``shape`` and
+    ``dtype`` it is stored in: a quantized weight is its int8 / float8 values (its scales are not
+    counted as weights)."""
+    import jax
+
+    return [x.array.qvalue if _is_quantized(x) else x
+            for x in jax.tree_util.tree_leaves(params, is_leaf=_is_quantized)]
+
+
 def nbytes(params: Any) -> int:
     """Bytes of a parameter tree's arrays (quantized values and their scales included)."""
     import jax

@@ -452,7 +452,7 @@ def cmd_info(args) -> int:
     import jax
     import numpy as np
 
-    from maxdiff import single_file
+    from maxdiff import quantization as quantlib, single_file
     from maxdiff.checkpoint import open_weights
     from pipelines.text_to_image import TextToImagePipeline, model_root
 
@@ -464,7 +464,7 @@ def cmd_info(args) -> int:
     load_s = time.perf_counter() - t0
     comps = {}
     for name in [c for c in COMPONENTS if c in pipe.params]:  # SD 1.x / 2.x: one encoder
-        leaves = jax.tree_util.tree_leaves(pipe.params[name])
+        leaves = quantlib.weights(pipe.params[name])  # a quantized weight: its int8 values
         conf = _json_file(root / name / "config.json")
         replaced = {"unet": cfg.unet, "vae": cfg.vae}.get(name)
         if replaced:

@@ -283,3 +283,24 @@ def test_step_engine_runs_the_quantized_unet(sdxl_dir, int8_pipe, mode):
             np.testing.assert_allclose(h.image, alone, atol=1e-5)
         else:
             assert _psnr(h.image, alone) >= MIN_PSNR[mode]
+
+
+def test_cli_info_counts_a_quantized_unet(sdxl_dir, capsys):
+    """``maxdiff info --quantization int8-weights``: the UNet has as many parameters as the
+    float one, now loaded as float32 and int8; a bad value is a usage error naming the choices."""
+    import json
+
+    from pipelines import cli
+
+    counts = {}
+    for mode in ("none", "int8-weights"):
+        assert cli.main(["info", "--model", str(sdxl_dir), "--quantization", mode, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["quantization"] == mode
+        counts[mode] = report["components"]["unet"]
+    assert counts["none"]["parameters"] == counts["int8-weights"]["parameters"]
+    assert counts["none"]["dtype"] == ["float32"]
+    assert counts["int8-weights"]["dtype"] == ["float32", "int8"]
+    assert cli.main(["info", "--model", str(sdxl_dir), "--quantization", "int4"]) == 2
+    assert re.search(r"--quantization: invalid choice: 'int4' \(choose from '?none'?, "
+                     r"'?int8-weights'?, '?int8'?, '?fp8'?\)", capsys.readouterr().err)
