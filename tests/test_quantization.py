@@ -8,7 +8,11 @@ axes) lands far below (about 10-15 dB: another image).
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -43,8 +47,13 @@ def _images(pipe) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def fp32_images(sdxl_dir):
-    return _images(TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None))
+def fp32_pipe(sdxl_dir):
+    return TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
+
+
+@pytest.fixture(scope="module")
+def fp32_images(fp32_pipe):
+    return _images(fp32_pipe)
 
 
 @pytest.fixture(scope="module")
@@ -216,31 +225,34 @@ def test_serve_args_refuse_adapters_and_loras_with_quantization(sdxl_dir, tmp_pa
     assert Catalog.from_settings(s).default.run_config.quantization == "fp8"
 
 
-def test_cli_quantization_flag(sdxl_dir, int8_pipe, tmp_path):
-    """``maxdiff generate --quantization int8`` (the console script in a subprocess): the
-    record and the PNG say int8 and the pixels are the Python API's with the same setting;
-    with --lora it is refused before loading (exit 2, the reason named)."""
-    import json
-    import os
-    import subprocess
-    import sys
+def _cli(*args, timeout=300) -> subprocess.CompletedProcess:
+    """The console script in a subprocess (``python -m pipelines.cli``)."""
+    repo = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *map(str, args)],
+                          env=dict(os.environ, PYTHONPATH=str(repo)), capture_output=True,
+                          text=True, timeout=timeout)
 
+
+def test_cli_refuses_lora_with_quantization(sdxl_dir, tmp_path):
+    """``--quantization int8 --lora FILE``: refused before the model loads (exit 2, named)."""
+    lora = tiny.make_sdxl_lora(sdxl_dir, tmp_path / "lora.safetensors")
+    res = _cli("generate", "a red circle", "--model", sdxl_dir, "--quantization", "int8",
+               "--lora", lora, "--out", tmp_path / "out")
+    assert res.returncode == 2, res.stderr
+    assert "loras are not supported with quantization='int8'" in res.stderr
+    assert not (tmp_path / "out" / "metadata.jsonl").exists()
+
+
+@pytest.mark.slow  # a CLI run that compiles; the Python API's int8 images are tested above
+def test_cli_generate_quantized(sdxl_dir, int8_pipe, tmp_path):
+    """``maxdiff generate --quantization int8``: the record and the PNG say int8, and the pixels
+    are the Python API's with the same setting (one image: the same padded batch of 1)."""
     from PIL import Image
 
     from pipelines import requests
 
-    repo = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(repo))
-    cmd = [sys.executable, "-m", "pipelines.cli", "generate", "a red circle", "--model",
-           str(sdxl_dir), "--steps", "1", "--seed", "3"]
-    lora = tiny.make_sdxl_lora(sdxl_dir, tmp_path / "lora.safetensors")
-    res = subprocess.run([*cmd, "--quantization", "int8", "--lora", str(lora), "--out",
-                          str(tmp_path / "refused")], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 2, res.stderr
-    assert "loras are not supported with quantization='int8'" in res.stderr
-    res = subprocess.run([*cmd, "--quantization", "int8", "--out", str(tmp_path / "out")],
-                         env=env, capture_output=True, text=True, timeout=300)
+    res = _cli("generate", "a red circle", "--model", sdxl_dir, "--steps", "1", "--seed", "3",
+               "--quantization", "int8", "--out", tmp_path / "out")
     assert res.returncode == 0, res.stderr
     rec = json.loads((tmp_path / "out" / "metadata.jsonl").read_text().splitlines()[0])
     assert rec["quantization"] == "int8"
@@ -252,7 +264,7 @@ def test_cli_quantization_flag(sdxl_dir, int8_pipe, tmp_path):
     assert got.shape == want.shape and np.abs(got - want).max() <= 1  # XLA threads: last bit
 
 
-@pytest.mark.parametrize("mode", ["int8-weights", "int8"])
+@pytest.mark.parametrize("mode", [pytest.param("int8-weights", marks=pytest.mark.slow), "int8"])
 def test_step_engine_runs_the_quantized_unet(sdxl_dir, int8_pipe, mode):
     """The step engine (engine=step serving) builds its own programs from the pipeline's UNet
     and weights. With int8 weights only, its images equal the pipeline's (to float rounding).
@@ -288,8 +300,6 @@ def test_step_engine_runs_the_quantized_unet(sdxl_dir, int8_pipe, mode):
 def test_cli_info_counts_a_quantized_unet(sdxl_dir, capsys):
     """``maxdiff info --quantization int8-weights``: the UNet has as many parameters as the
     float one, now loaded as float32 and int8; a bad value is a usage error naming the choices."""
-    import json
-
     from pipelines import cli
 
     counts = {}
@@ -304,3 +314,16 @@ def test_cli_info_counts_a_quantized_unet(sdxl_dir, capsys):
     assert cli.main(["info", "--model", str(sdxl_dir), "--quantization", "int4"]) == 2
     assert re.search(r"--quantization: invalid choice: 'int4' \(choose from '?none'?, "
                      r"'?int8-weights'?, '?int8'?, '?fp8'?\)", capsys.readouterr().err)
+
+
+def test_image_to_image_runs_the_quantized_unet(fp32_pipe, int8_pipe):
+    """The edit pipelines wrap a text-to-image pipeline and build their own programs from its
+    UNet: image-to-image on the int8 pipeline differs from float32's, within the int8 threshold."""
+    from pipelines.edit import ImageToImagePipeline
+
+    image = np.random.default_rng(0).uniform(0, 1, (SIZE, SIZE, 3)).astype(np.float32)
+    out = [ImageToImagePipeline(p)("a red circle", image=image, strength=0.5,
+                                   num_inference_steps=4, seed=5, output_type="np").images[0]
+           for p in (fp32_pipe, int8_pipe)]
+    assert not np.array_equal(out[0], out[1])
+    assert _psnr(out[1], out[0]) >= MIN_PSNR["int8"]
