@@ -10,10 +10,11 @@ One setting, ``quantization``:
 - ``"int8"``: int8 weights as above and int8 activations, quantized on the fly (dynamic range,
   one scale per token); the matmul is an int8 x int8 dot accumulating in int32, rescaled to the
   pipeline's dtype afterwards (the MXU / tensor-core path on accelerators).
-- ``"fp8"``: the same with float8 e4m3 weights and activations. Hardware with fp8 matmuls
-  (H100 / H200, TPU v7) runs them natively; elsewhere XLA upcasts both operands to float32
-  before the dot, so on the CPU (and TPU v5e, which has no fp8 unit) fp8 runs *emulated*: the
-  same numbers, no speed. It is allowed there so that it can be tested anywhere.
+- ``"fp8"``: the same with float8 e4m3 weights and activations, a float8 x float8 dot. On the
+  CPU, XLA upcasts both operands to float32 before the dot (checked in
+  ``tests/test_quantization.py``): fp8 runs *emulated* there, with fp8's numbers and no speed,
+  and is allowed so that it can be tested anywhere. GPUs with fp8 matmuls (H100 / H200) are
+  meant to run it natively; that, and what TPUs without an fp8 unit do, is not checked yet.
 
 What is quantized (:data:`UNET_LAYERS`): the UNet's transformer linear layers (every
 ``nn.Dense`` inside a ``Transformer2DModel``: ``proj_in`` / ``proj_out`` when linear, the

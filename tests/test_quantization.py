@@ -327,3 +327,14 @@ def test_image_to_image_runs_the_quantized_unet(fp32_pipe, int8_pipe):
            for p in (fp32_pipe, int8_pipe)]
     assert not np.array_equal(out[0], out[1])
     assert _psnr(out[1], out[0]) >= MIN_PSNR["int8"]
+
+
+def test_without_qwix_the_error_says_what_to_install(unet, monkeypatch):
+    """qwix is needed only when quantization is asked for; without it the error names the extra
+    to install, and "none" still works."""
+    monkeypatch.setitem(sys.modules, "qwix", None)  # `import qwix` raises ImportError
+    model, params = unet
+    with pytest.raises(ImportError, match=r"quantization='int8' needs qwix: pip install "
+                                          r"'maxdiff\[quant\]'"):
+        q.quantize(model, params, "int8")
+    assert q.quantize(model, params, "none") == (model, params)
