@@ -338,3 +338,36 @@ def test_without_qwix_the_error_says_what_to_install(unet, monkeypatch):
                                           r"'maxdiff\[quant\]'"):
         q.quantize(model, params, "int8")
     assert q.quantize(model, params, "none") == (model, params)
+
+
+@pytest.mark.slow  # a subprocess with 4 host devices compiling 4 pipelines
+def test_data_parallel_quantized(sdxl_dir):
+    """4 host devices: the quantized weights are replicated and the batch sharded; with int8
+    weights only the images equal one device's (float rounding); with int8 activations they
+    agree within the int8 threshold (two programs: see the step engine test)."""
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import json, numpy as np, jax
+        from maxdiff import quantization as q
+        from pipelines import TextToImagePipeline
+        assert jax.local_device_count() == 4, jax.devices()
+        res = {{}}
+        for mode in ("int8-weights", "int8"):
+            out = {{}}
+            for d in (4, 1):
+                p = TextToImagePipeline.from_pretrained({str(sdxl_dir)!r}, devices=d,
+                                                        quantization=mode, compile_cache_dir=None)
+                kernel = p.params["unet"]
+                for k in q.quantized_layers(kernel)[0].split("/"):
+                    kernel = kernel[k]
+                assert len(kernel.array.qvalue.sharding.device_set) == d
+                out[d] = p(["a red circle", "a blue square", "the dog"], seed=11,
+                           num_inference_steps=2, guidance_scale=3.0, output_type="np").images
+            mse = float(np.mean((out[4].astype(np.float64) - out[1]) ** 2))
+            res[mode] = [float(np.abs(out[4] - out[1]).max()), 10 * np.log10(1 / max(mse, 1e-20))]
+        print(json.dumps(res))
+    """)
+    res = tiny.run_on_host_devices(script, 4)
+    assert res["int8-weights"][0] <= 5e-6, res  # test_pipeline's bound for float32
+    assert res["int8"][1] >= MIN_PSNR["int8"], res
