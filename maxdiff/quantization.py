@@ -65,9 +65,7 @@ QTYPES = {
 # the Dense layers of the UNet's transformers, by module path ("down_blocks.1.attentions.0/
 # transformer_blocks.0/attn1/to_q"); the rule's op_names limit it to their dot_general, so a
 # 1x1-convolution proj_in (SD 1.x) stays float
-UNET_LAYERS = (r"(.*/)?(down|up)_blocks\.\d+\.attentions\.\d+/(.*/)?"
-               r"(proj_in|proj_out|to_q|to_k|to_v|to_out\.0|net\.0\.proj|net\.2)"
-               r"|(.*/)?mid_block\.attentions\.\d+/(.*/)?"
+UNET_LAYERS = (r"(.*/)?((down|up)_blocks\.\d+|mid_block)\.attentions\.\d+/(.*/)?"
                r"(proj_in|proj_out|to_q|to_k|to_v|to_out\.0|net\.0\.proj|net\.2)")
 
 
