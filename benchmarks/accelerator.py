@@ -162,7 +162,11 @@ def random_fill(shapes: dict, dtypes: dict, sharding, seed: int = 0):
     return out
 
 
-def build_pipeline(spec: dict, dtype: str, vae_dtype: str, kernel: str):
+def build_pipeline(spec: dict, dtype: str, vae_dtype: str, kernel: str,
+                   quantization: str = "none", params: dict | None = None):
+    """The pipeline over random weights (``params``: reuse these float weights instead of
+    drawing new ones); ``quantization`` other than ``"none"`` quantizes its UNet through
+    :func:`maxdiff.quantization.quantize` (qwix), the other parts shared."""
     import jax
     import jax.numpy as jnp
 
@@ -192,13 +196,20 @@ def build_pipeline(spec: dict, dtype: str, vae_dtype: str, kernel: str):
     shapes = {"unet": unet_shapes(unet), "vae": vae_shapes(vae),
               "text_encoder": jax.eval_shape(encoders[0].init, jax.random.key(0), ids)["params"],
               "text_encoder_2": jax.eval_shape(encoders[1].init, jax.random.key(0), ids)["params"]}
-    params = random_fill(shapes, {k: vdt if k == "vae" else dt for k in shapes}, rep)
+    if params is None:
+        params = random_fill(shapes, {k: vdt if k == "vae" else dt for k in shapes}, rep)
+    if quantization != "none":
+        from maxdiff.quantization import quantize
+
+        unet, qunet = quantize(unet, params["unet"], quantization)
+        params = {**params, "unet": qunet}
     pipe = TextToImagePipeline(
         tokenizer=load_tokenizer(EMBEDDED / "tokenizer"),
         tokenizer_2=load_tokenizer(EMBEDDED / "tokenizer_2"),
         text_encoder=encoders[0], text_encoder_2=encoders[1], unet=unet, vae=vae,
         scheduler=load_scheduler("lightning-4step"), params=params, mesh=mesh,
-        default_steps=4, default_guidance=0.0, name="random SDXL-Lightning-shaped weights")
+        default_steps=4, default_guidance=0.0, name="random SDXL-Lightning-shaped weights",
+        quantization=quantization)
     pipe.default_height = pipe.default_width = spec["size"]
     return pipe
 
@@ -431,6 +442,10 @@ def main(argv=None) -> int:
                          "as load_vae does; or bfloat16 / float32")
     ap.add_argument("--attention", default="dot_product",
                     help="attention kernel (default dot_product: cuDNN fused attention on GPUs)")
+    ap.add_argument("--quantization", nargs="+", default=["none"],
+                    choices=["none", "int8-weights", "int8", "fp8"],
+                    help="one table per setting, the UNet quantized through qwix "
+                         "(maxdiff.quantization; needs qwix): e.g. none int8 fp8")
     ap.add_argument("--peak-tflops", type=float, help="the chip's dense bf16 peak")
     ap.add_argument("--threads", type=int, default=max(2, (os.cpu_count() or 2)),
                     help="parallel compilations")
@@ -498,64 +513,89 @@ def main(argv=None) -> int:
           + f" | built in {t_built - t_start:.1f} s", flush=True)
     print(f"# attention {args.attention}: UNet -> {impl_unet}, VAE -> {impl_vae}", flush=True)
 
-    compiled, inputs = compile_all(pipe, batches, args.threads)
-    t_compiled = time.perf_counter()
-    try:
-        cudnn = "__cudnn$fmha" in compiled[("unet", batches[0])].as_text()
-    except Exception:  # as_text is not available everywhere
-        cudnn = None
-    header.update(compile_s=round(t_compiled - t_built, 1), cudnn_fused_attention_in_unet=cudnn)
-    print(f"# compiled {len(compiled)} programs in parallel in {t_compiled - t_built:.1f} s; "
-          f"cuDNN fused attention in the compiled UNet: "
-          f"{ {True: 'yes', False: 'no', None: 'unknown'}[cudnn]}", flush=True)
-
     full_1024 = not args.smoke and spec["size"] == 1024
     text_flops = 2 * 77 * (n_params["text_encoder"] + n_params["text_encoder_2"])
     rows, skipped, failed = [], [], []
-    print(" | ".join(COLUMNS), flush=True)
-    for b in batches:
+    float_pipe = pipe
+    for mode in args.quantization:
         if time.perf_counter() - t_start > args.budget_s:
-            skipped.append(b)
+            skipped += [(mode, b) for b in batches]
             continue
-        unet_c, vae_c = compiled[("unet", b)], compiled[("vae", b)]
-        if full_1024:
-            source = "design notes"
-            unet_fl = DESIGN_TFLOP_1024["unet"] * 1e12 * b
-            vae_fl = DESIGN_TFLOP_1024["vae"] * 1e12 * b
-        else:
-            source = "xla cost analysis"
-            unet_fl, vae_fl = xla_flops(unet_c), xla_flops(vae_c)
-        pipe_fl = 4 * unet_fl + vae_fl + text_flops * b
-        try:  # one batch size that does not fit (memory) must not cost the others
-            t_first = time.perf_counter()
-            pipe.generate(items(b), num_inference_steps=4)  # loads the program from the cache
-            first_s = time.perf_counter() - t_first
-            t_pipe = median_time(lambda: pipe.generate(items(b), num_inference_steps=4), args.reps,
-                                 warm_up=False)  # the first call was the warm-up
-            unet_args, vae_args = inputs[("unet", b)], inputs[("vae", b)]
-            t_unet = median_time(lambda: jax.block_until_ready(unet_c(*unet_args)), args.reps)
-            t_vae = median_time(lambda: jax.block_until_ready(vae_c(*vae_args)), args.reps)
-            pk = peak_bytes()
-            row = {"batch": b, "images/s": b / t_pipe, "ms/UNet step": 1e3 * t_unet,
-                   "ms/VAE decode": 1e3 * t_vae, "TFLOP/s": pipe_fl / t_pipe / 1e12,
-                   "MFU %": None if peak is None else 100 * pipe_fl / t_pipe / 1e12 / peak,
-                   "UNet MFU %": None if peak is None else 100 * unet_fl / t_unet / 1e12 / peak,
-                   "peak GiB": None if pk is None else pk / 2**30}
-            extra = dict(pipeline_s=t_pipe, first_call_s=first_s, flops_source=source,
-                         unet_tflop=unet_fl / 1e12, vae_tflop=vae_fl / 1e12,
-                         pipeline_tflop=pipe_fl / 1e12,
-                         program_bytes={k: memory_bytes(compiled[(k, b)])
-                                        for k in ("pipeline", "unet", "vae")},
-                         vae_mfu_pct=None if peak is None else 100 * vae_fl / t_vae / 1e12 / peak)
-            print(" | ".join([str(b), fmt(row["images/s"], 2), fmt(row["ms/UNet step"]),
-                              fmt(row["ms/VAE decode"]), f"{row['TFLOP/s']:.3g}", fmt(row["MFU %"]),
-                              fmt(row["UNet MFU %"]), fmt(row["peak GiB"], 2)]), flush=True)
-            rows.append({**row, **extra})
-        except Exception as e:  # noqa: BLE001  (XlaRuntimeError: RESOURCE_EXHAUSTED, ...)
-            failed.append({"batch": b, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            print(f"# batch {b}: failed: {failed[-1]['error']}", flush=True)
+        t_built = time.perf_counter()
+        try:
+            pipe = float_pipe if mode == "none" else build_pipeline(
+                spec, args.dtype, vae_dtype, args.attention, mode, float_pipe.params)
+        except Exception as e:  # noqa: BLE001  (qwix missing, a backend without fp8 ...)
+            failed.append({"quantization": mode,
+                           "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(f"# quantization={mode}: failed: {failed[-1]['error']}", flush=True)
+            continue
+        print(f"# quantization={mode}", flush=True)
+        compiled, inputs = compile_all(pipe, batches, args.threads)
+        t_compiled = time.perf_counter()
+        try:
+            cudnn = "__cudnn$fmha" in compiled[("unet", batches[0])].as_text()
+        except Exception:  # as_text is not available everywhere
+            cudnn = None
+        info = dict(compile_s=round(t_compiled - t_built, 1), cudnn_fused_attention_in_unet=cudnn)
+        header.setdefault("quantization", {})[mode] = info
+        if len(header["quantization"]) == 1:
+            header.update(info)  # the first setting's, where earlier runs kept them
+        print(f"# compiled {len(compiled)} programs in parallel in {t_compiled - t_built:.1f} s; "
+              f"cuDNN fused attention in the compiled UNet: "
+              f"{ {True: 'yes', False: 'no', None: 'unknown'}[cudnn]}", flush=True)
+
+        print(" | ".join(COLUMNS), flush=True)
+        for b in batches:
+            if time.perf_counter() - t_start > args.budget_s:
+                skipped.append((mode, b))
+                continue
+            unet_c, vae_c = compiled[("unet", b)], compiled[("vae", b)]
+            if full_1024:
+                source = "design notes"
+                unet_fl = DESIGN_TFLOP_1024["unet"] * 1e12 * b
+                vae_fl = DESIGN_TFLOP_1024["vae"] * 1e12 * b
+            else:
+                source = "xla cost analysis"
+                unet_fl, vae_fl = xla_flops(unet_c), xla_flops(vae_c)
+            pipe_fl = 4 * unet_fl + vae_fl + text_flops * b
+            try:  # one batch size that does not fit (memory) must not cost the others
+                t_first = time.perf_counter()
+                pipe.generate(items(b), num_inference_steps=4)  # loads the program from the cache
+                first_s = time.perf_counter() - t_first
+                t_pipe = median_time(lambda: pipe.generate(items(b), num_inference_steps=4),
+                                     args.reps, warm_up=False)  # the first call was the warm-up
+                unet_args, vae_args = inputs[("unet", b)], inputs[("vae", b)]
+                t_unet = median_time(lambda: jax.block_until_ready(unet_c(*unet_args)), args.reps)
+                t_vae = median_time(lambda: jax.block_until_ready(vae_c(*vae_args)), args.reps)
+                pk = peak_bytes()
+                row = {"quantization": mode, "batch": b, "images/s": b / t_pipe,
+                       "ms/UNet step": 1e3 * t_unet,
+                       "ms/VAE decode": 1e3 * t_vae, "TFLOP/s": pipe_fl / t_pipe / 1e12,
+                       "MFU %": None if peak is None else 100 * pipe_fl / t_pipe / 1e12 / peak,
+                       "UNet MFU %": None if peak is None else 100 * unet_fl / t_unet / 1e12 / peak,
+                       "peak GiB": None if pk is None else pk / 2**30}
+                extra = dict(pipeline_s=t_pipe, first_call_s=first_s, flops_source=source,
+                             unet_tflop=unet_fl / 1e12, vae_tflop=vae_fl / 1e12,
+                             pipeline_tflop=pipe_fl / 1e12,
+                             program_bytes={k: memory_bytes(compiled[(k, b)])
+                                            for k in ("pipeline", "unet", "vae")},
+                             vae_mfu_pct=None if peak is None else
+                             100 * vae_fl / t_vae / 1e12 / peak)
+                print(" | ".join([str(b), fmt(row["images/s"], 2), fmt(row["ms/UNet step"]),
+                                  fmt(row["ms/VAE decode"]), f"{row['TFLOP/s']:.3g}",
+                                  fmt(row["MFU %"]), fmt(row["UNet MFU %"]),
+                                  fmt(row["peak GiB"], 2)]), flush=True)
+                rows.append({**row, **extra})
+            except Exception as e:  # noqa: BLE001  (XlaRuntimeError: RESOURCE_EXHAUSTED, ...)
+                failed.append({"quantization": mode, "batch": b,
+                               "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                print(f"# batch {b}: failed: {failed[-1]['error']}", flush=True)
+        del compiled, inputs
+    pipe = float_pipe  # the quantized pipelines (and their programs) go
     if skipped:
-        print(f"# skipped batch sizes {skipped}: over the {args.budget_s:.0f} s budget", flush=True)
+        print(f"# skipped (quantization, batch): {skipped}: over the {args.budget_s:.0f} s budget",
+              flush=True)
     slots = args.engines_slots or (2 if args.smoke else 8)
     n_mixed = 4 * slots if args.engines_images is None else args.engines_images
     engines = None

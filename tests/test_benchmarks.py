@@ -23,23 +23,27 @@ def _env() -> dict:
 @pytest.mark.slow  # default-suite time: make test-slow runs it
 def test_accelerator_smoke_prints_the_table(tmp_path):
     """benchmarks.accelerator --smoke (tiny configs, 64², batches 1 and 2, on the CPU): the
-    header, the table's columns, one row per batch with numbers, and the same in the JSON; then
+    header, the table's columns, one row per batch with numbers, and the same in the JSON, once
+    for the float UNet and once quantized to int8 through qwix (--quantization none int8); then
     the engine comparison (8 images, 2 slots) with both engines' figures."""
     from benchmarks.accelerator import COLUMNS
 
     out = tmp_path / "acc.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.accelerator", "--smoke",
-                           "--reps", "1", "--json", str(out)], cwd=ROOT, env=_env(),
+                           "--reps", "1", "--quantization", "none", "int8", "--json", str(out)],
+                          cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     header = " | ".join(COLUMNS)
     assert COLUMNS == ["batch", "images/s", "ms/UNet step", "ms/VAE decode", "TFLOP/s", "MFU %",
                        "UNet MFU %", "peak GiB"]
-    assert header in lines, proc.stdout
-    rows = [line.split(" | ") for line in lines[lines.index(header) + 1:]
-            if not line.startswith("#")]
-    assert [r[0] for r in rows] == ["1", "2"]
+    assert lines.count(header) == 2, proc.stdout
+    starts = [i for i, line in enumerate(lines) if line == header]
+    assert [lines[i - 2] for i in starts] == ["# quantization=none", "# quantization=int8"]
+    rows = [line.split(" | ") for line in lines[starts[0] + 1:]
+            if not line.startswith("#") and line != header]
+    assert [r[0] for r in rows] == ["1", "2", "1", "2"]
     for r in rows:
         assert len(r) == len(COLUMNS)
         assert all(float(v) > 0 for v in r[1:5])  # images/s, ms/UNet, ms/VAE, TFLOP/s
@@ -47,7 +51,9 @@ def test_accelerator_smoke_prints_the_table(tmp_path):
     assert any("attention dot_product" in line for line in lines)
     result = json.loads(out.read_text())
     assert result["setup"] == "smoke" and result["size"] == 64 and result["steps"] == 4
-    assert [r["batch"] for r in result["rows"]] == [1, 2]
+    assert [(r["quantization"], r["batch"]) for r in result["rows"]] == [
+        ("none", 1), ("none", 2), ("int8", 1), ("int8", 2)]
+    assert set(result["quantization"]) == {"none", "int8"} and not result["failed_batches"]
     assert set(COLUMNS) <= set(result["rows"][0])
     # engine=step against engine=batch on the mixed 4/30-step workload, in the same run
     engines = result["engines"]
