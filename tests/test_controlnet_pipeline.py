@@ -208,3 +208,22 @@ def test_errors_name_the_argument(one, multi, base, tmp_path):
     with pytest.raises(TypeError, match="controlnet= is required"):
         ControlNetPipeline.from_pipe(base)
     assert one.num_compiled + multi.num_compiled == compiled  # refused before any program
+
+
+def test_per_image_adapters_equal_the_fused_lora(sdxl_dir, nets, tmp_path):
+    """A per-image LoRA adapter (add_adapter on the parent) in a ControlNet batch gives the
+    image of the same LoRA fused into the weights; the ControlNet itself is not adapted."""
+    lora = tiny.make_sdxl_lora(sdxl_dir, tmp_path / "lora.safetensors", seed=3)
+    parent = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
+    parent.add_adapter("px", lora)
+    cn = ControlNetPipeline.from_pipe(parent, controlnet=nets[0][0])
+    items = [ImageRequest("a red circle", seed=4, guidance_scale=3.0),
+             ImageRequest("a red circle", seed=4, guidance_scale=3.0, adapter="px")]
+    controls = [[ControlImage(_control(40), scale=0.8)]] * 2
+    kw = dict(num_inference_steps=2, height=SIZE, width=SIZE, output_type="np")
+    mixed = cn.generate(items, controls, **kw).images
+    assert np.abs(mixed[0] - mixed[1]).max() > 1e-2  # the adapter changes the image
+    parent.load_lora_weights(lora)  # fused; the adapter tables stay (one program)
+    fused = cn.generate(items[:1] * 2, controls, **kw).images
+    np.testing.assert_allclose(mixed[1], fused[0], atol=1e-5)
+    assert cn.num_compiled == 1
