@@ -1,6 +1,7 @@
-"""SDXL ControlNet text-to-image: one compiled program per shape, parity with diffusers.
+"""ControlNet text-to-image: one compiled program per shape, parity with diffusers.
 
-``ControlNetPipeline`` is diffusers' ``StableDiffusionXLControlNetPipeline``, with one
+``ControlNetPipeline`` is diffusers' ``StableDiffusionXLControlNetPipeline`` (on an SD 1.x /
+2.x model its ``StableDiffusionControlNetPipeline``), with one
 ControlNet or several at once (diffusers' ``MultiControlNetModel``: each ControlNet reads its
 own control image, their residuals are summed). It holds a text-to-image pipeline (:attr:`pipe`)
 and composes on it as the edit pipelines do (:mod:`pipelines.edit`): the weights, tokenizers,
@@ -82,8 +83,8 @@ def _as_pairs(controlnet) -> list:
 
 
 class ControlNetPipeline(_EditPipeline):
-    """SDXL text-to-image with ControlNets in JAX (diffusers'
-    ``StableDiffusionXLControlNetPipeline``; see the module's docstring). Build with
+    """Text-to-image with ControlNets in JAX (diffusers' ``StableDiffusionXLControlNetPipeline``,
+    or ``StableDiffusionControlNetPipeline`` for SD 1.x / 2.x; see the module's docstring). Build with
     :meth:`from_pipe` or :meth:`from_pretrained`; call with ``prompt`` and ``image`` (the control
     image, or one per ControlNet)."""
 

@@ -5,6 +5,7 @@ settings change; errors that name the argument."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -227,3 +228,49 @@ def test_per_image_adapters_equal_the_fused_lora(sdxl_dir, nets, tmp_path):
     fused = cn.generate(items[:1] * 2, controls, **kw).images
     np.testing.assert_allclose(mixed[1], fused[0], atol=1e-5)
     assert cn.num_compiled == 1
+
+
+@pytest.mark.parity
+def test_sd15_model_matches_diffusers(tmp_path_factory):
+    """An SD 1.x model (one text encoder, no added conditioning) with a BGR ControlNet:
+    diffusers' StableDiffusionControlNetPipeline, full window and guess mode with a window,
+    within 2e-3 (one program for both)."""
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline, StableDiffusionPipeline
+
+    root = tmp_path_factory.mktemp("controlnet-sd15")
+    tiny.make_sd_pipeline(root / "sd1", seed=3)
+    tiny.make_controlnet(root / "cn", tiny.SD15_UNET, seed=5, controlnet_conditioning_channel_order="bgr",
+                         **CN)
+    ours = ControlNetPipeline.from_pretrained(root / "sd1", controlnet=root / "cn",
+                                              compile_cache_dir=None)
+    theirs = StableDiffusionControlNetPipeline.from_pipe(
+        StableDiffusionPipeline.from_pretrained(root / "sd1"),
+        controlnet=ControlNetModel.from_pretrained(root / "cn"))
+    theirs.set_progress_bar_config(disable=True)
+    lat = _latents(1, seed=8)
+    kw = dict(image=_control(50), num_inference_steps=4, guidance_scale=6.0, height=SIZE,
+              width=SIZE, output_type="np")
+    for case in (dict(controlnet_conditioning_scale=1.0),
+                 dict(controlnet_conditioning_scale=0.5, guess_mode=True, control_guidance_end=0.7)):
+        mine = ours("a red circle", latents=lat, **kw, **case).images
+        with torch.no_grad():
+            ref = theirs("a red circle", latents=torch.from_numpy(lat), **kw, **case).images
+        assert np.abs(mine - ref).max() <= 2e-3, case
+    assert ours.num_compiled == 1
+
+
+def test_composes_on_the_parent_like_the_edit_pipelines(one, base):
+    """The parent's weights and settings, live; its own ControlNets and programs; edit
+    pipelines made from it run on the same parent."""
+    from pipelines import ImageToImagePipeline
+
+    again = ControlNetPipeline.from_pipe(one)  # the same ControlNets, not loaded again
+    assert again.pipe is base and again.controlnets == one.controlnets
+    assert all(a is b for a, b in zip(jax.tree.leaves(again.controlnet_params),
+                                      jax.tree.leaves(one.controlnet_params)))
+    assert again.params is base.params and again.num_compiled == 0
+    assert ImageToImagePipeline.from_pipe(one).pipe is base
+    again.scheduler = base.scheduler  # its own setting (OWN_SETTINGS) ...
+    assert "scheduler" in vars(again) and "scheduler" not in vars(one)
+    with pytest.raises(AttributeError, match=r"default_steps is its text-to-image pipeline's"):
+        again.default_steps = 3  # ... the rest is the parent's
