@@ -162,14 +162,21 @@ def test_scale_window_guess_and_images_never_recompile(one):
     assert np.abs(first.images - third.images).max() > 1e-3
 
 
-def test_zero_scale_is_the_text_to_image_image(one, base):
-    """Scale 0: no ControlNet is run (every step outside the window) and the image is the
-    text-to-image pipeline's for the same seed."""
-    kw = dict(num_inference_steps=2, guidance_scale=3.0, output_type="np", seed=9)
-    ours = one("a red circle", image=_control(22), controlnet_conditioning_scale=0.0,
-               height=SIZE, width=SIZE, **kw).images
-    plain = base("a red circle", height=SIZE, width=SIZE, **kw).images
+def test_zero_scale_skips_the_controlnet_and_is_the_text_to_image_image(one, base):
+    """Scale 0 at every step: the ControlNet is not run at all (lax.cond; a ControlNet whose
+    weights are NaN leaves the image finite, while at scale 1 it makes it NaN) and the image is
+    the text-to-image pipeline's for the same seed."""
+    broken = ControlNetPipeline.from_pipe(base, controlnet=(
+        one.controlnets[0], jax.tree.map(lambda a: a * np.nan, one.controlnet_params[0])))
+    kw = dict(image=_control(22), num_inference_steps=2, guidance_scale=3.0, output_type="np",
+              seed=9, height=SIZE, width=SIZE)
+    ours = broken("a red circle", controlnet_conditioning_scale=0.0, **kw).images
+    kw.pop("image")
+    plain = base("a red circle", **kw).images
     np.testing.assert_allclose(ours, plain, atol=1e-5)
+    # the same program with the window over the first step only: the NaN weights run
+    ran = broken("a red circle", image=_control(22), control_guidance_end=0.5, **kw).images
+    assert np.isnan(ran).any() and broken.num_compiled == 1
 
 
 def test_errors_name_the_argument(one, multi, base, tmp_path):
