@@ -5,6 +5,8 @@ settings change; errors that name the argument."""
 
 from __future__ import annotations
 
+import textwrap
+
 import jax
 import numpy as np
 import pytest
@@ -281,3 +283,30 @@ def test_composes_on_the_parent_like_the_edit_pipelines(one, base):
     assert "scheduler" in vars(again) and "scheduler" not in vars(one)
     with pytest.raises(AttributeError, match=r"default_steps is its text-to-image pipeline's"):
         again.default_steps = 3  # ... the rest is the parent's
+
+
+@pytest.mark.slow  # a fresh 4-device process, two loads and two compiles
+def test_data_parallel_equals_single_device(sdxl_dir, nets):
+    """4 host devices: the batch (its control images, per-row scales and windows) is sharded
+    over the mesh, rows on one device may all be outside their windows while others are not,
+    and the images equal one device's."""
+    script = textwrap.dedent(f"""
+        import json, numpy as np
+        from PIL import Image
+        from pipelines import ControlImage, ControlNetPipeline, ImageRequest
+        rng = np.random.default_rng(0)
+        images = [Image.fromarray(rng.integers(0, 256, ({SIZE}, {SIZE}, 3), dtype=np.uint8))
+                  for _ in range(3)]
+        items = [ImageRequest(p, seed=11 + k, guidance_scale=3.0)
+                 for k, p in enumerate(["a red circle", "a blue square", "the dog"])]
+        controls = [[ControlImage(images[0], 1.0, 0.0, 0.5)], [ControlImage(images[1], 0.5, 0.5, 1.0)],
+                    [ControlImage(images[2], 1.0, 0.0, 1.0, guess_mode=True)]]
+        out = {{}}
+        for d in (4, 1):
+            p = ControlNetPipeline.from_pretrained({str(sdxl_dir)!r}, controlnet={str(nets[0][0])!r},
+                                                   devices=d, compile_cache_dir=None)
+            assert p.mesh.size == d
+            out[d] = p.generate(items, controls, num_inference_steps=2, output_type="np").images
+        print(json.dumps(float(np.abs(out[4] - out[1]).max())))
+    """)
+    assert tiny.run_on_host_devices(script, 4) <= 5e-6  # as text-to-image's (test_pipeline.py)
