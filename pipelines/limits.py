@@ -65,7 +65,6 @@ FIELDS: dict[str, dict[str, str]] = {
     "control_scale": {"python": "controlnet_conditioning_scale"},
     "control_start": {"python": "control_guidance_start"},
     "control_end": {"python": "control_guidance_end"},
-    "control_image": {"python": "image"},
 }
 
 
