@@ -300,7 +300,7 @@ class ControlNetPipeline(_EditPipeline):
         else:
             if not isinstance(image, (list, tuple)) or len(image) != k:
                 got = f"{len(image)} entries" if isinstance(image, (list, tuple)) else \
-                    f"a {type(image).__name__}"
+                    f"one {type(image).__name__}"
                 raise ValueError(f"image: this pipeline has {k} ControlNets; give a list of {k} "
                                  "control images, one per ControlNet (each an image or a list "
                                  f"of one per prompt), got {got}")

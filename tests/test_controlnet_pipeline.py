@@ -187,7 +187,7 @@ def test_errors_name_the_argument(one, multi, base, tmp_path):
     with pytest.raises(ValueError, match=r"image: this pipeline has 2 ControlNets; give a list "
                                          r"of 2 control images.*got 3 entries"):
         multi("x", image=[img, img, img])
-    with pytest.raises(ValueError, match=r"image: this pipeline has 2 ControlNets.*got a Image"):
+    with pytest.raises(ValueError, match=r"image: this pipeline has 2 ControlNets.*got one Image"):
         multi("x", image=img)
     with pytest.raises(ValueError, match=r"controlnet_conditioning_scale has 3 values but this "
                                          r"pipeline has 2 ControlNet"):
