@@ -326,6 +326,7 @@ class RunSettings:
     num_images: int = 1
     format: str = "png"
     lora: str | None = None  # the fused LoRA adapters, "PATH:SCALE, ..." (None: none)
+    quantization: str | None = None  # int8-weights, int8, fp8 (None: none)
 
 
 @dataclass(frozen=True)
@@ -378,7 +379,8 @@ class ImageJob:
                     run_seed=s.run_seed, steps=self.steps, guidance=self.guidance,
                     size=f"{self.width}x{self.height}", width=self.width, height=self.height,
                     scheduler=s.scheduler, model=s.model, unet=s.unet, lora=s.lora,
-                    dtype=s.dtype, format=s.format, **edit, file=self.file, id=self.id, **extra)
+                    dtype=s.dtype, quantization=s.quantization, format=s.format, **edit,
+                    file=self.file, id=self.id, **extra)
 
 
 def identity(line: int, image: int, prompt: str, negative_prompt: str | None, seed: int,
@@ -386,7 +388,8 @@ def identity(line: int, image: int, prompt: str, negative_prompt: str | None, se
     return dict(line=line, image=image, prompt=prompt, negative_prompt=negative_prompt, seed=seed,
                 steps=steps, guidance=float(guidance), width=width, height=height,
                 scheduler=s.scheduler, model=s.model, unet=s.unet, dtype=s.dtype, format=s.format,
-                **({"lora": s.lora} if s.lora else {}))  # (ids of runs without LoRA unchanged)
+                **({"lora": s.lora} if s.lora else {}),  # (ids of runs without LoRA unchanged)
+                **({"quantization": s.quantization} if s.quantization else {}))
 
 
 def _sha256(path: str) -> str:

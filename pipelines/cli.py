@@ -25,6 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from maxdiff.quantization import MODES as QUANTIZATION_MODES
 from pipelines.batch import (MAX_IMAGES_PER_LINE, METADATA, TMP_MARK, InputError, OutputDir,
                              RunSettings, check_size, load_edit_inputs, plan_jobs, read_prompts)
 from pipelines.limits import (MAX_SEED, STRENGTH, guidance_problem, n_problem, seed_problem,
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preset (lightning-1step/2step/4step/8step) or a scheduler config "
                         "file/folder")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
+    g.add_argument("--quantization", choices=QUANTIZATION_MODES,
+                   help="the UNet's transformer linear layers in int8 (weights only, or weights "
+                        "and activations) or fp8, through qwix (default none; no --lora with it)")
     g.add_argument("--lora", action="append", metavar="PATH[:SCALE]",
                    help="LoRA adapter fused into the weights (diffusers/PEFT or kohya "
                         ".safetensors; scale default 1); repeatable, applied in order")
@@ -240,7 +244,7 @@ def _run_config(args, **extra: Any):
     cfg = load_run_config(args.config, args.set)
     flags = dict(model=args.model, unet=args.unet, vae=args.vae,
                  single_file_config=args.single_file_config, scheduler=args.scheduler,
-                 dtype=args.dtype, devices=args.devices,
+                 dtype=args.dtype, quantization=args.quantization, devices=args.devices,
                  loras=getattr(args, "lora", None) or None, **extra)
     flags = {k: v for k, v in flags.items() if v is not None}
     if flags:
@@ -368,6 +372,7 @@ def cmd_generate(args) -> int:
         settings = RunSettings(
             model=cfg.model, unet=cfg.unet, scheduler=scheduler,
             dtype=str(resolve_dtype(cfg.dtype)), steps=pipe.default_steps,
+            quantization=None if cfg.quantization == "none" else cfg.quantization,
             guidance=float(pipe.default_guidance), width=pipe.default_width,
             height=pipe.default_height, run_seed=run_seed, negative_prompt=args.negative,
             num_images=args.num_images, format=args.format,
@@ -447,7 +452,7 @@ def cmd_info(args) -> int:
     import jax
     import numpy as np
 
-    from maxdiff import single_file
+    from maxdiff import quantization as quantlib, single_file
     from maxdiff.checkpoint import open_weights
     from pipelines.text_to_image import TextToImagePipeline, model_root
 
@@ -459,7 +464,7 @@ def cmd_info(args) -> int:
     load_s = time.perf_counter() - t0
     comps = {}
     for name in [c for c in COMPONENTS if c in pipe.params]:  # SD 1.x / 2.x: one encoder
-        leaves = jax.tree_util.tree_leaves(pipe.params[name])
+        leaves = quantlib.weights(pipe.params[name])  # a quantized weight: its int8 values
         conf = _json_file(root / name / "config.json")
         replaced = {"unet": cfg.unet, "vae": cfg.vae}.get(name)
         if replaced:
@@ -482,6 +487,7 @@ def cmd_info(args) -> int:
         model=cfg.model, format=(f"single file ({layout.family.title})" if layout
                                  else "diffusers folder"),
         configs=str(root) if layout else None, unet=cfg.unet, vae=cfg.vae,
+        quantization=cfg.quantization,
         scheduler=type(pipe.scheduler).__name__,
         scheduler_preset=cfg.scheduler, default_steps=pipe.default_steps,
         default_guidance=pipe.default_guidance,
@@ -496,7 +502,9 @@ def cmd_info(args) -> int:
     print(f"model      {report['model']} ({report['format']})"
           + (f"\nconfigs    {root}" if layout else "")
           + (f"\nunet file  {cfg.unet}" if cfg.unet else "")
-          + (f"\nvae        {cfg.vae}" if cfg.vae else ""))
+          + (f"\nvae        {cfg.vae}" if cfg.vae else "")
+          + (f"\nquantized  {cfg.quantization} (the UNet's transformer linear layers)"
+             if cfg.quantization != "none" else ""))
     print(f"scheduler  {report['scheduler']}" + (f" ({cfg.scheduler})" if cfg.scheduler else "")
           + f"; defaults: {pipe.default_steps} steps, guidance {pipe.default_guidance:g}, "
           f"size {report['default_size'] or 'none (pass --size)'}")

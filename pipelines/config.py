@@ -19,9 +19,10 @@ import os
 from pathlib import Path
 from typing import Literal, Sequence
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from maxdiff.config import StrictConfig, config_names, load_config, validate
+from maxdiff.quantization import Quantization, lora_problem
 
 MODEL_DEFAULTS_FILE = "maxdiff.json"
 NOT_RUN_CONFIGS = ("serve", "train-")  # configs/ also holds the service's and training's
@@ -76,6 +77,9 @@ class RunConfig(StrictConfig):
     # true (whenever a side exceeds sample_size, diffusers' enable_tiling) or false
     vae_tiling: bool | Literal["auto"] = "auto"
     loras: tuple[LoraSpec, ...] = ()  # LoRA adapters fused at load, in order ("PATH[:SCALE]")
+    # the UNet's transformer linear layers in int8 / fp8 through qwix (maxdiff.quantization):
+    # none, int8-weights (int8 weights), int8 (int8 weights and activations), fp8 (e4m3)
+    quantization: Quantization = "none"
 
     @field_validator("loras", mode="before")
     @classmethod
@@ -86,12 +90,19 @@ class RunConfig(StrictConfig):
             v = [v]
         return tuple(LoraSpec.parse(x) for x in v)
 
+    @model_validator(mode="after")
+    def _loras_unquantized(self):
+        if self.loras and (problem := lora_problem(self.quantization, "loras")) is not None:
+            raise ValueError(problem)
+        return self
+
     def pipeline_kwargs(self) -> dict:
         """Keyword arguments for ``TextToImagePipeline.from_pretrained``."""
         kw = dict(path=self.model, dtype=self.dtype, unet=self.unet, vae=self.vae,
                   config=self.single_file_config, scheduler=self.scheduler,
                   devices=self.devices, attention_kernel=self.attention,
-                  attention_chunk=self.attention_chunk, vae_tiling=self.vae_tiling)
+                  attention_chunk=self.attention_chunk, vae_tiling=self.vae_tiling,
+                  quantization=self.quantization)
         if self.compile_cache_dir is not None:
             kw["compile_cache_dir"] = self.compile_cache_dir or None
         return kw

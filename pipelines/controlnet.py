@@ -96,7 +96,7 @@ class ControlNetPipeline(_EditPipeline):
             raise TypeError("controlnet= is required: a ControlNet folder, a (module, params) "
                             "pair from load_controlnet, or a list of them")
         p = self.pipe
-        dtype = jax.tree_util.tree_leaves(p.params["unet"])[0].dtype
+        dtype = p.unet.dtype  # the UNet's compute dtype (its weights may be quantized)
         rep = meshlib.replicated(p.mesh)
         nets, params, names = [], [], []
         for spec in _as_pairs(controlnet):

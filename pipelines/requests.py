@@ -213,7 +213,7 @@ def pad_to(items: Sequence[T], bucket: int) -> list[T]:
 
 # ---------------------------------------------------------------------------------- images
 IMAGE_KEYS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "scheduler",
-              "model", "unet", "lora", "adapter", "dtype", "mode", "strength")
+              "model", "unet", "lora", "adapter", "dtype", "quantization", "mode", "strength")
 
 
 def image_info(**settings: Any) -> dict[str, str]:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiff import adapters as adapterlib, checkpoint, mesh as meshlib, single_file
+from maxdiff import quantization as quantlib
 from maxdiff.models.clip import load_text_encoder
 from maxdiff.models.unet import load_unet
 from maxdiff.models.vae import load_vae
@@ -204,7 +205,8 @@ class TextToImagePipeline:
 
     def __init__(self, *, tokenizer, tokenizer_2, text_encoder, text_encoder_2, unet, vae,
                  scheduler, params: dict, mesh, force_zeros_for_empty_prompt: bool = True,
-                 default_steps: int = 50, default_guidance: float = 5.0, name: str = ""):
+                 default_steps: int = 50, default_guidance: float = 5.0, name: str = "",
+                 quantization: str = "none"):
         self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
         self.text_encoder, self.text_encoder_2 = text_encoder, text_encoder_2
         self.unet, self.vae, self.scheduler = unet, vae, scheduler
@@ -214,6 +216,9 @@ class TextToImagePipeline:
         self.default_steps = default_steps
         self.default_guidance = default_guidance
         self.name = name
+        # "none", "int8-weights", "int8" or "fp8": how the UNet's weights (and activations) are
+        # quantized (maxdiff.quantization); ``unet`` and ``params["unet"]`` are then qwix's
+        self.quantization = quantlib.check_quantization(quantization)
         self.vae_scale_factor = vae.config.vae_scale_factor
         self.latent_channels = unet.config.in_channels
         self.default_height = self.default_width = None
@@ -243,7 +248,8 @@ class TextToImagePipeline:
                         compile_cache_dir: str | os.PathLike | None = DEFAULT_COMPILE_CACHE,
                         variant: str | None = None, vae_tiling: bool | str = "auto",
                         vae: str | os.PathLike | None = None,
-                        config: str | os.PathLike | None = None) -> "TextToImagePipeline":
+                        config: str | os.PathLike | None = None,
+                        quantization: str = "none") -> "TextToImagePipeline":
         """Load a diffusers SDXL folder (``model_index.json``, ``unet/``, ``vae/``,
         ``text_encoder/``, ``text_encoder_2/``, ``tokenizer*/``, ``scheduler/``), or a
         single-file SDXL checkpoint (see :meth:`from_single_file`; ``config`` applies to it).
@@ -257,9 +263,13 @@ class TextToImagePipeline:
         ``"auto"`` (encode and decode images of more than ``vae_tiling_threshold`` pixels tile
         by tile; default 2 x the VAE's ``sample_size²``, at least 2,097,152), True (tile
         whenever diffusers' ``enable_tiling`` would) or False (never); see
-        :func:`maxdiff.models.vae_tiling.use_tiling`.
+        :func:`maxdiff.models.vae_tiling.use_tiling`. ``quantization``: ``"none"``,
+        ``"int8-weights"``, ``"int8"`` or ``"fp8"``: the UNet's transformer linear layers run
+        with int8 (or float8) weights, and with ``int8`` / ``fp8`` activations too, through
+        qwix (:mod:`maxdiff.quantization`; LoRA adapters are then refused).
         """
         vae_tiling = check_tiling_setting(vae_tiling)
+        quantlib.check_quantization(quantization)
         if path is None:
             from pipelines.default_model import default_model_path
 
@@ -288,6 +298,9 @@ class TextToImagePipeline:
             attention_kernel=attention_kernel, attention_chunk=attention_chunk, put=put,
             variant=None if unet is not None else variant,
             source=None if unet is not None else unet_src)
+        if quantization != "none":  # the float UNet weights go once quantized
+            unet_model, unet_params = quantlib.quantize(unet_model, unet_params, quantization)
+            unet_params = put(unet_params)
         if vae is None:
             vae_cfg, vae_src = part("vae")
             vae_model, vae_params = load_vae(root / "vae", dtype, variant=variant, put=put,
@@ -337,6 +350,7 @@ class TextToImagePipeline:
             # SDXL zeroes an omitted negative prompt; SD 1.x / 2.x encode "" (no such key)
             force_zeros_for_empty_prompt=bool(model_index.get("force_zeros_for_empty_prompt", xl)),
             default_steps=steps, default_guidance=guidance, name=str(path),
+            quantization=quantization,
         )
         sample_size = unet_cfg.get("sample_size")
         if isinstance(sample_size, int):
@@ -396,6 +410,8 @@ class TextToImagePipeline:
         memory. Returns the adapter's name (``adapter_name``, or ``default_N``)."""
         from maxdiff import lora
 
+        if (problem := quantlib.lora_problem(self.quantization)) is not None:
+            raise ValueError(problem)
         if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
                 or not np.isfinite(scale):
             raise ValueError(f"scale={scale!r}; it must be a finite number")
@@ -446,6 +462,8 @@ class TextToImagePipeline:
         before warming up). Returns the adapter's index (1, 2, ...)."""
         from maxdiff import lora
 
+        if (problem := quantlib.lora_problem(self.quantization, "per-image adapters")) is not None:
+            raise ValueError(problem)
         if not isinstance(name, str) or not name:
             raise ValueError(f"adapter name {name!r}; give a non-empty string")
         if name in [n for n, *_ in self._adapters]:

@@ -120,6 +120,7 @@ def _model_details(s: ServeSettings, info: dict) -> dict:
     details = {k: info[k] for k in (
         "scheduler", "default_steps", "default_guidance", "default_width", "default_height",
         "size_multiple", "max_size", "dtype", "devices")}
+    details["quantization"] = info.get("quantization", "none")
     details["engine"] = s.engine  # "step": steps and partial images are streamed
     lim = validation.limits(s, info)
     details["limits"] = {

@@ -169,7 +169,7 @@ class LoadedModel:
                 "default_width": p.default_width, "default_height": p.default_height,
                 "size_multiple": size_multiple(p), "max_size": p.max_size,
                 "max_steps": p.max_steps,
-                "dtype": cfg.dtype if cfg else None,
+                "dtype": cfg.dtype if cfg else None, "quantization": p.quantization,
                 "devices": p.mesh.size, "replica": self.replica, "warmup_s": self.warmup_s,
                 "warmed": self.warmed, "load_s": self.load_s,
                 "adapters": [{k: a[k] for k in ("name", "scale", "layers", "rank")}

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from maxdiff.quantization import lora_problem
 from pipelines.config import RunConfig, load_run_config
 from serving.errors import ApiError
 from serving.settings import AdapterSpec, ServeSettings
@@ -51,11 +52,13 @@ class Catalog:
             if run.model is None:
                 default_model_path()  # a clear error now rather than from every replica
             name = s.model_name or (Path(run.model).name if run.model else "maxdiff-default")
+            _check_adapters(run, s.adapters, "serve arg adapters")
             return cls((Served(name, run, s.adapters),), False, 1)
         models = []
         for i, spec in enumerate(s.models):
             try:
                 run = load_run_config(spec.config, spec.run_overrides)
+                _check_adapters(run, spec.adapters, "adapters")
             except ValueError as e:
                 raise ValueError(f"serve arg models[{i}] ({spec.name}): {e}") from None
             if run.model is None:
@@ -93,6 +96,12 @@ class Catalog:
         if lenient and not self.listed:
             return self.default.name
         raise not_found(requested, self.names)
+
+
+def _check_adapters(run: RunConfig, adapters, what: str) -> None:
+    """Per-request adapters need the float weights: refused with a quantized model."""
+    if adapters and (problem := lora_problem(run.quantization, what)) is not None:
+        raise ValueError(problem)
 
 
 def not_found(name: str, names: list[str]) -> ApiError:

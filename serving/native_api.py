@@ -116,7 +116,9 @@ async def response(job: GenerationRequest, fmt: str, result: JobResult, info: di
     meta = [image_info(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=seed,
                        steps=job.steps, guidance=job.guidance_scale,
                        size=f"{job.width}x{job.height}", scheduler=info["scheduler"],
-                       model=model_id, dtype=info["dtype"], adapter=job.adapter) | mode
+                       model=model_id, dtype=info["dtype"], adapter=job.adapter,
+                       quantization=None if info.get("quantization", "none") == "none"
+                       else info["quantization"]) | mode
             for seed in result.seeds]
     blobs = await asyncio.to_thread(lambda: [encode_image(im, fmt, m)
                                              for im, m in zip(result.images, meta)])

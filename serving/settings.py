@@ -21,8 +21,8 @@ StepPolicy = Literal[tuple(POLICIES)]
 RUN_CONFIG_KEYS = tuple(RunConfig.model_fields)
 # args taken as given when they come as strings (names and paths); others are parsed as YAML
 _TEXT_ARGS = ("config", "model_name", "name", "resource", "model", "unet", "vae", "single_file_config",
-              "scheduler", "compile_cache_dir", "dtype", "attention", "api_keys", "cors_origins",
-              "adapters")
+              "scheduler", "compile_cache_dir", "dtype", "quantization", "attention", "api_keys",
+              "cors_origins", "adapters")
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 

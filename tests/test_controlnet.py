@@ -321,6 +321,9 @@ def test_config_errors(sdxl, tmp_path):
     ]:
         with pytest.raises(ValueError, match=match):
             ControlNetConfig.from_dict({**base, **change})
+    # keys that do not change the maths load, as in diffusers (published configs carry some)
+    assert (ControlNetConfig.from_dict({**base, "sample_size": 128, "dropout": 0.0})
+            == ControlNetConfig.from_dict(base))
 
     wrong = tmp_path / "wrong"
     shutil.copytree(sdxl[0] / "controlnet", wrong)

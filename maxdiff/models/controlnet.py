@@ -57,7 +57,9 @@ class ControlNetConfig(EncoderConfig):
         "encoder_hid_dim_type": None,
         "resnet_time_scale_shift": "default",
     }
-    IGNORED: ClassVar[set] = {"upcast_attention", "addition_embed_type_num_heads"}
+    # keys that do not change the maths (some published configs carry the UNet's sample_size)
+    IGNORED: ClassVar[set] = {"upcast_attention", "addition_embed_type_num_heads", "sample_size",
+                              "dropout"}
     MID_BLOCKS: ClassVar[tuple] = ("UNetMidBlock2DCrossAttn", "UNetMidBlock2D")
     # UNet settings a ControlNet does not have (diffusers builds it with these values)
     conv_in_kernel: ClassVar[int] = 3
