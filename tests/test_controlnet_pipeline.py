@@ -310,3 +310,19 @@ def test_data_parallel_equals_single_device(sdxl_dir, nets):
         print(json.dumps(float(np.abs(out[4] - out[1]).max())))
     """)
     assert tiny.run_on_host_devices(script, 4) <= 5e-6  # as text-to-image's (test_pipeline.py)
+
+
+def test_runs_on_a_quantized_model(sdxl_dir, one, nets):
+    """On an int8-quantized parent (qwix) the UNet runs quantized and the ControlNet in the
+    pipeline's dtype: other pixels than float32's, within the int8 threshold of
+    tests/test_quantization.py (30 dB PSNR)."""
+    pytest.importorskip("qwix")
+    int8 = ControlNetPipeline.from_pretrained(sdxl_dir, controlnet=nets[0][0], quantization="int8",
+                                              compile_cache_dir=None)
+    assert int8.controlnets[0].dtype == one.controlnets[0].dtype == np.float32
+    kw = dict(image=_control(60), num_inference_steps=4, guidance_scale=3.0, seed=5,
+              output_type="np", height=SIZE, width=SIZE)
+    ours, ref = int8("a red circle", **kw).images, one("a red circle", **kw).images
+    assert not np.array_equal(ours, ref)
+    mse = float(np.mean((ours.astype(np.float64) - ref) ** 2))
+    assert 10 * np.log10(1.0 / max(mse, 1e-20)) >= 30.0
