@@ -1,5 +1,5 @@
 """maxdiff pipelines: the Python API (``TextToImagePipeline``, ``ImageToImagePipeline``,
-``InpaintPipeline``), requests, run configs and the CLI.
+``InpaintPipeline``, ``ControlNetPipeline``), requests, run configs and the CLI.
 
 Importing the package is light: the pipelines (and with them JAX) load on first use, so
 the HTTP ingress can import ``pipelines.requests`` and ``pipelines.config`` without JAX.
@@ -7,11 +7,12 @@ the HTTP ingress can import ``pipelines.requests`` and ``pipelines.config`` with
 
 from typing import TYPE_CHECKING
 
-__all__ = ["TextToImagePipeline", "ImageToImagePipeline", "InpaintPipeline", "ImageRequest",
-           "PipelineOutput", "GenerationRequest"]
+__all__ = ["TextToImagePipeline", "ImageToImagePipeline", "InpaintPipeline", "ControlNetPipeline",
+           "ImageRequest", "ControlImage", "PipelineOutput", "GenerationRequest"]
 
 if TYPE_CHECKING:
-    from pipelines.requests import GenerationRequest, ImageRequest
+    from pipelines.controlnet import ControlNetPipeline
+    from pipelines.requests import ControlImage, GenerationRequest, ImageRequest
     from pipelines.edit import ImageToImagePipeline, InpaintPipeline
     from pipelines.text_to_image import PipelineOutput, TextToImagePipeline
 
@@ -25,7 +26,11 @@ def __getattr__(name):
         from pipelines import edit
 
         return getattr(edit, name)
-    if name in ("ImageRequest", "GenerationRequest"):
+    if name == "ControlNetPipeline":
+        from pipelines import controlnet
+
+        return controlnet.ControlNetPipeline
+    if name in ("ImageRequest", "GenerationRequest", "ControlImage"):
         from pipelines import requests
 
         return getattr(requests, name)

@@ -109,19 +109,24 @@ def _float_array(a: np.ndarray, name: str, channels: tuple[int, ...]) -> np.ndar
     return a
 
 
-def preprocess_image(img, height: int, width: int, name: str = "image") -> np.ndarray:
-    """diffusers' ``VaeImageProcessor.preprocess`` for one image: PIL images are resized with
-    Lanczos, arrays with nearest neighbour, to (height, width); returns float32 (H, W, 3) in
-    [-1, 1]."""
+def image_pixels(img, height: int, width: int, name: str = "image") -> np.ndarray:
+    """diffusers' ``VaeImageProcessor.preprocess`` for one image without the normalisation (its
+    ``do_normalize=False``, as the ControlNet pipelines' control image processor): PIL images
+    are resized with Lanczos and converted to RGB, arrays resized with nearest neighbour, to
+    (height, width); returns float32 (H, W, 3) in [0, 1]."""
     from PIL import Image
 
     if isinstance(img, Image.Image):
         if img.size != (width, height):
             img = img.resize((width, height), resample=Image.LANCZOS)
-        a = np.asarray(img.convert("RGB")).astype(np.float32) / 255.0
-    else:
-        a = _nearest(_float_array(img, name, (3,)), height, width)
-    return a * 2.0 - 1.0
+        return np.asarray(img.convert("RGB")).astype(np.float32) / 255.0
+    return _nearest(_float_array(img, name, (3,)), height, width)
+
+
+def preprocess_image(img, height: int, width: int, name: str = "image") -> np.ndarray:
+    """diffusers' ``VaeImageProcessor.preprocess`` for one image (:func:`image_pixels`),
+    normalised to [-1, 1]: float32 (H, W, 3)."""
+    return image_pixels(img, height, width, name) * 2.0 - 1.0
 
 
 def preprocess_mask(mask, height: int, width: int) -> np.ndarray:
@@ -149,8 +154,9 @@ def _noise_array(x, name: str, want: tuple[int, ...], f: int) -> np.ndarray | No
 
 # ---------------------------------------------------------------------- the pipelines
 class _EditPipeline:
-    """What image-to-image and inpainting share: the text-to-image pipeline they run on, the
-    program, calling.
+    """What image-to-image and inpainting share (and :class:`pipelines.controlnet.ControlNetPipeline`,
+    which composes on a text-to-image pipeline the same way): the text-to-image pipeline they
+    run on, the program, calling.
 
     An edit pipeline holds its text-to-image pipeline (:attr:`pipe`) and reads the model from it
     on every call: weights (``params``, fused LoRAs included), text encoders, tokenizers, UNet,

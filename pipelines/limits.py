@@ -8,8 +8,9 @@ OpenAI routes), the generator replicas and the step engine all check requests he
   for every front door; see below).
 - :func:`cfg_on`: guidance turns classifier-free guidance on above 1.
 - one rule per setting: :func:`steps_problem`, :func:`guidance_problem`, :func:`seed_problem`,
-  :func:`n_problem`, :func:`strength_problem`, :func:`size_problems`, :func:`cost_problem`
-  and :func:`output_type_problem` (the Python API's).
+  :func:`n_problem`, :func:`strength_problem`, :func:`size_problems`, :func:`cost_problem`,
+  :func:`control_scale_problem` and :func:`control_window_problems` (ControlNet) and
+  :func:`output_type_problem` (the Python API's).
   Each returns :class:`Problem` (canonical field, message, value) or None; the message states
   the allowed range and never the field's name, because
 - :data:`FIELDS` names each setting in each front door's vocabulary (``num_inference_steps``
@@ -60,6 +61,10 @@ FIELDS: dict[str, dict[str, str]] = {
                "openai": "prompt"},
     "adapter": {"python": "adapter", "cli": "--lora", "jsonl": "lora", "native": "lora",
                 "openai": "model"},
+    # ControlNet (the Python API so far; the CLI and HTTP names come with those doors)
+    "control_scale": {"python": "controlnet_conditioning_scale"},
+    "control_start": {"python": "control_guidance_start"},
+    "control_end": {"python": "control_guidance_end"},
 }
 
 
@@ -183,6 +188,33 @@ def edit_adapter_problem(adapter: Any) -> Problem | None:
     return Problem("adapter", "per-image adapters apply to text-to-image only, not to edits "
                    "(image-to-image, inpainting); fuse a LoRA with load_lora_weights instead",
                    adapter)
+
+
+CONTROL_SCALE_MAX = 10.0  # ComfyUI's ControlNet strength range is [0, 10]; A1111's weight [0, 2]
+
+
+def control_scale_problem(scale: Any, which: str = "") -> Problem | None:
+    """A ControlNet's conditioning scale (its residuals are multiplied by it): a number in
+    [0, :data:`CONTROL_SCALE_MAX`]. ``which``: the ControlNet, for messages ("ControlNet 1")."""
+    if is_number(scale) and 0.0 <= scale <= CONTROL_SCALE_MAX:
+        return None
+    return Problem("control_scale", f"must be a number in [0, {CONTROL_SCALE_MAX:g}]"
+                   f"{_why(which)} (0: no effect, 1: the ControlNet's full strength)", scale)
+
+
+def control_window_problems(start: Any, end: Any, which: str = "") -> list[Problem]:
+    """The fraction of the denoising steps a ControlNet acts on, ``start`` to ``end``: numbers
+    with 0 <= start < end <= 1 (diffusers' rule; step i of n runs the ControlNet when
+    ``i / n >= start`` and ``(i + 1) / n <= end``)."""
+    out = [Problem(field, f"must be a number in [0, 1]{_why(which)}, a fraction of the "
+                   "denoising steps", v)
+           for field, v in (("control_start", start), ("control_end", end))
+           if not is_number(v) or not 0.0 <= v <= 1.0]
+    if not out and start >= end:
+        out.append(Problem("control_start", f"must be below the window's end ({end!r})"
+                           f"{_why(which)}: the ControlNet acts from start to end, fractions "
+                           "of the denoising steps", start))
+    return out
 
 
 OUTPUT_TYPES = ("pil", "np")

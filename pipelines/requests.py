@@ -16,6 +16,7 @@ JAX-free (NumPy and Pillow only), so the HTTP ingress imports it without loading
 - Editing (image-to-image, inpainting): :func:`decode_image` (bytes -> uint8 RGB + alpha),
   :func:`repaint_mask` (a mask file's pixels -> uint8 255 = repaint), :class:`EditRequest`
   and its :class:`EditKey`.
+- ControlNet: :class:`ControlImage`, one image's control image and settings for one ControlNet.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Type
 
 import numpy as np
 
-from pipelines.limits import (STRENGTH, cfg_on, describe, guidance_problem, n_problem,
-                              seed_problem, strength_problem)
+from pipelines.limits import (STRENGTH, cfg_on, control_scale_problem, control_window_problems,
+                              describe, guidance_problem, n_problem, seed_problem,
+                              strength_problem)
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 T = TypeVar("T")
@@ -373,3 +375,26 @@ class EditRequest(GenerationRequest):
                 raise ValueError(f"mask is {m.shape[1]}x{m.shape[0]} but image is "
                                  f"{img.shape[1]}x{img.shape[0]} (width x height); give a mask "
                                  "of the image's size")
+
+
+# ---------------------------------------------------------------------------------- ControlNet
+@dataclass(frozen=True)
+class ControlImage:
+    """One image's conditioning for one ControlNet (``ControlNetPipeline.generate``: one per
+    ControlNet for every image): the control ``image`` (a PIL image or a float (H, W, 3) array
+    in [0, 1]), the ``scale`` its residuals are multiplied by, the fraction of the denoising
+    steps it acts on (``start`` to ``end``) and ``guess_mode`` (diffusers': the residuals
+    ramp from 0.1 to 1.0 over the blocks and, with classifier-free guidance, only the
+    text-conditioned half gets them)."""
+
+    image: Any
+    scale: float = 1.0
+    start: float = 0.0
+    end: float = 1.0
+    guess_mode: bool = False
+
+    def problems(self, which: str = "") -> list:
+        """Every broken rule of :mod:`pipelines.limits` (``which``: "ControlNet 1", for
+        messages)."""
+        return [p for p in [control_scale_problem(self.scale, which),
+                            *control_window_problems(self.start, self.end, which)] if p]

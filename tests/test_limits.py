@@ -15,7 +15,8 @@ import pytest
 from PIL import Image
 
 from pipelines import batch, cli
-from pipelines.limits import (FIELDS, MAX_SEED, STRENGTH, Limits, Problem, check, cost_problem,
+from pipelines.limits import (FIELDS, MAX_SEED, STRENGTH, Limits, Problem, check,
+                              control_scale_problem, control_window_problems, cost_problem,
                               describe, guidance_problem, n_problem, problems, seed_problem,
                               size_problems, steps_problem, strength_problem)
 
@@ -62,6 +63,24 @@ def test_each_rule_accepts_its_range_and_states_it():
         assert "in (0, 1]" in strength_problem(bad).message
     p = strength_problem(0.25, 2)
     assert "with 2 step(s) leaves no denoising step (int(2 * 0.25) = 0)" in p.message
+
+
+def test_controlnet_rules_accept_their_range_and_state_it():
+    for ok in (0, 0.5, 1, 10.0, np.float32(2.5)):
+        assert control_scale_problem(ok) is None
+    for bad in (-0.1, 10.5, float("nan"), True, "1", None):
+        p = control_scale_problem(bad, "ControlNet 1")
+        assert p.field == "control_scale" and "in [0, 10] (ControlNet 1)" in p.message
+    assert describe(control_scale_problem(-1)).startswith("controlnet_conditioning_scale=-1: ")
+    for start, end in ((0, 1), (0.0, 0.5), (0.99, 1.0)):
+        assert control_window_problems(start, end) == []
+    assert [p.field for p in control_window_problems(-0.1, 1.5)] == ["control_start",
+                                                                    "control_end"]
+    assert "in [0, 1]" in control_window_problems(0, None)[0].message
+    for start, end in ((0.5, 0.5), (0.8, 0.2)):
+        (p,) = control_window_problems(start, end)
+        assert p.field == "control_start" and f"below the window's end ({end})" in p.message
+    assert describe(control_window_problems(0, 2)[0]).startswith("control_guidance_end=2: ")
 
 
 def test_size_problems_name_the_side_and_the_range():

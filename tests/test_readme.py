@@ -221,12 +221,14 @@ def paths(tmp_path_factory):
     tiny.make_sdxl_lora(sdxl_dir, work / "lora-folder" / "pytorch_lora_weights.safetensors", seed=2)
     controlnet = work / "controlnet-canny-sdxl-1.0"
     tiny.make_controlnet(controlnet, tiny.SDXL_UNET)
+    tiny.make_controlnet(work / "controlnet-depth-sdxl-1.0", tiny.SDXL_UNET, seed=1)
     subs = [  # longest first
         ("/models/stable-diffusion-xl-base-1.0", str(sdxl_dir)),
         ("stable-diffusion-xl-base-1.0", str(sdxl_dir)),
         ("/models/sdxl_lightning_4step_unet.safetensors", str(unet)),
         ("sdxl_lightning_4step_unet.safetensors", str(unet)),
         ("/models/controlnet-canny-sdxl-1.0", str(controlnet)),
+        ("/models/controlnet-depth-sdxl-1.0", str(work / "controlnet-depth-sdxl-1.0")),
         ("/models/sdxl-base-bf16", str(work / "sdxl-base-bf16")),
         ("/models/pixel-art-xl.safetensors", str(lora_1)),
         ("/models/lora-folder", str(work / "lora-folder")),
