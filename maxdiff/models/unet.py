@@ -112,15 +112,20 @@ class EncoderConfig:
         cfg.validate()
         return cfg
 
+    def _check_block_types(self, field: str, allowed) -> None:
+        """``field`` (down_block_types / up_block_types): one supported entry per block."""
+        types, n = getattr(self, field), len(self.block_out_channels)
+        if len(types) != n:
+            raise ValueError(f"{self.NAME} config: {field} has {len(types)} entries, "
+                             f"block_out_channels has {n}; they must match")
+        for t in types:
+            if t not in allowed:
+                raise ValueError(f"{self.NAME} config: {field} entry {t!r} is not supported; "
+                                 f"use {' or '.join(allowed)}")
+
     def validate(self) -> None:
         n = len(self.block_out_channels)
-        if len(self.down_block_types) != n:
-            raise ValueError(f"{self.NAME} config: down_block_types has {len(self.down_block_types)} "
-                             f"entries, block_out_channels has {n}; they must match")
-        for t in self.down_block_types:
-            if t not in DOWN_BLOCKS:
-                raise ValueError(f"{self.NAME} config: down_block_types entry {t!r} is not "
-                                 f"supported; use {' or '.join(DOWN_BLOCKS)}")
+        self._check_block_types("down_block_types", DOWN_BLOCKS)
         if self.mid_block_type not in self.MID_BLOCKS:
             allowed = " or ".join("null" if m is None else repr(m) for m in self.MID_BLOCKS)
             raise ValueError(f"{self.NAME} config: mid_block_type={self.mid_block_type!r} is not "
@@ -173,14 +178,7 @@ class UNetConfig(EncoderConfig):
 
     def validate(self) -> None:
         super().validate()
-        n = len(self.block_out_channels)
-        if len(self.up_block_types) != n:
-            raise ValueError(f"UNet config: up_block_types has {len(self.up_block_types)} entries, "
-                             f"block_out_channels has {n}; they must match")
-        for t in self.up_block_types:
-            if t not in UP_BLOCKS:
-                raise ValueError(f"UNet config: up_block_types entry {t!r} is not supported; "
-                                 f"use {' or '.join(UP_BLOCKS)}")
+        self._check_block_types("up_block_types", UP_BLOCKS)
 
 
 def timestep_embedding(t: jax.Array, dim: int, flip_sin_to_cos: bool, shift: float,
