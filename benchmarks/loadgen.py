@@ -3,14 +3,16 @@ step-level (``engine=step``) batching, on the same replica settings and checkpoi
 
     pip install mlcommons-loadgen        # (the `bench` extra)
     python -m benchmarks.loadgen [--engines batch step] [--workloads uniform mixed]
-                                 [--step-policy fifo srs]
+                                 [--step-policy fifo srs] [--rates QPS ...]
                                  [--p99-factor K | --p99 SECONDS] [--model DIR] [--quick]
                                  [--json PATH] [--logs DIR]
 
 ``--step-policy`` runs ``engine=step`` once per admission policy (serve arg ``step_policy``:
 ``fifo``, the default, reported as ``step``; ``srs``, shortest remaining steps first, reported
 as ``step-srs``); compare their ``mixed`` rows (p50 / p99 latencies at equal load) on an idle
-machine.
+machine. ``--rates`` replaces Offline and the capacity search with Server runs at the given
+rates, the same for every engine: the policy comparison (``--engines step --step-policy fifo
+srs --workloads mixed --rates R1 R2``; run it in fresh processes, alternating the order).
 
 For each engine, a local Ray Serve runs the service (the embedded model unless ``--model``;
 one generator replica; every request shape of the workloads compiled at warm-up, so no
@@ -349,6 +351,10 @@ def main(argv=None) -> None:
     ap.add_argument("--equal-load", type=float, default=0.7,
                     help="the equal-load comparison's rate, as a fraction of the batch "
                          "engine's Server capacity")
+    ap.add_argument("--rates", type=float, nargs="+", default=None, metavar="QPS",
+                    help="the policy comparison: skip Offline and the capacity search and run "
+                         "each engine's workloads as Server runs at these rates (req/s), the "
+                         "same for every engine (e.g. --engines step --step-policy fifo srs)")
     ap.add_argument("--max-batch-size", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=600.0)
@@ -422,7 +428,19 @@ def main(argv=None) -> None:
                                    p99_factor=a.p99_factor, bound_measured_on=engine)
                     print(f"  p99 bound: {a.p99_factor:g} x {lone:.3f} s (a lone 30-step "
                           f"guided request) = {a.p99:.2f} s", flush=True)
-                for wl in workloads:
+                for wl in workloads if a.rates else []:
+                    bodies = workload(wl, a.offline_queries, a.cfg, (w, h))
+                    res[wl] = {"at_rate": {}}
+                    for qps in a.rates:
+                        r = run_scenario(
+                            lg, url, bodies, "server", qps=qps, p99=a.p99, seconds=a.seconds,
+                            min_queries=a.min_queries, timeout=a.timeout,
+                            logs=logs / engine / wl / f"rate-{qps:g}" if logs else None)
+                        res[wl]["at_rate"][f"{qps:g}"] = r
+                        print(f"  {wl} at {qps:g}/s: p50 {r['p50_s']} s, p99 {r['p99_s']} s, "
+                              f"completed {r['completed_per_s']}/s, {r['errors']} errors",
+                              flush=True)
+                for wl in workloads if not a.rates else []:
                     wl_logs = logs / engine / wl if logs else None
                     bodies = workload(wl, a.offline_queries, a.cfg, (w, h))
                     def offline(tag):
@@ -451,8 +469,9 @@ def main(argv=None) -> None:
                                                 a.repeats) for steps in a.overhead_steps]
                     print(f"  overhead: {res['overhead']}", flush=True)
                 # equal load: both engines at a fraction of the batch engine's capacity
-                base = results["engines"].get("batch", res)
-                for wl in workloads:
+                # (the batch engine's, else the first engine's: fifo and srs at one rate)
+                base = results["engines"].get("batch") or next(iter(results["engines"].values()))
+                for wl in workloads if not a.rates else []:
                     qps = a.equal_load * base[wl]["server_capacity_qps"]
                     if qps > 0:
                         res[wl]["equal_load"] = run_scenario(
