@@ -37,9 +37,10 @@ def files(tmp_path_factory):
 def test_cli_and_jsonl_images_equal_the_python_api(sdxl_dir, files, tmp_path, capsys):
     """A prompt with ``--control-image a.png:canny:0.5`` and a JSONL line with its own control
     image (resized from 40x48), scale and window: one device batch (same ControlNet and
-    shape), each image within one level of the Python API's run of it alone; the metadata and
-    the PNG record the ControlNet settings; a rerun has nothing to do."""
-    from pipelines import ControlNetPipeline, TextToImagePipeline
+    shape), each image within one level of the Python API's for the same request (its
+    ``generate`` with the same rows); the metadata and the PNG record the ControlNet settings;
+    a rerun has nothing to do."""
+    from pipelines import ControlImage, ControlNetPipeline, ImageRequest, TextToImagePipeline
     from pipelines.requests import read_image_info
 
     jobs = files.dir / "jobs.jsonl"
@@ -66,19 +67,21 @@ def test_cli_and_jsonl_images_equal_the_python_api(sdxl_dir, files, tmp_path, ca
     info = read_image_info(out / meta["a red circle"]["file"])
     assert (info["mode"], info["controlnet"]) == ("controlnet", f"{canny}:0.5[0-1]")
 
+    # the same two images through the Python API: one batch of two, so the CLI's program (from
+    # the compile cache) and no second compile
     one = ControlNetPipeline.from_pipe(
         TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None),
         controlnet=str(files.canny))
-    for prompt, image, scale, start in (("a red circle", files.a, 0.5, 0.0),
-                                        ("a blue square", files.b, 1.5, 0.5)):
-        m = meta[prompt]
-        ours = one(prompt, image=Image.open(image).convert("RGB"), seed=m["seed"],
-                   controlnet_conditioning_scale=scale, control_guidance_start=start,
-                   num_inference_steps=STEPS, guidance_scale=0.0, height=SIZE,
-                   width=SIZE).images[0]
-        got = np.asarray(Image.open(out / m["file"]).convert("RGB"), int)
+    rows = [("a red circle", files.a, 0.5, 0.0), ("a blue square", files.b, 1.5, 0.5)]
+    ours = one.generate(
+        [ImageRequest(p, seed=meta[p]["seed"], guidance_scale=0.0) for p, _, _, _ in rows],
+        [[ControlImage(Image.open(image).convert("RGB"), scale, start)]
+         for _, image, scale, start in rows],
+        height=SIZE, width=SIZE, num_inference_steps=STEPS).images
+    for (prompt, *_), mine in zip(rows, ours):
+        got = np.asarray(Image.open(out / meta[prompt]["file"]).convert("RGB"), int)
         assert got.shape == (SIZE, SIZE, 3)
-        assert np.abs(got - np.asarray(ours, int)).max() <= 1, prompt
+        assert np.abs(got - np.asarray(mine, int)).max() <= 1, prompt
 
     assert cli.main(args) == 0  # resume: nothing to do, no ControlNet loaded
     assert "0 to generate" in capsys.readouterr().err
