@@ -122,3 +122,33 @@ def test_unknown_controlnets_and_bad_values_are_422(cn_app):
     (entry,) = [m for m in requests.get(f"{cn_app}/v1/models", timeout=30).json()["data"]
                 if m["id"] == "tiny-cn"]
     assert entry["maxdiff"]["controlnets"] == [{"name": "canny"}, {"name": "depth"}]
+
+
+def test_the_serve_arg_controlnets(sdxl_dir, tmp_path):
+    """``controlnets`` as ``name=path,...`` (the command line), a mapping (serve.yaml) or per
+    ``models`` entry; a name twice, a missing ``=`` or a missing folder is refused at build
+    time, naming it. No deployment."""
+    from serving.models import Catalog
+    from serving.settings import ServeSettings
+
+    def names(s):
+        return [(c.name, c.path) for c in s.controlnets]
+
+    assert names(ServeSettings.from_args({"controlnets": "canny=/a,depth=/b"})) == [
+        ("canny", "/a"), ("depth", "/b")]
+    assert names(ServeSettings.from_args({"controlnets": {"canny": "/a"}})) == [("canny", "/a")]
+    for bad, message in (("a=/x,a=/y", "controlnet 'a' is given twice"),
+                         ("canny", "controlnet 'canny': give name=path")):
+        with pytest.raises(ValueError, match=message):
+            ServeSettings.from_args({"controlnets": bad})
+    entry = {"name": "a", "model": str(sdxl_dir), "controlnets": {"canny": str(tmp_path)}}
+    s = ServeSettings.from_args({"models": [entry]})
+    assert names(s.models[0]) == [("canny", str(tmp_path))]
+    assert Catalog.from_settings(s).get("a").controlnets == s.models[0].controlnets
+    with pytest.raises(ValueError, match="serve arg 'controlnets' belongs to one model"):
+        ServeSettings.from_args({"models": [entry], "controlnets": "canny=/x"})
+    missing = tmp_path / "nope"
+    with pytest.raises(ValueError, match=f"serve arg controlnets: canny: {missing}: no such "
+                                         "folder"):
+        Catalog.from_settings(ServeSettings.from_args({"model": str(sdxl_dir),
+                                                       "controlnets": f"canny={missing}"}))
