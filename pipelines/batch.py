@@ -12,7 +12,14 @@
 
 A job's identity is everything that decides its pixels (line index, image index, prompt,
 negative prompt, seed, steps, guidance, size, scheduler, model, dtype; for an edit the image's
-and mask's contents (SHA-256) and the strength) plus the file format.
+and mask's contents (SHA-256) and the strength; with ControlNets each control image's contents,
+its ControlNet's folder, scale and window) plus the file format.
+
+ControlNet: ``--control-image PATH[:MODEL[:SCALE]]`` (MODEL: a ``--controlnet NAME=PATH`` name
+or a ControlNet folder) or a JSONL line's ``control_images`` (``[{"image", "controlnet",
+"scale", "start", "end"}]``) make a line ControlNet text-to-image; jobs are batched per
+(ControlNets, size, steps, CFG on/off), :class:`pipelines.requests.ControlKey`, each with its
+own control images, scales and windows in the batch.
 
 Editing: a line with ``image`` (and ``mask``: white = repaint, or transparent = repaint in a mask
 with an alpha channel; ``strength``) is image-to-image (inpainting with a mask); its size
@@ -37,14 +44,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from pipelines.limits import (STRENGTH, Problem, cfg_on, describe, guidance_problem, n_problem,
+from pipelines.limits import (STRENGTH, Problem, cfg_on, control_scale_problem,
+                              control_window_problems, describe, guidance_problem, n_problem,
                               seed_problem, size_problems, steps_problem,
-                              strength_problem)
-from pipelines.requests import (EditKey, ImageRequest, ShapeKey, decode_image, derive_seed,
-                                encode_image, image_info, image_seeds, parse_size, repaint_mask)
+                              strength_problem, within)
+from pipelines.requests import (ControlKey, EditKey, ImageRequest, ShapeKey, decode_image,
+                                derive_seed, encode_image, image_info, image_seeds, parse_size,
+                                repaint_mask)
 
 LINE_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "n", "image",
-               "mask", "strength")
+               "mask", "strength", "control_images")
+CONTROL_FIELDS = ("image", "controlnet", "scale", "start", "end")  # of a control_images entry
 METADATA = "metadata.jsonl"
 TMP_MARK = ".maxdiff-tmp"
 LOCK = ".maxdiff.lock"  # held (flock) by the run writing to the folder
@@ -75,6 +85,23 @@ class PromptLine:
     image: str | None = None  # absolute path of the image to edit (None: text-to-image)
     mask: str | None = None  # absolute path of its inpainting mask
     strength: float | None = None  # None: the edit pipeline's default
+    controls: tuple["ControlSpec", ...] | None = None  # ControlNet text-to-image (None: none)
+
+
+@dataclass(frozen=True)
+class ControlSpec:
+    """One control image of a line and the ControlNet that reads it (``--control-image`` or
+    a JSONL line's ``control_images`` entry), resolved: absolute paths."""
+
+    image: str  # the control image
+    controlnet: str  # the ControlNet's folder
+    scale: float = 1.0
+    start: float = 0.0  # the fraction of the denoising steps it acts on: start to end
+    end: float = 1.0
+
+    def record(self) -> dict:
+        return dict(image=self.image, controlnet=self.controlnet, scale=self.scale,
+                    start=self.start, end=self.end)
 
 
 def check_size(size: tuple[int, int], factor: int | None) -> None:
@@ -177,9 +204,178 @@ def check_edit_files(image: str | None, mask: str | None, strength: float | None
     return paths[0], paths[1], errors
 
 
+# ---------------------------------------------------------------------------------- ControlNet
+def parse_controlnets(specs: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+    """``--controlnet NAME=PATH`` (repeatable) -> ({name: absolute path}, problems)."""
+    names: dict[str, str] = {}
+    errors = []
+    for spec in specs:
+        name, eq, path = spec.partition("=")
+        name = name.strip()
+        if not eq or not name or not path.strip():
+            errors.append(f"--controlnet {spec}: give NAME=PATH (a diffusers ControlNet folder)")
+        elif name in names:
+            errors.append(f"--controlnet {spec}: the name {name!r} is given twice")
+        elif not Path(path).expanduser().exists():
+            errors.append(f"--controlnet {spec}: {path}: no such folder")
+        else:
+            names[name] = str(Path(path).expanduser().resolve())
+    return names, errors
+
+
+def parse_control_image(text: str) -> tuple[str, str | None, str | None]:
+    """``--control-image PATH[:MODEL[:SCALE]]`` -> (path, model or None, scale text or None).
+    A PATH that names an existing file is taken whole (a file name with a ``:``)."""
+    if Path(text).expanduser().is_file():
+        return text, None, None
+    parts = text.split(":")
+    if len(parts) >= 3:
+        return ":".join(parts[:-2]), parts[-2] or None, parts[-1]
+    if len(parts) == 2:
+        return parts[0], parts[1] or None, None
+    return text, None, None
+
+
+def _float(text: Any) -> Any:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return text
+
+
+def _controlnet(ref: Any, names: dict[str, str], base: Path | None) -> str:
+    """The folder of the ControlNet ``ref`` names: a ``--controlnet`` name, else a folder
+    (relative to ``base``); ValueError saying which names there are."""
+    if ref is None:
+        if len(names) == 1:
+            return next(iter(names.values()))
+        have = (f"the --controlnet names are {', '.join(names)}" if names else
+                "or name one with --controlnet NAME=PATH")
+        raise ValueError(f"which ControlNet reads it? give its name or folder ({have})")
+    if not isinstance(ref, str) or not ref.strip():
+        raise ValueError(f"must be a ControlNet name or folder, got {ref!r}")
+    if ref in names:
+        return names[ref]
+    path = Path(ref).expanduser()
+    if base is not None and not path.is_absolute():
+        path = base / path
+    if not path.exists():
+        have = (f"names given with --controlnet: {', '.join(names)}" if names else
+                "--controlnet NAME=PATH names one")
+        raise ValueError(f"{ref!r} is no ControlNet name and no such folder ({have})")
+    return str(path.resolve())
+
+
+def _control_file(value: Any, base: Path | None) -> str:
+    """A control image's absolute path; ValueError unless it is a readable image."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"must be the path of a control image, got {value!r}")
+    path = Path(value).expanduser()
+    if base is not None and not path.is_absolute():
+        path = base / path
+    try:
+        decode_image(path.read_bytes(), value)
+    except OSError as e:
+        raise ValueError(f"{value}: cannot read it ({e.strerror or e})") from None
+    return str(path.resolve())
+
+
+def cli_controls(specs: Iterable[str], names: dict[str, str], start: float | None,
+                 end: float | None) -> tuple[tuple[ControlSpec, ...], list[str]]:
+    """The command line's ``--control-image PATH[:MODEL[:SCALE]]`` entries (each read by
+    ``--controlnet`` name ``MODEL`` or the ControlNet folder ``MODEL``; MODEL may be left out
+    when one ``--controlnet`` is given) with the window ``--control-guidance-start`` /
+    ``--control-guidance-end``: (specs, problems naming the flag)."""
+    errors: list[str] = []
+    start = 0.0 if start is None else start
+    end = 1.0 if end is None else end
+    window = control_window_problems(start, end)
+    errors += [describe(p, "cli") for p in window]
+    out = []
+    for text in specs:
+        path, model, scale_text = parse_control_image(text)
+        scale = 1.0 if scale_text is None else _float(scale_text)
+        bad = False
+        if (p := control_scale_problem(scale)) is not None:
+            errors.append(f"{describe(p, 'cli')}, got SCALE {scale_text!r} in {text!r}")
+            bad = True
+        for what, fn in (("PATH", lambda: _control_file(path, None)),
+                         ("MODEL", lambda: _controlnet(model, names, None))):
+            try:
+                fn()
+            except ValueError as e:
+                errors.append(f"--control-image {text}: {what}: {e}")
+                bad = True
+        if not bad and not window:
+            out.append(ControlSpec(_control_file(path, None), _controlnet(model, names, None),
+                                   float(scale), float(start), float(end)))
+    return tuple(out), errors
+
+
+def jsonl_controls(value: Any, names: dict[str, str], base: Path | None,
+                   start: float | None, end: float | None) -> tuple[ControlSpec, ...]:
+    """A JSONL line's ``control_images``: a list of objects with ``image`` (a path relative to
+    the file's folder) and any of ``controlnet`` (a ``--controlnet`` name or a folder),
+    ``scale``, ``start``, ``end`` (default: the command line's window). ValueError naming
+    every problem (``control_images[1].scale: ...``)."""
+    if not isinstance(value, list) or not value:
+        raise ValueError("field 'control_images': must be a non-empty list of objects such as "
+                         '{"image": "edges.png", "controlnet": "canny", "scale": 0.5}')
+    errors = []
+    out = []
+    for k, entry in enumerate(value):
+        where = f"control_images[{k}]"
+        if not isinstance(entry, dict):
+            errors.append(f"field {where!r}: must be an object with an 'image', got "
+                          f"{type(entry).__name__}")
+            continue
+        unknown = [key for key in entry if key not in CONTROL_FIELDS]
+        if unknown:
+            errors.append(f"field '{where}.{unknown[0]}': unknown; an entry has "
+                          f"{', '.join(CONTROL_FIELDS)}")
+        if "image" not in entry:
+            errors.append(f"field '{where}.image': is missing (the control image's path)")
+        c = dict(scale=entry.get("scale", 1.0),
+                 start=entry.get("start", 0.0 if start is None else start),
+                 end=entry.get("end", 1.0 if end is None else end))
+        found = [p for p in [control_scale_problem(c["scale"]),
+                             *control_window_problems(c["start"], c["end"])] if p]
+        errors += [describe(within(p, "jsonl", where), "jsonl") for p in found]
+        paths = {}
+        for key, fn in (("image", lambda: _control_file(entry["image"], base)),
+                        ("controlnet", lambda: _controlnet(entry.get("controlnet"), names,
+                                                           base))):
+            if key == "image" and "image" not in entry:
+                continue
+            try:
+                paths[key] = fn()
+            except ValueError as e:
+                errors.append(f"field '{where}.{key}': {e}")
+        if not unknown and not found and len(paths) == 2:
+            out.append(ControlSpec(paths["image"], paths["controlnet"], float(c["scale"]),
+                                   float(c["start"]), float(c["end"])))
+    if errors:
+        raise ValueError("\n".join(errors))
+    return tuple(out)
+
+
+def control_size(controls: tuple[ControlSpec, ...], factor: int | None) -> tuple[int, int]:
+    """A ControlNet line's default size: its first control image's, rounded down to a
+    multiple of ``factor`` (as the Python API's)."""
+    return edit_size(controls[0].image, factor)
+
+
+def load_control_image(path: str):
+    """A control image file as an RGB PIL image (resized to the output size by the
+    pipeline, Lanczos, as the Python API does for PIL images)."""
+    from PIL import Image
+
+    return Image.fromarray(decode_image(Path(path).read_bytes(), "control image")[0])
+
+
 def _jsonl_line(text: str, where: str, index: int, factor: int | None,
                 errors: list[str], steps_limit: tuple[int, str] | None = None,
-                base: Path | None = None) -> PromptLine | None:
+                base: Path | None = None, control: dict | None = None) -> PromptLine | None:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -193,7 +389,7 @@ def _jsonl_line(text: str, where: str, index: int, factor: int | None,
     before = len(errors)
     values: dict[str, Any] = {}
     for key in obj:
-        if key not in _CHECKS:
+        if key not in _CHECKS and key != "control_images":
             errors.append(f"{where}: unknown field {key!r}; allowed fields: "
                           f"{', '.join(LINE_FIELDS)}")
     if "prompt" not in obj:
@@ -209,8 +405,19 @@ def _jsonl_line(text: str, where: str, index: int, factor: int | None,
                                                   f"what {steps_limit[1]} allows"))(values[key])
             except ValueError as e:
                 errors.append(f"{where}: field {key!r}: {e}")
+    if "control_images" in obj:
+        try:
+            values["controls"] = jsonl_controls(obj["control_images"], **(control or dict(
+                names={}, start=None, end=None)), base=base)
+        except ValueError as e:
+            errors += [f"{where}: {msg}" for msg in str(e).split("\n")]
+        if "image" in obj or "mask" in obj or "strength" in obj:
+            errors.append(f"{where}: field 'control_images' with an image to edit: ControlNet "
+                          "image-to-image is not supported; give control_images or image")
     if len(errors) > before:
         return None
+    if values.get("controls") and "size" not in values:
+        values["size"] = control_size(values["controls"], factor)
     if "image" in values or "mask" in values or "strength" in values:
         image, mask, problems = check_edit_files(
             values.get("image"), values.get("mask"), values.get("strength"), base,
@@ -228,17 +435,25 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
                  factor: int | None = None, file_text: str | None = None,
                  steps_limit: tuple[int, str] | None = None, image: str | None = None,
                  mask: str | None = None, strength: float | None = None,
-                 size: tuple[int, int] | None = None, steps: int | None = None
+                 size: tuple[int, int] | None = None, steps: int | None = None,
+                 control_images: Iterable[str] = (), controlnets: Iterable[str] = (),
+                 control_start: float | None = None, control_end: float | None = None
                  ) -> list[PromptLine]:
     """All prompts of a run: the command-line ones first, then the file's.
 
     A ``.jsonl``/``.ndjson`` file (or one whose first entry starts with ``{``) holds one JSON
     object per line: ``prompt`` and any of ``negative_prompt``, ``seed``, ``steps``,
-    ``guidance``, ``size``, ``n``, ``image``, ``mask``, ``strength`` (paths relative to the
-    file's folder). Any other file is one prompt per line. ``image``/``mask``/``strength`` (the
-    CLI's --image, --mask, --strength) apply to every line that has no ``image`` of its own;
+    ``guidance``, ``size``, ``n``, ``image``, ``mask``, ``strength``, ``control_images``
+    (paths relative to the file's folder). Any other file is one prompt per line.
+    ``image``/``mask``/``strength`` (the CLI's --image, --mask, --strength) apply to every line
+    that has no ``image`` (nor ``control_images``) of its own;
     ``size`` (--size) is an edit line's size when it has none (else the image's). ``steps``:
     the run's step count where known before loading, to check each edit's strength against.
+    ControlNet: ``control_images`` (the CLI's ``--control-image PATH[:MODEL[:SCALE]]``, each
+    read by a ControlNet named in ``controlnets``, the CLI's ``--controlnet NAME=PATH``, or
+    given by its folder) apply to every line that has no ``control_images`` and no ``image``
+    of its own, with the window ``control_start`` to ``control_end`` (also the default of a
+    line's entries); a ControlNet line's size defaults to its first control image's.
     Both skip blank lines and lines starting with ``#``. ``file="-"`` reads stdin (or
     ``file_text``). Sizes must be multiples of ``factor``; steps at most ``steps_limit`` =
     (limit, scheduler name). Raises :class:`InputError` listing every bad line.
@@ -255,12 +470,29 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
         if image is not None and not problems:
             edit = dict(image=image, mask=mask, strength=strength,
                         size=size or edit_size(image, factor))
+    names, problems = parse_controlnets(controlnets)
+    errors += problems
+    control_images = list(control_images)
+    control: dict[str, Any] = {}
+    if control_images:
+        specs, problems = cli_controls(control_images, names, control_start, control_end)
+        errors += problems
+        if image is not None:
+            errors.append("--control-image with --image: ControlNet image-to-image is not "
+                          "supported; give one or the other")
+        elif specs and not problems:
+            control = dict(controls=specs, size=size or control_size(specs, factor))
+    else:
+        errors += [describe(p, "cli") for p in control_window_problems(
+            0.0 if control_start is None else control_start,
+            1.0 if control_end is None else control_end)]
+    jsonl_control = dict(names=names, start=control_start, end=control_end)
     for i, p in enumerate(prompts, 1):
         if not p.strip():
             errors.append(f"prompt argument {i}: the prompt is empty")
         else:
             lines.append(PromptLine(index=len(lines), where=f"prompt argument {i}", prompt=p,
-                                    **edit))
+                                    **edit, **control))
     if file is not None:
         name = str(file)
         if file_text is None:
@@ -278,15 +510,17 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
             where = f"{name}:{no}"
             if jsonl:
                 base = Path.cwd() if name == "<stdin>" else Path(file).parent
-                line = _jsonl_line(text, where, len(lines), factor, errors, steps_limit, base)
+                line = _jsonl_line(text, where, len(lines), factor, errors, steps_limit, base,
+                                   jsonl_control)
+                own = line is not None and (line.image is not None or line.controls)
+                if line is not None and not own and (edit or control):
+                    line = PromptLine(**{**line.__dict__, **edit, **control,
+                                         **({"size": line.size} if line.size else {})})
                 if line is not None:
-                    if line.image is None and line.size is None and edit:
-                        line = PromptLine(**{**line.__dict__, **edit})
-                    elif line.image is None and edit:
-                        line = PromptLine(**{**line.__dict__, **edit, "size": line.size})
                     lines.append(line)
             else:
-                lines.append(PromptLine(index=len(lines), where=where, prompt=text, **edit))
+                lines.append(PromptLine(index=len(lines), where=where, prompt=text, **edit,
+                                        **control))
         if not entries:
             errors.append(f"--prompts {name}: no prompts in it (blank lines and # comments only)")
     for line in lines:
@@ -294,6 +528,12 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
             p = strength_problem(edit_strength(line), line.steps or steps)
             if p is not None:
                 errors.append(f"{line.where}: {describe(p)}")
+    if (control_start is not None or control_end is not None) and lines and not any(
+            line.controls for line in lines) and not errors:
+        flag = "--control-guidance-start" if control_start is not None else \
+            "--control-guidance-end"
+        errors.append(f"{flag}: only used with control images (--control-image, or a JSONL "
+                      "line's control_images)")
     if errors:
         raise InputError(errors)
     if not lines:
@@ -348,8 +588,12 @@ class ImageJob:
     strength: float | None = None  # an edit's strength (None: text-to-image)
 
     @property
-    def shape(self) -> ShapeKey | EditKey:
-        """What selects the compiled program (and, for an edit, the strength)."""
+    def shape(self) -> ShapeKey | EditKey | ControlKey:
+        """What selects the compiled program (and, for an edit, the strength; with
+        ControlNets, which ones)."""
+        if self.line.controls:
+            return ControlKey(tuple(c.controlnet for c in self.line.controls), self.height,
+                              self.width, self.steps, cfg_on(self.guidance))
         if self.line.image is not None:
             return EditKey("inpaint" if self.line.mask else "img2img", self.height, self.width,
                            self.steps, cfg_on(self.guidance), self.strength)
@@ -365,7 +609,11 @@ class ImageJob:
 
     def image_info(self) -> dict[str, str]:
         """The settings stored inside the image file (no time or path, so files reproduce)."""
-        return image_info(**self.record())
+        controlnet = None
+        if self.line.controls:  # "FOLDER:SCALE[START-END]; ..."
+            controlnet = "; ".join(f"{c.controlnet}:{c.scale:g}[{c.start:g}-{c.end:g}]"
+                                   for c in self.line.controls)
+        return image_info(**self.record(), controlnet=controlnet)
 
     def record(self, **extra: Any) -> dict[str, Any]:
         """This job's ``metadata.jsonl`` entry."""
@@ -374,6 +622,9 @@ class ImageJob:
         if self.line.image is not None:
             edit = dict(mode=self.shape.kind, input_image=self.line.image,
                         mask=self.line.mask, strength=self.strength)
+        if self.line.controls:
+            edit = dict(mode="controlnet",
+                        control_images=[c.record() for c in self.line.controls])
         return dict(line=self.line.index, image=self.image, source=self.line.where,
                     prompt=self.prompt, negative_prompt=self.negative_prompt, seed=self.seed,
                     run_seed=s.run_seed, steps=self.steps, guidance=self.guidance,
@@ -431,6 +682,9 @@ def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[ImageJob]:
                 raise InputError([f"{line.where}: {describe(p)}"])
             edit = dict(strength=strength, image_sha256=_sha256(line.image),
                         mask_sha256=line.mask and _sha256(line.mask))
+        if line.controls:
+            edit = dict(control_images=[{**c.record(), "image": _sha256(c.image)}
+                                        for c in line.controls])
         for k, seed in enumerate(seeds):
             if seed is None:
                 seed = derive_seed(s.run_seed, line.index, k)

@@ -27,10 +27,12 @@ from typing import Any
 
 from maxdiff.quantization import MODES as QUANTIZATION_MODES
 from pipelines.batch import (MAX_IMAGES_PER_LINE, METADATA, TMP_MARK, InputError, OutputDir,
-                             RunSettings, check_size, load_edit_inputs, plan_jobs, read_prompts)
-from pipelines.limits import (MAX_SEED, STRENGTH, guidance_problem, n_problem, seed_problem,
-                              steps_problem)
-from pipelines.requests import FORMATS, EditKey, pad_to, parse_size, plan_batches
+                             RunSettings, check_size, load_control_image, load_edit_inputs,
+                             plan_jobs, read_prompts)
+from pipelines.limits import (CONTROL_SCALE_MAX, MAX_SEED, STRENGTH, guidance_problem, n_problem,
+                              seed_problem, steps_problem)
+from pipelines.requests import (FORMATS, ControlImage, ControlKey, EditKey, pad_to, parse_size,
+                                plan_batches)
 
 PROG = "maxdiff"
 
@@ -43,13 +45,18 @@ examples:
       --set model=/models/sdxl-base --set unet=/models/sdxl_lightning_4step_unet.safetensors
   maxdiff generate "a watercolor fox" --image fox.png --strength 0.6
   maxdiff generate "a red hat" --image fox.png --mask hat-mask.png   # inpaint the white part
+  maxdiff generate "a golden statue" --controlnet canny=/models/controlnet-canny-sdxl-1.0 \
+      --control-image edges.png:canny:0.5 --control-guidance-end 0.8
 
 prompt files: one prompt per line, or (.jsonl) one JSON object per line with "prompt" and any
 of "negative_prompt", "seed", "steps", "guidance", "size" ("WxH"), "n" (images of that line),
-"image", "mask", "strength" (an edit; paths relative to the JSONL file's folder):
+"image", "mask", "strength" (an edit), "control_images" (ControlNet: a list of {"image",
+"controlnet" (a --controlnet name or folder), "scale", "start", "end"}); paths relative to the
+JSONL file's folder:
   {"prompt": "a red fox", "seed": 7, "n": 2}
   {"prompt": "a lighthouse", "negative_prompt": "blurry", "size": "1024x768", "steps": 20}
   {"prompt": "a red hat", "image": "fox.png", "mask": "hat-mask.png", "strength": 0.9}
+  {"prompt": "a statue", "control_images": [{"image": "edges.png", "controlnet": "canny"}]}
 Blank lines and lines starting with # are skipped. Every line is checked before anything is
 generated; a bad line stops the run with exit status 2 and its file:line and field.
 
@@ -168,6 +175,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--strength", type=float, metavar="S",
                      help="edit strength in (0, 1]: int(steps * S) denoising steps run "
                           f"(default {STRENGTH['img2img']}, {STRENGTH['inpaint']} with --mask)")
+    gen.add_argument("--control-image", action="append", default=[],
+                     metavar="PATH[:MODEL[:SCALE]]",
+                     help="ControlNet text-to-image: a control image (edges, depth, pose, ...) "
+                          "read by the ControlNet MODEL (a --controlnet name or a diffusers "
+                          "ControlNet folder; may be left out with one --controlnet) at "
+                          f"conditioning scale SCALE in [0, {CONTROL_SCALE_MAX:g}] (default 1); "
+                          "repeatable: several ControlNets, residuals summed. The size "
+                          "defaults to the first control image's")
+    gen.add_argument("--controlnet", action="append", default=[], metavar="NAME=PATH",
+                     help="name a ControlNet folder for --control-image and JSONL lines' "
+                          "control_images (repeatable)")
+    gen.add_argument("--control-guidance-start", type=float, metavar="A",
+                     help="the ControlNets act from this fraction of the steps (default 0)")
+    gen.add_argument("--control-guidance-end", type=float, metavar="B",
+                     help="... to this one (default 1; 0 <= A < B <= 1)")
     gen.add_argument("--out", default="out", metavar="DIR", help="output folder (default out/)")
     gen.add_argument("--format", choices=sorted(FORMATS), default="png")
     gen.add_argument("--quiet", action="store_true", help="no progress bar, plain log lines only")
@@ -320,6 +342,28 @@ def _vae_factor(model: Path) -> int | None:
     return 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else None
 
 
+def _control_pipelines(pipe, jobs) -> dict:
+    """One :class:`pipelines.ControlNetPipeline` over ``pipe`` per set of ControlNets the
+    ControlNet jobs use (each ControlNet loaded once, its arrays shared by the sets); a
+    ControlNet that cannot be loaded, or is made for another model, is exit status 2."""
+    sets = list(dict.fromkeys(j.shape.controlnets for j in jobs
+                              if isinstance(j.shape, ControlKey)))
+    if not sets:
+        return {}
+    from pipelines.controlnet import ControlNetPipeline
+
+    loaded = {}
+    for path in dict.fromkeys(p for s in sets for p in s):
+        try:
+            one = ControlNetPipeline.from_pipe(pipe, controlnet=path)  # checks it fits
+        except (ValueError, OSError) as e:
+            raise InputError([f"ControlNet {path}: {e} (--control-image / --controlnet / "
+                              "control_images)"]) from None
+        loaded[path] = (one.controlnets[0], one.controlnet_params[0])
+    return {s: ControlNetPipeline.from_pipe(pipe, controlnet=[loaded[p] for p in s])
+            for s in sets}
+
+
 # ---------------------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
     from tqdm import tqdm
@@ -350,7 +394,10 @@ def cmd_generate(args) -> int:
             lines = read_prompts(args.prompt, args.prompts, factor=factor,
                                  steps_limit=steps_limit, image=args.image, mask=args.mask,
                                  strength=args.strength, size=args.size,
-                                 steps=cfg.steps if cfg else None)
+                                 steps=cfg.steps if cfg else None,
+                                 control_images=args.control_image, controlnets=args.controlnet,
+                                 control_start=args.control_guidance_start,
+                                 control_end=args.control_guidance_end)
         except InputError as e:
             errors += e.errors
         if errors:
@@ -380,6 +427,7 @@ def cmd_generate(args) -> int:
         jobs = plan_jobs(lines, settings)
     done = out.done(records)
     todo = [j for j in jobs if j.id not in done]
+    control_pipes = _control_pipelines(pipe, todo)
     _log(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s on {pipe.mesh.size} device(s); "
          f"{len(lines)} prompt(s), {len(jobs)} image(s), {len(jobs) - len(todo)} already in "
          f"{out.path}, {len(todo)} to generate")
@@ -392,12 +440,15 @@ def cmd_generate(args) -> int:
         for batch_shape, group, bucket in plan_batches(todo, lambda j: j.shape, args.batch_size,
                                                        pipe.mesh.size):
             edit = isinstance(batch_shape, EditKey)
-            h, w, steps, cfg_on = batch_shape[1:5] if edit else batch_shape
+            control = isinstance(batch_shape, ControlKey)
+            h, w, steps, cfg_on = batch_shape[1:5] if edit or control else batch_shape
             if batch_shape != shape:
                 shape = batch_shape
                 desc = f"{w}x{h}, {steps} step(s), guidance {'on' if cfg_on else 'off'}"
                 if edit:
                     desc = f"{batch_shape.kind} (strength {batch_shape.strength:g}) {desc}"
+                if control:
+                    desc = f"{len(batch_shape.controlnets)} ControlNet(s), {desc}"
                 bar.set_postfix_str(desc)
                 if args.quiet:
                     n = sum(j.shape == shape for j in todo)
@@ -415,6 +466,16 @@ def cmd_generate(args) -> int:
                     items, [im for im, _ in inputs],
                     [m for _, m in inputs] if batch_shape.kind == "inpaint" else None,
                     strength=batch_shape.strength, height=h, width=w, num_inference_steps=steps)
+            elif control:
+                files: dict[str, object] = {}  # each control image file read once a batch
+                for j in group:
+                    for c in j.line.controls:
+                        if c.image not in files:
+                            files[c.image] = load_control_image(c.image)
+                controls = [[ControlImage(files[c.image], c.scale, c.start, c.end)
+                             for c in j.line.controls] for j in pad_to(group, bucket)]
+                result = control_pipes[batch_shape.controlnets].generate(
+                    items, controls, height=h, width=w, num_inference_steps=steps)
             else:
                 result = pipe.generate(items, height=h, width=w, num_inference_steps=steps)
             batch_s = result.timings["prepare_s"] + result.timings["generate_s"]

@@ -9,7 +9,8 @@ OpenAI routes), the generator replicas and the step engine all check requests he
 - :func:`cfg_on`: guidance turns classifier-free guidance on above 1.
 - one rule per setting: :func:`steps_problem`, :func:`guidance_problem`, :func:`seed_problem`,
   :func:`n_problem`, :func:`strength_problem`, :func:`size_problems`, :func:`cost_problem`,
-  :func:`control_scale_problem` and :func:`control_window_problems` (ControlNet) and
+  :func:`control_scale_problem`, :func:`control_window_problems` and
+  :func:`controlnet_problem` (ControlNet) and
   :func:`output_type_problem` (the Python API's).
   Each returns :class:`Problem` (canonical field, message, value) or None; the message states
   the allowed range and never the field's name, because
@@ -61,10 +62,17 @@ FIELDS: dict[str, dict[str, str]] = {
                "openai": "prompt"},
     "adapter": {"python": "adapter", "cli": "--lora", "jsonl": "lora", "native": "lora",
                 "openai": "model"},
-    # ControlNet (the Python API so far; the CLI and HTTP names come with those doors)
-    "control_scale": {"python": "controlnet_conditioning_scale"},
-    "control_start": {"python": "control_guidance_start"},
-    "control_end": {"python": "control_guidance_end"},
+    # ControlNet: in a JSONL line and a JSON body they are fields of one entry of
+    # ``control_images`` (:func:`within` names the entry: ``control_images[1].scale``); on the
+    # command line the scale is the SCALE of ``--control-image PATH[:MODEL[:SCALE]]``
+    "control_scale": {"python": "controlnet_conditioning_scale", "cli": "--control-image",
+                      "jsonl": "scale", "native": "scale"},
+    "control_start": {"python": "control_guidance_start", "cli": "--control-guidance-start",
+                      "jsonl": "start", "native": "start"},
+    "control_end": {"python": "control_guidance_end", "cli": "--control-guidance-end",
+                    "jsonl": "end", "native": "end"},
+    "controlnet": {"python": "controlnet", "cli": "--control-image", "jsonl": "controlnet",
+                   "native": "controlnet"},
 }
 
 
@@ -95,6 +103,12 @@ def describe(problem: Problem, door: str = "python") -> str:
         got = "" if problem.value is None else f", got {problem.value!r}"
         return f"field {name!r}: {problem.message}{got}"
     return f"{name}: {problem.message}"
+
+
+def within(problem: Problem, door: str, entry: str) -> Problem:
+    """``problem`` of a field inside a list entry (``entry`` = ``"control_images[1]"``), named
+    ``control_images[1].scale`` in ``door``'s words."""
+    return problem._replace(field=f"{entry}.{field_name(problem.field, door)}")
 
 
 def check(problems: Iterable[Problem | None], door: str = "python") -> None:
@@ -215,6 +229,16 @@ def control_window_problems(start: Any, end: Any, which: str = "") -> list[Probl
                            f"{_why(which)}: the ControlNet acts from start to end, fractions "
                            "of the denoising steps", start))
     return out
+
+
+def controlnet_problem(name: Any, loaded: Iterable[str]) -> Problem | None:
+    """A ControlNet a request names: one of ``loaded`` (the names this server or run loaded)."""
+    loaded = list(loaded)
+    if isinstance(name, str) and name in loaded:
+        return None
+    have = (f"loaded ControlNets: {', '.join(loaded)}" if loaded else
+            "none is loaded here (serve arg controlnets)")
+    return Problem("controlnet", f"unknown ControlNet {name!r}; {have}", None)
 
 
 OUTPUT_TYPES = ("pil", "np")

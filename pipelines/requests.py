@@ -16,7 +16,9 @@ JAX-free (NumPy and Pillow only), so the HTTP ingress imports it without loading
 - Editing (image-to-image, inpainting): :func:`decode_image` (bytes -> uint8 RGB + alpha),
   :func:`repaint_mask` (a mask file's pixels -> uint8 255 = repaint), :class:`EditRequest`
   and its :class:`EditKey`.
-- ControlNet: :class:`ControlImage`, one image's control image and settings for one ControlNet.
+- ControlNet: :class:`ControlImage`, one image's control image and settings for one ControlNet;
+  :class:`ControlRequest` (a request with control images, what the service queues) and its
+  :class:`ControlKey` (the ControlNets and the program's shape: what a device batch shares).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 
 from pipelines.limits import (STRENGTH, cfg_on, control_scale_problem, control_window_problems,
                               describe, guidance_problem, n_problem, seed_problem,
-                              strength_problem)
+                              strength_problem, within)
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 T = TypeVar("T")
@@ -213,7 +215,8 @@ def pad_to(items: Sequence[T], bucket: int) -> list[T]:
 
 # ---------------------------------------------------------------------------------- images
 IMAGE_KEYS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "scheduler",
-              "model", "unet", "lora", "adapter", "dtype", "quantization", "mode", "strength")
+              "model", "unet", "lora", "adapter", "dtype", "quantization", "mode", "strength",
+              "controlnet")
 
 
 def image_info(**settings: Any) -> dict[str, str]:
@@ -398,3 +401,61 @@ class ControlImage:
         messages)."""
         return [p for p in [control_scale_problem(self.scale, which),
                             *control_window_problems(self.start, self.end, which)] if p]
+
+
+class ControlKey(NamedTuple):
+    """What one batch of ControlNet jobs shares: the ControlNets (their names, in the order
+    the request gives its control images) and the compiled program's shape. Control images,
+    scales and windows are per-image inputs of that program, so jobs that differ only in
+    them share a device batch."""
+
+    controlnets: tuple[str, ...]
+    height: int
+    width: int
+    steps: int
+    cfg: bool
+
+    @property
+    def program(self) -> tuple:
+        return tuple(self)
+
+    def __str__(self) -> str:
+        return (f"controlnet[{'+'.join(self.controlnets)}]:{self.width}x{self.height}:"
+                f"{self.steps}:{'cfg' if self.cfg else 'nocfg'}")
+
+
+@dataclass(frozen=True, eq=False)
+class ControlRequest(GenerationRequest):
+    """A :class:`GenerationRequest` conditioned by ControlNets (text-to-image):
+    ``controls`` is one (ControlNet name, :class:`ControlImage`) per ControlNet, each control
+    image a uint8 (H, W, 3) array (resized to the output size by the pipeline). Every image
+    of the request gets the same controls. What the service's ``generate`` queues for a
+    request with ``control_images``."""
+
+    controls: tuple[tuple[str, ControlImage], ...] = ()
+
+    @property
+    def controlnets(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.controls)
+
+    @property
+    def key(self) -> ControlKey:  # type: ignore[override]
+        return ControlKey(self.controlnets, self.height, self.width, self.steps,
+                          cfg_on(self.guidance_scale))
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.controls:
+            raise ValueError("control_images is empty: give at least one control image")
+        for k, (name, c) in enumerate(self.controls):
+            where = f"control_images[{k}]"
+            if not isinstance(name, str) or not isinstance(c, ControlImage):
+                raise ValueError(f"{where}: give a (ControlNet name, ControlImage) pair")
+            found = c.problems()
+            if found:
+                raise ValueError("; ".join(describe(within(p, "native", where), "native")
+                                           for p in found))
+            img = c.image
+            if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 3 \
+                    or img.shape[-1] != 3:
+                raise ValueError(f"{where}.image must be a uint8 (H, W, 3) array")

@@ -18,6 +18,9 @@ Endpoints (OpenAPI at ``/docs``): ``GET /`` (the web playground, ``serving/playg
 ``POST /v1/images/generations`` (OpenAI Images API),
 ``POST /v1/images/edits`` (OpenAI Images API edits, multipart), ``POST /v1/generate`` (native),
 ``POST /v1/edit`` (native image-to-image and inpainting, JSON), ``GET /healthz``,
+(``/v1/generate`` takes ControlNet ``control_images`` where the serve arg ``controlnets`` loaded
+some: an unknown one is a 422 naming the loaded ones; its body limit is then
+``max_image_bytes``),
 ``GET /v1/models``, ``GET /v1/models/{model}``, ``GET /v1/stats``.
 
 Several models (serve arg ``models``, docs/multi-model.md): a request's ``model`` field (OpenAI
@@ -55,7 +58,7 @@ from ray.serve.handle import DeploymentHandle
 from serving import cost, errors, native_api, openai_api, security, validation
 from serving.client import GENERATOR, GeneratorClient
 from serving.errors import TIMEOUT_HEADER, ApiError, request_id
-from serving.gate import Gate
+from serving.gate import CONTROL_ROUTES, EDIT_ROUTES, Gate
 from serving.generator import Generator, StatsBoard
 from serving.models import Catalog
 from serving.schemas import (
@@ -129,6 +132,7 @@ def _model_details(s: ServeSettings, info: dict) -> dict:
         "max_guidance": lim.max_guidance, "max_n": lim.max_n,
         "max_prompt_chars": s.max_prompt_chars, "max_cost": lim.max_cost}
     details["adapters"] = info.get("adapters") or []
+    details["controlnets"] = info.get("controlnets") or []  # what control_images may name
     return details
 
 
@@ -143,8 +147,10 @@ class Ingress:
         self.s = settings
         self.catalog = catalog
         self.started = int(time.time())
+        controlnets = any(m.controlnets for m in catalog.models)  # control images in bodies
         security.GATE.update(
             max_body_bytes=settings.max_body_bytes, max_image_bytes=settings.max_image_bytes,
+            image_routes=EDIT_ROUTES + (CONTROL_ROUTES if controlnets else ()),
             key_hashes=key_hashes,
             limiter=(security.RateLimiter(settings.rate_limit_per_minute)
                      if settings.rate_limit_per_minute else None))
@@ -204,7 +210,10 @@ class Ingress:
         deadline = validation.deadline(request, self.s)
         wanted, fmt = native_api.negotiate(body, request.headers.get("accept"))
         info = await self.generator.model_info(model, deadline)
-        job = native_api.generation_job(self.s, info, body, wanted)
+        if body.control_images:
+            job = await native_api.control_job(self.s, info, body, wanted)
+        else:
+            job = native_api.generation_job(self.s, info, body, wanted)
         if body.stream:
             render = native_api.stream_render(job, fmt, info, model, t0)
             return await self.generator.stream(job, deadline, request_id(request),

@@ -12,7 +12,12 @@ runs to its end (one compiled program).
 
 Edits (image-to-image and inpainting) run on ``ImageToImagePipeline.from_pipe`` /
 ``InpaintPipeline.from_pipe`` over the loaded weights (made once, on the first edit). Edit
-programs are not warmed up: the first edit of a shape compiles (without the device lock)."""
+programs are not warmed up: the first edit of a shape compiles (without the device lock).
+ControlNet requests (:class:`pipelines.requests.ControlRequest`) queue per
+:class:`pipelines.requests.ControlKey` (their ControlNets, size, steps, CFG on/off) and run on a
+``ControlNetPipeline.from_pipe`` per set of ControlNets (sharing the loaded ControlNets' arrays);
+each image carries its own control images, scales and windows, so requests that differ only
+in those share a device batch. Their programs are not warmed up either."""
 
 from __future__ import annotations
 
@@ -26,6 +31,9 @@ import numpy as np
 from ray import serve
 
 from pipelines.requests import (
+    ControlImage,
+    ControlKey,
+    ControlRequest,
     EditKey,
     EditRequest,
     GenerationRequest,
@@ -45,10 +53,12 @@ class BatchBackend(Backend):
     name = "batch"
     streams_steps = False
 
-    def __init__(self, *parts):
+    def __init__(self, *parts, controlnets: dict | None = None):
         super().__init__(*parts)
         self._batchers: dict[tuple, object] = {}
         self._edit_pipes: dict[str, object] = {}  # kind -> pipeline sharing self.pipe's weights
+        self._controlnets = dict(controlnets or {})  # name -> (module, params), loaded
+        self._control_pipes: dict[tuple, object] = {}  # names -> ControlNetPipeline
         self._compiled: set[tuple] = set()  # (height, width, steps, cfg, padded batch) run so far
         self._batch_ids = itertools.count(1)
 
@@ -70,7 +80,8 @@ class BatchBackend(Backend):
 
     @property
     def num_compiled(self) -> int:
-        return sum(p.num_compiled for p in self._edit_pipes.values())
+        return sum(p.num_compiled for p in [*self._edit_pipes.values(),
+                                            *self._control_pipes.values()])
 
     def abort(self, why: str) -> int:
         """Nothing to give up: a device batch that has started runs to its end."""
@@ -117,13 +128,28 @@ class BatchBackend(Backend):
             pipe = self._edit_pipes[kind] = cls.from_pipe(self.pipe)
         return pipe
 
+    def _control_pipe(self, names: tuple[str, ...]):
+        pipe = self._control_pipes.get(names)
+        if pipe is None:
+            from pipelines import ControlNetPipeline
+
+            pipe = self._control_pipes[names] = ControlNetPipeline.from_pipe(
+                self.pipe, controlnet=[self._controlnets[n] for n in names])
+        return pipe
+
     def _items(self, job: GenerationRequest) -> list:
         """What one device batch entry is: an ImageRequest, or for an edit (ImageRequest,
         image, mask) with the image and mask as PIL images (resized by the pipeline as
-        diffusers does when the size differs)."""
+        diffusers does when the size differs), or with ControlNets (ImageRequest, one
+        ControlImage per ControlNet with its image as a PIL image)."""
+        from PIL import Image
+
+        if isinstance(job, ControlRequest):
+            controls = [ControlImage(Image.fromarray(c.image), c.scale, c.start, c.end,
+                                     c.guess_mode) for _, c in job.controls]
+            return [(item, controls) for item in job.images()]
         if not isinstance(job, EditRequest):
             return job.images()
-        from PIL import Image
 
         image = Image.fromarray(job.image)
         mask = None if job.mask is None else Image.fromarray(job.mask, mode="L")
@@ -131,6 +157,10 @@ class BatchBackend(Backend):
 
     def _device_batch(self, key: tuple, items: list):
         """Run one padded device batch of ``key``'s items (blocking)."""
+        if isinstance(key, ControlKey):
+            return self._control_pipe(key.controlnets).generate(
+                [r for r, _ in items], [c for _, c in items], height=key.height,
+                width=key.width, num_inference_steps=key.steps)
         if isinstance(key, EditKey):
             pipe = self._edit_pipe(key.kind)
             return pipe.generate([r for r, _, _ in items], [im for _, im, _ in items],

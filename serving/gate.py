@@ -18,6 +18,7 @@ from serving.errors import error_body, internal_message
 logger = logging.getLogger("ray.serve")
 
 EDIT_ROUTES = ("/v1/images/edits", "/v1/edit")  # body limit: max_image_bytes, not max_body_bytes
+CONTROL_ROUTES = ("/v1/generate",)  # max_image_bytes too where ControlNets are loaded
 # routes open without an API key
 OPEN = ("/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc")
 
@@ -25,7 +26,8 @@ OPEN = ("/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc")
 class Gate:
     """ASGI middleware: give every request an id (``X-Request-Id``, the client's if plain);
     check API keys and per-key rate limits on the ``/v1/`` routes (401, 429); refuse bodies over
-    ``max_body_bytes`` (``max_image_bytes`` on the edit routes; declared Content-Length or bytes
+    ``max_body_bytes`` (``max_image_bytes`` on the edit routes, and on ``/v1/generate`` where
+    ControlNets are loaded: control images; declared Content-Length or bytes
     actually received, chunked uploads included) with a 413; answer an exception that escaped
     the app with a 500 error body (the traceback goes to the log, never to the client); count
     requests per route and status in Prometheus metrics."""
@@ -82,7 +84,8 @@ class Gate:
                 denied = self._admit(headers, scope)
                 if denied is not None:
                     return await reply(*denied)
-            arg = "max_image_bytes" if path.endswith(EDIT_ROUTES) else "max_body_bytes"
+            images = security.GATE.get("image_routes", EDIT_ROUTES)
+            arg = "max_image_bytes" if path.endswith(tuple(images)) else "max_body_bytes"
             limit = security.GATE[arg]
             declared = headers.get(b"content-length")
             too_big = (413, f"request body is larger than {limit} bytes (the serve arg {arg})",

@@ -11,8 +11,10 @@ the requests it has started; its memory is freed when they end.
 Generation runs on the backend the serve arg ``engine`` picks (:mod:`serving.backend`):
 ``batch`` batches whole requests per shape key (:mod:`serving.batch_backend`), ``step`` runs
 step-level continuous batching (:mod:`serving.step_backend`). Edits (``edit(job)``, an
-:class:`pipelines.requests.EditRequest`: image-to-image and inpainting) are request-batched on
-either engine, under the same device lock (FIFO: batches take turns), deadlines and stats.
+:class:`pipelines.requests.EditRequest`: image-to-image and inpainting) and ControlNet requests
+(a :class:`pipelines.requests.ControlRequest` through ``generate``, naming ControlNets the model
+loaded with it: serve arg ``controlnets``) are request-batched on either engine, under the same
+device lock (FIFO: batches take turns), deadlines and stats.
 
 The constructor loads the default (first) model and compiles every ``warmup_shapes`` program
 for it (engine=batch: at every padded batch size a batch can have; engine=step: one engine per
@@ -46,8 +48,8 @@ import time
 import ray
 from ray import serve
 
-from pipelines.limits import check, edit_adapter_problem
-from pipelines.requests import EditRequest, GenerationRequest
+from pipelines.limits import check, controlnet_problem, edit_adapter_problem
+from pipelines.requests import ControlRequest, EditRequest, GenerationRequest
 from serving.backend import Backend, Expired, InvalidJob, Meters
 from serving.batch_backend import BatchBackend
 from serving.models import Catalog, Served
@@ -116,11 +118,18 @@ class LoadedModel:
         self.pipe = TextToImagePipeline.from_config(served.run_config)
         for spec in served.adapters:  # before the warm-up: its programs carry the tables
             self.pipe.add_adapter(spec.name, spec.path, spec.scale)
+        self.controlnets = {}  # name -> (module, params), in the pipeline's dtype and mesh
+        for spec in served.controlnets:
+            from pipelines import ControlNetPipeline
+
+            one = ControlNetPipeline.from_pipe(self.pipe, controlnet=spec.path)  # fits it?
+            self.controlnets[spec.name] = (one.controlnets[0], one.controlnet_params[0])
         self.load_s = time.perf_counter() - t0
         self.replica = replica
         self._on_unload = on_unload
         parts = (self.pipe, settings, meters, device_lock, replica, report)
-        self.batches = BatchBackend(*parts)  # edits, and generation with engine=batch
+        # edits and ControlNet requests, and generation with engine=batch
+        self.batches = BatchBackend(*parts, controlnets=self.controlnets)
         self.backend: Backend = self.batches
         if settings.engine == "step":
             from serving.step_backend import StepBackend
@@ -173,7 +182,8 @@ class LoadedModel:
                 "devices": p.mesh.size, "replica": self.replica, "warmup_s": self.warmup_s,
                 "warmed": self.warmed, "load_s": self.load_s,
                 "adapters": [{k: a[k] for k in ("name", "scale", "layers", "rank")}
-                             for a in p.adapters]}
+                             for a in p.adapters],
+                "controlnets": [{"name": name} for name in self.controlnets]}
 
     def stats(self) -> dict:
         """What ``/v1/stats`` reports of this model on this replica beyond its images."""
@@ -191,8 +201,17 @@ class LoadedModel:
             self.pipe.check_request(job.steps, job.height, job.width, "pil")
             job.validate()
             self.pipe.adapter_index(job.images()[:1])  # an adapter this model added
+            if isinstance(job, ControlRequest):  # ControlNets this model loaded
+                check([controlnet_problem(name, self.controlnets) for name in job.controlnets],
+                      "native")
         except ValueError as e:
             raise InvalidJob(str(e)) from None
+
+    def backend_for(self, job: GenerationRequest) -> Backend:
+        """The backend that runs ``job``: ControlNet requests are request-batched (their
+        ControlNets and shape per batch) on either engine, like edits; others run on the
+        serve arg ``engine``'s."""
+        return self.batches if isinstance(job, ControlRequest) else self.backend
 
     def validate_edit(self, job: EditRequest) -> None:
         try:
@@ -338,7 +357,7 @@ class Generator:
         model = await self._model()
         model.validate(job)
         with model.meters.holding(job.n):
-            return await model.backend.generate(job, timeout_s)
+            return await model.backend_for(job).generate(job, timeout_s)
 
     async def edit(self, job: EditRequest, timeout_s: float | None = None) -> JobResult:
         """Like :meth:`generate` for an image-to-image (no mask) or inpainting job; edit jobs
@@ -361,7 +380,7 @@ class Generator:
         model = await self._model()
         model.validate(job, stream=True)
         with model.meters.holding(job.n):
-            async with contextlib.aclosing(model.backend.stream(job, timeout_s,
-                                                                partial_images)) as events:
+            async with contextlib.aclosing(model.backend_for(job).stream(
+                    job, timeout_s, partial_images)) as events:
                 async for event in events:  # closed at once when the client leaves
                     yield event

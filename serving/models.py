@@ -17,17 +17,18 @@ from pathlib import Path
 from maxdiff.quantization import lora_problem
 from pipelines.config import RunConfig, load_run_config
 from serving.errors import ApiError
-from serving.settings import AdapterSpec, ServeSettings
+from serving.settings import AdapterSpec, ControlNetSpec, ServeSettings
 
 
 @dataclass(frozen=True)
 class Served:
     """One model of the application: its name (the OpenAI and native ``model`` field), its
-    run config and its per-request LoRA adapters."""
+    run config, its per-request LoRA adapters and the ControlNets loaded with it."""
 
     name: str
     run_config: RunConfig
     adapters: tuple[AdapterSpec, ...] = ()
+    controlnets: tuple[ControlNetSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,17 +54,19 @@ class Catalog:
                 default_model_path()  # a clear error now rather than from every replica
             name = s.model_name or (Path(run.model).name if run.model else "maxdiff-default")
             _check_adapters(run, s.adapters, "serve arg adapters")
-            return cls((Served(name, run, s.adapters),), False, 1)
+            _check_controlnets(s.controlnets, "serve arg controlnets")
+            return cls((Served(name, run, s.adapters, s.controlnets),), False, 1)
         models = []
         for i, spec in enumerate(s.models):
             try:
                 run = load_run_config(spec.config, spec.run_overrides)
                 _check_adapters(run, spec.adapters, "adapters")
+                _check_controlnets(spec.controlnets, "controlnets")
             except ValueError as e:
                 raise ValueError(f"serve arg models[{i}] ({spec.name}): {e}") from None
             if run.model is None:
                 default_model_path()
-            models.append(Served(spec.name, run, spec.adapters))
+            models.append(Served(spec.name, run, spec.adapters, spec.controlnets))
         return cls(tuple(models), True, s.max_models_per_replica or len(models))
 
     @property
@@ -102,6 +105,14 @@ def _check_adapters(run: RunConfig, adapters, what: str) -> None:
     """Per-request adapters need the float weights: refused with a quantized model."""
     if adapters and (problem := lora_problem(run.quantization, what)) is not None:
         raise ValueError(problem)
+
+
+def _check_controlnets(controlnets, what: str) -> None:
+    """Each ControlNet's folder exists (once, here, rather than in every replica)."""
+    for c in controlnets:
+        if not Path(c.path).expanduser().is_dir():
+            raise ValueError(f"{what}: {c.name}: {c.path}: no such folder (a diffusers "
+                             "ControlNet folder: config.json and its weights)")
 
 
 def not_found(name: str, names: list[str]) -> ApiError:

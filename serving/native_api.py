@@ -7,7 +7,10 @@ import asyncio
 import base64
 import time
 
-from pipelines.requests import EditRequest, GenerationRequest, encode_image, image_info
+from pipelines.limits import (control_scale_problem, control_window_problems, controlnet_problem,
+                              within)
+from pipelines.requests import (ControlImage, ControlRequest, EditRequest, GenerationRequest,
+                                decode_image, encode_image, image_info)
 from serving import validation
 from serving.errors import ApiError, invalid_all
 from serving.schemas import EditRequest as EditBody
@@ -50,15 +53,18 @@ def negotiate(body: GenerateRequest, accept: str | None) -> tuple[str | None, st
     return wanted, fmt
 
 
-def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: str | None
+def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: str | None,
+                   size: tuple[int, int] | None = None, errors: list | None = None
                    ) -> GenerationRequest:
-    """The job of a ``/v1/generate`` request (omitted settings: the model's defaults), or a 422
-    naming every problem."""
+    """The job of a ``/v1/generate`` request (omitted settings: the model's defaults; ``size``:
+    the default (width, height) instead of the model's), or a 422 naming every problem (those
+    in ``errors`` too)."""
     steps = info["default_steps"] if body.steps is None else body.steps
     guidance = info["default_guidance"] if body.guidance_scale is None else body.guidance_scale
-    width = info["default_width"] if body.width is None else body.width
-    height = info["default_height"] if body.height is None else body.height
-    errors = []
+    w0, h0 = size or (info["default_width"], info["default_height"])
+    width = w0 if body.width is None else body.width
+    height = h0 if body.height is None else body.height
+    errors = list(errors or [])
     if body.scheduler is not None and body.scheduler.lower() not in [
             name.lower() for name in info["scheduler_names"]]:
         errors.append(("scheduler", f"this server runs {info['scheduler']!r}; the scheduler "
@@ -78,6 +84,61 @@ def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: 
         raise invalid_all(errors)
     return GenerationRequest(body.prompt, body.negative_prompt, body.seed, body.num_images,
                              width, height, steps, guidance, body.lora)
+
+
+async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: str | None
+                      ) -> ControlRequest:
+    """The job of a ``/v1/generate`` request with ``control_images`` (decoded; the size
+    defaults to the first control image's, rounded down to the size multiple), or a 422
+    naming every problem: an unknown ControlNet names the loaded ones."""
+    loaded = [c["name"] for c in info.get("controlnets") or []]
+    errors, raw = [], []
+    for k, entry in enumerate(body.control_images):
+        where = f"control_images[{k}]"
+        name = entry.controlnet
+        if name is None and len(loaded) == 1:
+            name = loaded[0]
+        if name is None:
+            have = ", ".join(loaded) or "none (serve arg controlnets)"
+            errors.append((f"{where}.controlnet", f"name the ControlNet that reads this image; "
+                           f"loaded ControlNets: {have}", None))
+        elif (p := controlnet_problem(name, loaded)) is not None:
+            errors.append((f"{where}.controlnet", p.message, name))
+        found = [p for p in [control_scale_problem(entry.scale),
+                             *control_window_problems(entry.start, entry.end)] if p]
+        errors += [(within(p, DOOR, where).field, p.message, p.value) for p in found]
+        try:
+            data = validation.b64(entry.image)
+        except ValueError as e:
+            errors.append((f"{where}.image", f"{where}.image {e}", None))
+            data = None
+        raw.append((name, data))
+
+    def decode():
+        out = []
+        for k, (_, data) in enumerate(raw):
+            if data is None:
+                out.append(None)
+                continue
+            try:
+                out.append(decode_image(data, f"control_images[{k}].image")[0])
+            except ValueError as e:
+                errors.append((f"control_images[{k}].image", str(e), None))
+                out.append(None)
+        return out
+
+    images = await asyncio.to_thread(decode)
+    size = None
+    if images and images[0] is not None:
+        multiple = validation.limits(s, info).multiple
+        h, w = images[0].shape[:2]
+        size = (w - w % multiple, h - h % multiple)
+    job = generation_job(s, info, body, wanted, size, errors)  # a 422 naming every problem
+    controls = tuple((name, ControlImage(img, float(e.scale), float(e.start), float(e.end)))
+                     for (name, _), img, e in zip(raw, images, body.control_images))
+    return ControlRequest(job.prompt, job.negative_prompt, job.seed, job.n, job.width,
+                          job.height, job.steps, job.guidance_scale, job.adapter,
+                          controls=controls)
 
 
 async def edit_job(s: ServeSettings, info: dict, body: EditBody) -> EditRequest:
@@ -113,6 +174,9 @@ async def response(job: GenerationRequest, fmt: str, result: JobResult, info: di
     t1 = time.perf_counter()
     edit = isinstance(job, EditRequest)
     mode = {"mode": job.kind, "strength": f"{job.strength:g}"} if edit else {}
+    if isinstance(job, ControlRequest):
+        mode = {"mode": "controlnet", "controlnet": "; ".join(
+            f"{name}:{c.scale:g}[{c.start:g}-{c.end:g}]" for name, c in job.controls)}
     meta = [image_info(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=seed,
                        steps=job.steps, guidance=job.guidance_scale,
                        size=f"{job.width}x{job.height}", scheduler=info["scheduler"],
@@ -138,6 +202,8 @@ async def response(job: GenerationRequest, fmt: str, result: JobResult, info: di
                 output_format=fmt, timings=timings)
     if not edit:
         data["lora"] = job.adapter
+    if isinstance(job, ControlRequest):
+        data["controlnets"] = list(job.controlnets)
     return data, blobs
 
 

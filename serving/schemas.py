@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipelines.limits import MAX_SEED, STRENGTH
+from pipelines.limits import CONTROL_SCALE_MAX, MAX_SEED, STRENGTH
 from serving.settings import AdapterSpec, ServeSettings, WarmupShape  # noqa: F401 (re-exported)
 
 # ---------------------------------------------------------------------------------- HTTP models
@@ -130,6 +130,27 @@ def _guidance_field():
     return Field(None, description="<= 1 turns CFG off.", json_schema_extra={"minimum": 0})
 
 
+class ControlImageInput(BaseModel):
+    """One control image of a ``/v1/generate`` request and the ControlNet that reads it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    image: str = Field(min_length=1, description="The control image (edges, depth, pose, ...): "
+                       "base64 PNG, JPEG or WebP (a `data:image/...;base64,` prefix is "
+                       "allowed); resized to the output size.")
+    controlnet: str | None = Field(None, description="A ControlNet the server loaded (serve "
+                                   "arg controlnets; /v1/models lists them as "
+                                   "`maxdiff.controlnets`); omitted: the only one loaded.")
+    scale: float = Field(1.0, description=f"Conditioning scale in [0, {CONTROL_SCALE_MAX:g}] "
+                         "(0: no effect, 1: the ControlNet's full strength).",
+                         json_schema_extra={"minimum": 0, "maximum": CONTROL_SCALE_MAX})
+    start: float = Field(0.0, description="The fraction of the denoising steps the ControlNet "
+                         "starts acting at (0 <= start < end <= 1).",
+                         json_schema_extra={"minimum": 0, "maximum": 1})
+    end: float = Field(1.0, description="... and stops at.",
+                       json_schema_extra={"minimum": 0, "maximum": 1})
+
+
 class GenerateRequest(BaseModel):
     """Native generation: every setting explicit, seeds reported, unknown fields refused."""
 
@@ -156,6 +177,13 @@ class GenerateRequest(BaseModel):
                          "(this route's JSON response). num_images=1.")
     partial_images: int = Field(0, ge=0, le=3, description="Partial images (the current "
                                 "denoised estimate) to stream before the result (with stream).")
+    control_images: list[ControlImageInput] | None = Field(
+        None, description="ControlNet text-to-image: one control image per ControlNet (several: "
+        "their residuals are summed), each naming a ControlNet the server loaded. The size "
+        "defaults to the first control image's (rounded down to the size multiple). Requests "
+        "with the same ControlNets, size, steps and CFG on/off share device batches, whatever "
+        "their control images and scales (on either engine: ControlNet requests are "
+        "request-batched).")
 
 
 class EditRequest(BaseModel):
@@ -208,6 +236,8 @@ class GenerateResponse(BaseModel):
     output_format: str
     timings: dict[str, float]
     lora: str | None = None
+    controlnets: list[str] | None = Field(None, description="The ControlNets of a request with "
+                                          "control_images, in its order.")
 
 
 class EditResponse(GenerateResponse):

@@ -21,8 +21,10 @@ from pathlib import Path
 
 ENV_KEYS = "MAXDIFF_API_KEYS"
 # What the ingress's ASGI gate enforces in this process (set by the Ingress constructor).
+# ``image_routes``: the routes whose body limit is max_image_bytes (they carry images): the edit
+# routes, and /v1/generate on a server that loaded ControlNets (control images)
 GATE: dict = {"max_body_bytes": 65536, "max_image_bytes": 20 * 2**20, "key_hashes": None,
-              "limiter": None}
+              "limiter": None, "image_routes": ("/v1/images/edits", "/v1/edit")}
 _HASHED = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 

@@ -1,4 +1,5 @@
-"""The deployment's settings (``ServeSettings``, with ``WarmupShape`` and ``AdapterSpec``), parsed
+"""The deployment's settings (``ServeSettings``, with ``WarmupShape``, ``AdapterSpec`` and
+``ControlNetSpec``), parsed
 strictly from ``build_app``'s args (a dict from ``serve run ... key=value`` or a
 ``configs/serve.yaml`` ``args:`` block) with the same config machinery as run configs
 (:mod:`maxdiff.config`). Nothing here imports JAX."""
@@ -22,7 +23,7 @@ RUN_CONFIG_KEYS = tuple(RunConfig.model_fields)
 # args taken as given when they come as strings (names and paths); others are parsed as YAML
 _TEXT_ARGS = ("config", "model_name", "name", "resource", "model", "unet", "vae", "single_file_config",
               "scheduler", "compile_cache_dir", "dtype", "quantization", "attention", "api_keys",
-              "cors_origins", "adapters")
+              "cors_origins", "adapters", "controlnets")
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
@@ -100,63 +101,91 @@ class AdapterSpec(StrictConfig):
     def parse_all(cls, value: Any) -> tuple["AdapterSpec", ...]:
         """A mapping name -> path or name -> {path, scale} (YAML/JSON, also as a string), a
         list of such mappings, or ``"name=path[:scale],name2=path2"``."""
-        if value is None:
-            return ()
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith(("{", "[")):
-                value = yaml_scalar(text)
-            else:
-                value = {}
-                for part in (p.strip() for p in text.split(",")):
-                    if not part:
-                        continue
-                    name, eq, rest = part.partition("=")
-                    if not eq:
-                        raise ValueError(f"adapter {part!r}: give name=path[:scale]")
+        return _named_specs(cls, value, "adapter", scaled=True)
+
+
+class ControlNetSpec(StrictConfig):
+    """One ControlNet the generator replicas load for a model (serve arg ``controlnets``):
+    requests name it in their ``control_images``."""
+
+    name: str = Field(pattern=ADAPTER_NAME)
+    path: str = Field(min_length=1)  # a diffusers ControlNet folder
+
+    @classmethod
+    def parse_all(cls, value: Any) -> tuple["ControlNetSpec", ...]:
+        """A mapping name -> path (YAML/JSON, also as a string), a list of ``{name, path}``, or
+        ``"name=path,name2=path2"``."""
+        return _named_specs(cls, value, "controlnet", scaled=False)
+
+
+def _named_specs(cls, value: Any, what: str, scaled: bool) -> tuple:
+    """``cls`` instances (a ``name`` and a ``path``, with ``scaled`` a ``scale``) from the
+    forms :meth:`AdapterSpec.parse_all` and :meth:`ControlNetSpec.parse_all` take."""
+    form = "name=path[:scale]" if scaled else "name=path"
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith(("{", "[")):
+            value = yaml_scalar(text)
+        else:
+            value = {}
+            for part in (p.strip() for p in text.split(",")):
+                if not part:
+                    continue
+                name, eq, rest = part.partition("=")
+                if not eq:
+                    raise ValueError(f"{what} {part!r}: give {form}")
+                spec: dict = {"path": rest}
+                if scaled:
                     path, colon, scale = rest.rpartition(":")
                     try:
-                        spec = {"path": path, "scale": float(scale)} if colon else {"path": rest}
+                        spec = {"path": path, "scale": float(scale)} if colon else spec
                     except ValueError:  # a ':' inside the path
-                        spec = {"path": rest}
-                    if name.strip() in value:
-                        raise ValueError(f"adapter {name.strip()!r} is given twice")
-                    value[name.strip()] = spec
-        if isinstance(value, dict):
-            value = [{"name": k, **(v if isinstance(v, dict) else {"path": v})}
-                     for k, v in value.items()]
-        if not isinstance(value, (list, tuple)):
-            raise ValueError("give a mapping name: path (or name: {path, scale}) or "
-                             "'name=path[:scale],...'")
-        specs = tuple(x if isinstance(x, cls) else validate(cls, x, f"adapter {x}")
-                      for x in value)
-        names = [x.name for x in specs]
-        dup = next((n for n in names if names.count(n) > 1), None)
-        if dup is not None:
-            raise ValueError(f"adapter {dup!r} is given twice")
-        return specs
+                        pass
+                if name.strip() in value:
+                    raise ValueError(f"{what} {name.strip()!r} is given twice")
+                value[name.strip()] = spec
+    if isinstance(value, dict):
+        value = [{"name": k, **(v if isinstance(v, dict) else {"path": v})}
+                 for k, v in value.items()]
+    if not isinstance(value, (list, tuple)):
+        more = " (or name: {path, scale})" if scaled else ""
+        raise ValueError(f"give a mapping name: path{more} or '{form},...'")
+    specs = tuple(x if isinstance(x, cls) else validate(cls, x, f"{what} {x}") for x in value)
+    names = [x.name for x in specs]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ValueError(f"{what} {dup!r} is given twice")
+    return specs
 
 
 MODEL_NAME = ADAPTER_NAME  # a served model's name: no ':' (``<model>:<adapter>`` picks an adapter)
 # serve args that belong to one model: with a ``models:`` list each entry gives its own
-MODEL_ARGS = ("config", "model_name", "adapters", *RUN_CONFIG_KEYS)
+MODEL_ARGS = ("config", "model_name", "adapters", "controlnets", *RUN_CONFIG_KEYS)
 
 
 class ModelSpec(StrictConfig):
     """One entry of the serve arg ``models`` (docs/multi-model.md): a name, its run config
     (``config``, a shipped name or a YAML path) and run-config keys (model, vae,
-    single_file_config, loras, scheduler, steps, dtype, ...), and its per-request LoRA
-    ``adapters``, all as the single-model serve args have them."""
+    single_file_config, loras, scheduler, steps, dtype, ...), its per-request LoRA
+    ``adapters`` and its ``controlnets``, all as the single-model serve args have them."""
 
     name: str = Field(pattern=MODEL_NAME)
     config: str | None = None
     adapters: tuple[AdapterSpec, ...] = ()
+    controlnets: tuple[ControlNetSpec, ...] = ()
     run_overrides: dict = {}
 
     @field_validator("adapters", mode="before")
     @classmethod
     def _adapters(cls, v):
         return AdapterSpec.parse_all(v)
+
+    @field_validator("controlnets", mode="before")
+    @classmethod
+    def _controlnets(cls, v):
+        return ControlNetSpec.parse_all(v)
 
     @classmethod
     def parse(cls, entry: Any, where: str) -> "ModelSpec":
@@ -166,10 +195,10 @@ class ModelSpec(StrictConfig):
             raise ValueError(f"{where}: give a mapping with name, model, config, adapters, ... "
                              f"got {entry!r}")
         args, run = split_run_args(entry)
-        extra = set(args) - {"name", "config", "adapters"}
+        extra = set(args) - {"name", "config", "adapters", "controlnets"}
         if extra:
             raise ValueError(f"{where}: unknown key {sorted(extra)[0]!r}; allowed: name, config, "
-                             f"adapters, {', '.join(RUN_CONFIG_KEYS)}")
+                             f"adapters, controlnets, {', '.join(RUN_CONFIG_KEYS)}")
         validate(RunConfig, run, f"{where} (run-config keys)")
         return validate(cls, {**args, "run_overrides": run}, where)
 
@@ -295,6 +324,9 @@ class ServeSettings(StrictConfig):
     # per-request LoRA adapters, preloaded unfused by every generator replica before warm-up:
     # name -> path (or {path, scale}), or "name=path[:scale],..."; requests pick one by name
     adapters: tuple[AdapterSpec, ...] = ()
+    # ControlNets every generator replica loads with the model (name -> a diffusers ControlNet
+    # folder, or "name=path,..."); requests name them in control_images
+    controlnets: tuple[ControlNetSpec, ...] = ()
     max_n: int = Field(4, ge=1)  # images per request
     max_steps: int = Field(100, ge=1)
     max_guidance: float = Field(30.0, ge=0)
@@ -352,6 +384,11 @@ class ServeSettings(StrictConfig):
     @classmethod
     def _adapters(cls, v):
         return AdapterSpec.parse_all(v)
+
+    @field_validator("controlnets", mode="before")
+    @classmethod
+    def _controlnets(cls, v):
+        return ControlNetSpec.parse_all(v)
 
     @field_validator("models", mode="before")
     @classmethod
@@ -422,7 +459,8 @@ class ServeSettings(StrictConfig):
         given = sorted(k for k in (*args, *run) if k in MODEL_ARGS)
         if args.get("models") and given:
             raise ValueError(f"serve arg {given[0]!r} belongs to one model: with `models` give "
-                             "it in each models entry (name, config, adapters, run-config keys)")
+                             "it in each models entry (name, config, adapters, controlnets, "
+                             "run-config keys)")
         validate(RunConfig, run, "serve args (run-config keys)")  # bad values fail here, early
         return validate(cls, {**args, "run_overrides": run}, "serve args")
 

@@ -317,6 +317,8 @@ def test_cli_examples(paths):
     assert {r["size"] for r in run2} >= {"768x1024"}
     assert (work / "sdxl-base-bf16" / "model_index.json").is_file()
     assert len(list((work / "out" / "file").glob("*.png"))) == 1  # from the single file
+    statue = [json.loads(line) for line in (work / "out" / "statue" / "metadata.jsonl").open()]
+    assert [(r["mode"], r["size"]) for r in statue] == [("controlnet", "128x96")]  # edges.png's
 
 
 @pytest.mark.slow  # default-suite time (14-23 s): make test-slow runs it

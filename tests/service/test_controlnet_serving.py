@@ -1,0 +1,154 @@
+"""ControlNet over HTTP: the serve arg ``controlnets`` loads them with the model, ``/v1/generate``
+takes ``control_images`` (base64, each naming a loaded ControlNet), requests that share their
+ControlNets and shape run in one device batch with their own control images and scales, each
+equal to the Python API's image alone; an unknown ControlNet is a 422 naming the loaded ones.
+One application for the module (the session's Ray cluster), two tiny random ControlNets."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import requests
+from PIL import Image
+
+import tiny
+
+from .helpers import MAIN_ARGS, SIZE, STEPS, concurrently, png
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+CN = dict(conditioning_embedding_out_channels=(8, 16))  # control image 2x the latents
+ARGS = dict(MAIN_ARGS, model_name="tiny-cn", num_cpus=0, max_queued_requests=-1,
+            batch_wait_timeout_s=2.0, warmup_batch_sizes=[1], max_cost=1.0)
+
+
+@pytest.fixture(scope="module")
+def nets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cn-serve")
+    for k, name in enumerate(("canny", "depth")):
+        tiny.make_controlnet(root / name, tiny.SDXL_UNET, seed=5 + k, **CN)
+    return {name: root / name for name in ("canny", "depth")}
+
+
+@pytest.fixture(scope="module")
+def cn_app(cluster, sdxl_dir, nets):
+    """The tiny model with both ControlNets loaded (engine=batch; its warm-up: text-to-image
+    at one batch size only)."""
+    from serving.app import build_app
+
+    serve.run(build_app({"model": str(sdxl_dir), **ARGS,
+                         "controlnets": {k: str(v) for k, v in nets.items()}}),
+              name="controlnet", route_prefix="/controlnet")
+    yield f"{cluster.url}/controlnet"
+    serve.delete("controlnet")
+
+
+def _control(seed: int) -> bytes:
+    a = np.random.default_rng(seed).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _generate(url, timeout=300, **body):
+    return requests.post(f"{url}/v1/generate", json={"prompt": "a red circle", "steps": STEPS,
+                                                     "guidance_scale": 0.0, **body},
+                         timeout=timeout)
+
+
+def test_requests_batch_together_and_equal_the_python_api(cn_app, nets, sdxl_dir):
+    """Three requests with their own control images, scales and windows, sent together: one
+    batch (the same ControlNet and shape), each image within one level of the Python API's
+    ControlNetPipeline run alone; no size given: the control image's."""
+    from pipelines import ControlNetPipeline, TextToImagePipeline
+
+    images = [_control(k) for k in range(3)]
+    settings = [dict(scale=0.5), dict(scale=1.0), dict(scale=1.5, start=0.5)]
+
+    def send(k):
+        return _generate(cn_app, seed=10 + k, control_images=[
+            {"image": base64.b64encode(images[k]).decode(), "controlnet": "canny",
+             **settings[k]}])
+
+    rs = concurrently(3, send)
+    for r in rs:
+        assert r.status_code == 200, r.text
+    bodies = [r.json() for r in rs]
+    assert {b["timings"]["batch_id"] for b in bodies} == {bodies[0]["timings"]["batch_id"]}
+    assert bodies[0]["timings"]["batch_requests"] == 3
+    assert all(b["controlnets"] == ["canny"] and (b["width"], b["height"]) == (SIZE, SIZE)
+               for b in bodies)
+
+    one = ControlNetPipeline.from_pipe(
+        TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None),
+        controlnet=str(nets["canny"]))
+    for k, b in enumerate(bodies):
+        s = settings[k]
+        ours = one("a red circle", image=Image.open(io.BytesIO(images[k])).convert("RGB"),
+                   controlnet_conditioning_scale=s["scale"],
+                   control_guidance_start=s.get("start", 0.0), seed=10 + k,
+                   num_inference_steps=STEPS, guidance_scale=0.0).images[0]
+        got = png(b["images"][0]["b64_json"]).astype(int)
+        assert np.abs(got - np.asarray(ours, int)).max() <= 1, k
+    shapes = {x["shape"] for rep in requests.get(f"{cn_app}/v1/stats").json()[
+        "replicas"].values() for x in rep["batches"]}
+    assert f"controlnet[canny]:{SIZE}x{SIZE}:{STEPS}:nocfg" in shapes, shapes
+
+
+def test_unknown_controlnets_and_bad_values_are_422(cn_app):
+    image = base64.b64encode(_control(0)).decode()
+    r = _generate(cn_app, timeout=30,
+                  control_images=[{"image": image, "controlnet": "pose"}])
+    assert r.status_code == 422, r.text
+    err = r.json()
+    assert "unknown ControlNet 'pose'; loaded ControlNets: canny, depth" in err["error"][
+        "message"], err
+    assert any("control_images[0].controlnet" in d["loc"] for d in err["detail"]), err
+    r = _generate(cn_app, timeout=30, control_images=[
+        {"image": image, "controlnet": "canny", "scale": 11.0},
+        {"image": "%%%", "controlnet": "depth", "start": 0.9, "end": 0.1}])
+    assert r.status_code == 422, r.text
+    err = r.json()
+    locs = {d["loc"][-1] for d in err["detail"]}
+    assert {"control_images[0].scale", "control_images[1].start",
+            "control_images[1].image"} <= locs, err
+    assert "must be a number in [0, 10]" in err["error"]["message"]
+    r = _generate(cn_app, timeout=30, control_images=[{"image": image}])  # two loaded: name one
+    assert r.status_code == 422 and "name the ControlNet" in r.text, r.text
+    (entry,) = [m for m in requests.get(f"{cn_app}/v1/models", timeout=30).json()["data"]
+                if m["id"] == "tiny-cn"]
+    assert entry["maxdiff"]["controlnets"] == [{"name": "canny"}, {"name": "depth"}]
+
+
+def test_the_serve_arg_controlnets(sdxl_dir, tmp_path):
+    """``controlnets`` as ``name=path,...`` (the command line), a mapping (serve.yaml) or per
+    ``models`` entry; a name twice, a missing ``=`` or a missing folder is refused at build
+    time, naming it. No deployment."""
+    from serving.models import Catalog
+    from serving.settings import ServeSettings
+
+    def names(s):
+        return [(c.name, c.path) for c in s.controlnets]
+
+    assert names(ServeSettings.from_args({"controlnets": "canny=/a,depth=/b"})) == [
+        ("canny", "/a"), ("depth", "/b")]
+    assert names(ServeSettings.from_args({"controlnets": {"canny": "/a"}})) == [("canny", "/a")]
+    for bad, message in (("a=/x,a=/y", "controlnet 'a' is given twice"),
+                         ("canny", "controlnet 'canny': give name=path")):
+        with pytest.raises(ValueError, match=message):
+            ServeSettings.from_args({"controlnets": bad})
+    entry = {"name": "a", "model": str(sdxl_dir), "controlnets": {"canny": str(tmp_path)}}
+    s = ServeSettings.from_args({"models": [entry]})
+    assert names(s.models[0]) == [("canny", str(tmp_path))]
+    assert Catalog.from_settings(s).get("a").controlnets == s.models[0].controlnets
+    with pytest.raises(ValueError, match="serve arg 'controlnets' belongs to one model"):
+        ServeSettings.from_args({"models": [entry], "controlnets": "canny=/x"})
+    missing = tmp_path / "nope"
+    with pytest.raises(ValueError, match=f"serve arg controlnets: canny: {missing}: no such "
+                                         "folder"):
+        Catalog.from_settings(ServeSettings.from_args({"model": str(sdxl_dir),
+                                                       "controlnets": f"canny={missing}"}))
