@@ -567,6 +567,7 @@ class RunSettings:
     format: str = "png"
     lora: str | None = None  # the fused LoRA adapters, "PATH:SCALE, ..." (None: none)
     quantization: str | None = None  # int8-weights, int8, fp8 (None: none)
+    refiner: str | None = None  # "DIR:FRAC": the SDXL refiner and where it takes over
 
 
 @dataclass(frozen=True)
@@ -630,7 +631,8 @@ class ImageJob:
                     run_seed=s.run_seed, steps=self.steps, guidance=self.guidance,
                     size=f"{self.width}x{self.height}", width=self.width, height=self.height,
                     scheduler=s.scheduler, model=s.model, unet=s.unet, lora=s.lora,
-                    dtype=s.dtype, quantization=s.quantization, format=s.format, **edit,
+                    dtype=s.dtype, quantization=s.quantization, format=s.format,
+                    **({"refiner": s.refiner} if s.refiner else {}), **edit,
                     file=self.file, id=self.id, **extra)
 
 
@@ -640,7 +642,8 @@ def identity(line: int, image: int, prompt: str, negative_prompt: str | None, se
                 steps=steps, guidance=float(guidance), width=width, height=height,
                 scheduler=s.scheduler, model=s.model, unet=s.unet, dtype=s.dtype, format=s.format,
                 **({"lora": s.lora} if s.lora else {}),  # (ids of runs without LoRA unchanged)
-                **({"quantization": s.quantization} if s.quantization else {}))
+                **({"quantization": s.quantization} if s.quantization else {}),
+                **({"refiner": s.refiner} if s.refiner else {}))
 
 
 def _sha256(path: str) -> str:

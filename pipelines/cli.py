@@ -29,8 +29,8 @@ from maxdiff.quantization import MODES as QUANTIZATION_MODES
 from pipelines.batch import (MAX_IMAGES_PER_LINE, METADATA, TMP_MARK, InputError, OutputDir,
                              RunSettings, check_size, load_control_image, load_edit_inputs,
                              plan_jobs, read_prompts)
-from pipelines.limits import (CONTROL_SCALE_MAX, MAX_SEED, STRENGTH, guidance_problem, n_problem,
-                              seed_problem, steps_problem)
+from pipelines.limits import (CONTROL_SCALE_MAX, MAX_SEED, STRENGTH, denoising_fraction_problem,
+                              guidance_problem, n_problem, seed_problem, steps_problem)
 from pipelines.requests import (FORMATS, ControlImage, ControlKey, EditKey, pad_to, parse_size,
                                 plan_batches)
 
@@ -45,8 +45,10 @@ examples:
       --set model=/models/sdxl-base --set unet=/models/sdxl_lightning_4step_unet.safetensors
   maxdiff generate "a watercolor fox" --image fox.png --strength 0.6
   maxdiff generate "a red hat" --image fox.png --mask hat-mask.png   # inpaint the white part
-  maxdiff generate "a golden statue" --controlnet canny=/models/controlnet-canny-sdxl-1.0 \
+  maxdiff generate "a golden statue" --controlnet canny=/models/controlnet-canny-sdxl-1.0 \\
       --control-image edges.png:canny:0.5 --control-guidance-end 0.8
+  maxdiff generate "a lighthouse at dusk" --model /models/sdxl-base \\
+      --refiner /models/sdxl-refiner --high-noise-frac 0.8   # base 80 %, refiner the rest
 
 prompt files: one prompt per line, or (.jsonl) one JSON object per line with "prompt" and any
 of "negative_prompt", "seed", "steps", "guidance", "size" ("WxH"), "n" (images of that line),
@@ -140,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora", action="append", metavar="PATH[:SCALE]",
                    help="LoRA adapter fused into the weights (diffusers/PEFT or kohya "
                         ".safetensors; scale default 1); repeatable, applied in order")
+    g.add_argument("--refiner", metavar="DIR",
+                   help="SDXL refiner folder that finishes every text-to-image image "
+                        "(diffusers' base + refiner, one program; edits run the base alone)")
+    g.add_argument("--high-noise-frac", type=_rule(denoising_fraction_problem, float),
+                   metavar="F", help="where the refiner takes over, a fraction of the noise "
+                                     "schedule in (0, 1) (default 0.8: the base runs 80 %%)")
     g.add_argument("--devices", type=_int_at_least(1), metavar="N",
                    help="use the first N local devices (default: all)")
 
@@ -267,7 +275,9 @@ def _run_config(args, **extra: Any):
     flags = dict(model=args.model, unet=args.unet, vae=args.vae,
                  single_file_config=args.single_file_config, scheduler=args.scheduler,
                  dtype=args.dtype, quantization=args.quantization, devices=args.devices,
-                 loras=getattr(args, "lora", None) or None, **extra)
+                 loras=getattr(args, "lora", None) or None,
+                 refiner=getattr(args, "refiner", None),
+                 high_noise_frac=getattr(args, "high_noise_frac", None), **extra)
     flags = {k: v for k, v in flags.items() if v is not None}
     if flags:
         cfg = cfg.replace(**flags)
@@ -276,6 +286,7 @@ def _run_config(args, **extra: Any):
     vae = _existing(cfg.vae, "vae", "--vae")
     single_file_config = _existing(cfg.single_file_config, "single_file_config",
                                   "--single-file-config", folder=True)
+    refiner = _existing(cfg.refiner, "refiner", "--refiner", folder=True)
     loras = []
     for spec in cfg.loras:
         path = Path(spec.path).expanduser()
@@ -284,7 +295,8 @@ def _run_config(args, **extra: Any):
                               "config key 'loras')"])
         loras.append(spec.replace(path=str(path.resolve())))
     return cfg.replace(model=str(model), unet=unet, vae=vae,
-                       single_file_config=single_file_config, loras=tuple(loras))
+                       single_file_config=single_file_config, loras=tuple(loras),
+                       refiner=refiner)
 
 
 def _model_path(model: str | None) -> Path:
@@ -423,7 +435,8 @@ def cmd_generate(args) -> int:
             guidance=float(pipe.default_guidance), width=pipe.default_width,
             height=pipe.default_height, run_seed=run_seed, negative_prompt=args.negative,
             num_images=args.num_images, format=args.format,
-            lora=", ".join(f"{x.path}:{x.scale:g}" for x in cfg.loras) or None)
+            lora=", ".join(f"{x.path}:{x.scale:g}" for x in cfg.loras) or None,
+            refiner=f"{cfg.refiner}:{cfg.high_noise_frac:g}" if cfg.refiner else None)
         jobs = plan_jobs(lines, settings)
     done = out.done(records)
     todo = [j for j in jobs if j.id not in done]

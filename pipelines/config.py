@@ -23,6 +23,7 @@ from pydantic import Field, field_validator, model_validator
 
 from maxdiff.config import StrictConfig, config_names, load_config, validate
 from maxdiff.quantization import Quantization, lora_problem
+from pipelines.limits import HIGH_NOISE_FRAC
 
 MODEL_DEFAULTS_FILE = "maxdiff.json"
 NOT_RUN_CONFIGS = ("serve", "train-")  # configs/ also holds the service's and training's
@@ -80,6 +81,10 @@ class RunConfig(StrictConfig):
     # the UNet's transformer linear layers in int8 / fp8 through qwix (maxdiff.quantization):
     # none, int8-weights (int8 weights), int8 (int8 weights and activations), fp8 (e4m3)
     quantization: Quantization = "none"
+    # an SDXL refiner folder that finishes every text-to-image image from high_noise_frac of
+    # the schedule (diffusers' ensemble of experts; base and refiner in one program)
+    refiner: str | None = None
+    high_noise_frac: float = Field(HIGH_NOISE_FRAC, gt=0, lt=1)
 
     @field_validator("loras", mode="before")
     @classmethod
@@ -102,7 +107,8 @@ class RunConfig(StrictConfig):
                   config=self.single_file_config, scheduler=self.scheduler,
                   devices=self.devices, attention_kernel=self.attention,
                   attention_chunk=self.attention_chunk, vae_tiling=self.vae_tiling,
-                  quantization=self.quantization)
+                  quantization=self.quantization, refiner=self.refiner,
+                  high_noise_frac=self.high_noise_frac)
         if self.compile_cache_dir is not None:
             kw["compile_cache_dir"] = self.compile_cache_dir or None
         return kw

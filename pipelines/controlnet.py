@@ -50,7 +50,7 @@ from pipelines.edit import _EditPipeline, _image_list, _is_image, _size, image_p
 from pipelines.limits import describe
 from pipelines.requests import ControlImage, ImageRequest, bucket_size
 from pipelines.text_to_image import (PipelineOutput, TextToImagePipeline, _to_pixels,
-                                     conditioning, guide)
+                                     conditioning)
 
 __all__ = ["ControlNetPipeline", "ControlImage", "control_keep"]
 
@@ -188,7 +188,6 @@ class ControlNetPipeline(_EditPipeline):
                                       self.scheduler)
         nets = self._nets
         channels = self.latent_channels
-        stochastic = sched.stochastic
 
         def residuals(net, cp, x, t, emb, pooled, time_ids, image, scale, guess):
             """One ControlNet's residuals, or zeros without running it when every row's scale
@@ -219,12 +218,7 @@ class ControlNetPipeline(_EditPipeline):
                 scales = jnp.concatenate([jnp.where(guess[..., None], 0.0, scales), scales])
                 guess = jnp.concatenate([guess, guess])
 
-            def body(carry, i):
-                x, state = carry
-                xin = sched.scale_model_input(state, x, i)
-                t = sched.timestep_for_model(state, i)
-                if cfg:
-                    xin = jnp.concatenate([xin, xin])
+            def model(xin, t, i):
                 down = mid = None
                 for k, net in enumerate(nets):  # MultiControlNet: residuals summed in order
                     d, m = residuals(net, cps[k], xin, t, emb, pooled, time_ids, images[k],
@@ -232,19 +226,14 @@ class ControlNetPipeline(_EditPipeline):
                     down = d if down is None else tuple(a + b for a, b in zip(down, d))
                     mid = m if mid is None else mid + m
                 with adapterlib.applied((ad or {}).get("unet"), uidx):
-                    out = unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids,
-                                     down_block_additional_residuals=down,
-                                     mid_block_additional_residual=mid)
-                out = guide(out.astype(jnp.float32), cfg, g, r)
-                noise = None
-                if stochastic:
-                    noise = program_lib.step_noise(step_keys, i, (lh, lw, channels))
-                state, x = sched.step(state, out, x, i, noise=noise)
-                return (x, state), None
+                    return unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids,
+                                      down_block_additional_residuals=down,
+                                      mid_block_additional_residual=mid)
 
             calls = sched_state.timesteps.shape[0]
-            (latents, _), _ = jax.lax.scan(body, (latents, sched_state),
-                                           jnp.arange(calls, dtype=jnp.int32))
+            latents = program_lib.denoise(sched, model, latents, sched_state, 0, calls, cfg=cfg,
+                                          g=g, r=r, step_keys=step_keys,
+                                          shape=(lh, lw, channels))
             if tiled:  # decoded tile by tile afterwards (decode_tiled)
                 return vae.apply({"params": p["vae"]}, latents, method=vae.unscale_latents)
             img = vae.apply({"params": p["vae"]}, latents, method=vae.latents_to_image)

@@ -19,6 +19,12 @@ output kind, tiled VAE); :attr:`num_compiled` counts them. With ``vae_tiling`` o
 are encoded tile by tile before the program (diffusers' tiled encode, whose moments the
 program samples from) and the output decoded tile by tile after it.
 
+The SDXL refiner (:mod:`pipelines.refiner`): image-to-image also starts from latents (a base's
+``output_type="latent"``) instead of a picture, and ``denoising_start`` (diffusers' rule: the
+timesteps below ``round(T - denoising_start * T)``, no noise added) replaces the strength; the
+start latents, the start step and whether noise is added are program inputs and keys, and the
+loop is :func:`pipelines.program.denoise`, as for every pipeline.
+
 Noise: ``noise`` (the add-noise noise) and ``image_latents_noise`` (the standard normal draw of
 the VAE posterior sample; ``masked_image_latents_noise`` for the masked image of a 9-channel
 inpainting UNet) may be given in diffusers' layout (N, C, H/f, W/f) to reproduce diffusers'
@@ -45,11 +51,13 @@ import numpy as np
 
 from maxdiff import mesh as meshlib
 from pipelines import program as program_lib
-from pipelines.limits import STRENGTH, check, edit_adapter_problem, strength_problem
+from pipelines.limits import (AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE, STRENGTH, check,
+                              denoising_fraction_problem, edit_adapter_problem,
+                              split_steps_problems, strength_problem)
 from pipelines.requests import ImageRequest, bucket_size
 from maxdiff.models.vae_tiling import use_tiling
 from pipelines.text_to_image import (PipelineOutput, TextToImagePipeline, _to_pixels,
-                                     conditioning, guide)
+                                     conditioning)
 
 __all__ = ["ImageToImagePipeline", "InpaintPipeline", "start_step"]
 
@@ -66,6 +74,11 @@ def _is_image(x) -> bool:
     from PIL import Image
 
     return isinstance(x, (Image.Image, np.ndarray))
+
+
+def _is_latents(x) -> bool:
+    """A (N, C, h, w) array (or torch tensor): a base's ``output_type="latent"``."""
+    return getattr(x, "ndim", 0) == 4 and not isinstance(x, list)
 
 
 def _image_list(x, name: str) -> list:
@@ -256,11 +269,13 @@ class _EditPipeline:
     # ------------------------------------------------------------------ the program
     def _build(self, mode: str, batch: int, lh: int, lw: int, steps: int, cfg: bool,
                given_noise: bool, given_post: bool, given_masked_post: bool, as_uint8: bool,
-               tiled: bool = False):
+               tiled: bool = False, from_latents: bool = False, noised: bool = True):
+        # from_latents: ``images`` are latents (B, h, w, C) to start from (a base's output);
+        # noised: they get the noise of the start step (False: ``denoising_start``, where the
+        # latents are a base's, at that step's noise level already)
         te1, te2, unet, vae, sched = (self.text_encoder, self.text_encoder_2, self.unet, self.vae,
                                       self.scheduler)
         channels = self.latent_channels
-        stochastic = sched.stochastic
         shape = (lh, lw, channels)
 
         def to_latents(p, images, eps):
@@ -281,10 +296,14 @@ class _EditPipeline:
                 return program_lib.normal(keys, shape)
             if noise is None:
                 noise = draw(k_noise)
-            if post_noise is None:
-                post_noise = draw(k_post)
-            image_latents = to_latents(p, images, post_noise)
-            latents = sched.add_noise(sched_state, image_latents, noise, t_start)
+            if from_latents:
+                image_latents = images
+            else:
+                if post_noise is None:
+                    post_noise = draw(k_post)
+                image_latents = to_latents(p, images, post_noise)
+            latents = (sched.add_noise(sched_state, image_latents, noise, t_start) if noised
+                       else image_latents)
             if mode != "img2img":  # diffusers' inpainting starts from pure noise at strength 1
                 latents = jnp.where(pure_noise, noise * sched.init_noise_sigma(sched_state),
                                     latents)
@@ -297,30 +316,20 @@ class _EditPipeline:
             g = guidance[:, None, None, None]
             r = rescale[:, None, None, None]
 
-            def body(i, carry):
-                x, state = carry
-                xin = sched.scale_model_input(state, x, i)
-                if extra is not None:
-                    xin = jnp.concatenate([xin, extra], axis=-1)
-                t = sched.timestep_for_model(state, i)
-                if cfg:
-                    xin = jnp.concatenate([xin, xin])
-                out = unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids)
-                out = guide(out.astype(jnp.float32), cfg, g, r)
-                step_noise = None
-                if stochastic:
-                    step_noise = program_lib.step_noise(k_steps, i, shape)
-                state, x = sched.step(state, out, x, i, noise=step_noise)
-                if mode == "inpaint4":
-                    # keep the unmasked part: the image noised to the next step's level
-                    nxt = jnp.minimum(i + 1, calls - 1)
-                    proper = jnp.where(i < calls - 1,
-                                       sched.add_noise(state, image_latents, noise, nxt),
-                                       image_latents)
-                    x = (1 - masks) * proper + masks * x
-                return x, state
+            def keep_unmasked(i, state, x):  # inpaint4: the unmasked part is the image,
+                # noised to the next step's level
+                nxt = jnp.minimum(i + 1, calls - 1)
+                proper = jnp.where(i < calls - 1,
+                                   sched.add_noise(state, image_latents, noise, nxt),
+                                   image_latents)
+                return (1 - masks) * proper + masks * x
 
-            latents, _ = jax.lax.fori_loop(t_start, calls, body, (latents, sched_state))
+            latents = program_lib.denoise(
+                sched, lambda xin, t, i: unet.apply({"params": p["unet"]}, xin, t, emb, pooled,
+                                                    time_ids),
+                latents, sched_state, t_start, calls, cfg=cfg, g=g, r=r, step_keys=k_steps,
+                shape=shape, extra=extra,
+                after_step=keep_unmasked if mode == "inpaint4" else None)
             if tiled:
                 return vae.apply({"params": p["vae"]}, latents, method=vae.unscale_latents)
             img = vae.apply({"params": p["vae"]}, latents, method=vae.latents_to_image)
@@ -333,10 +342,15 @@ class _EditPipeline:
               negative_prompt_2, num_inference_steps, guidance_scale, guidance_rescale, height,
               width, num_images_per_prompt, seed, noise, image_latents_noise,
               masked_image_latents_noise, output_type, original_size, crops_coords_top_left,
-              target_size) -> PipelineOutput:
+              target_size, denoising_start=None, aesthetic_score=AESTHETIC_SCORE,
+              negative_aesthetic_score=NEGATIVE_AESTHETIC_SCORE) -> PipelineOutput:
         if image is None:
             raise ValueError("image is required: the picture to start from")
-        per_prompt = {"image": _image_list(image, "image")}
+        image_latents = None
+        if _is_latents(image):  # a base's output_type="latent": (N, C, H/f, W/f)
+            image_latents, per_prompt = image, {}
+        else:
+            per_prompt = {"image": _image_list(image, "image")}
         if self.kind == "inpaint":
             if mask_image is None:
                 raise ValueError("mask_image is required: white (>= 0.5) marks what to repaint")
@@ -345,14 +359,16 @@ class _EditPipeline:
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             per_prompt=per_prompt, guidance_scale=guidance_scale,
             guidance_rescale=guidance_rescale, original_size=original_size,
-            crops_coords_top_left=tuple(crops_coords_top_left), target_size=target_size)
-        images, masks = picked["image"], picked.get("mask_image")
+            crops_coords_top_left=tuple(crops_coords_top_left), target_size=target_size,
+            aesthetic_score=aesthetic_score, negative_aesthetic_score=negative_aesthetic_score)
+        images, masks = picked.get("image"), picked.get("mask_image")
         return self.generate(items, images, masks,
                              strength=strength, height=height, width=width,
                              num_inference_steps=num_inference_steps, noise=noise,
                              image_latents_noise=image_latents_noise,
                              masked_image_latents_noise=masked_image_latents_noise,
-                             output_type=output_type)
+                             output_type=output_type, image_latents=image_latents,
+                             denoising_start=denoising_start)
 
     def generate(self, items: Sequence[ImageRequest], images: Sequence[Any] | None = None,
                  masks: Sequence[Any] | None = None, *, strength: float | None = None,
@@ -360,12 +376,20 @@ class _EditPipeline:
                  num_inference_steps: int | None = None, noise: np.ndarray | None = None,
                  image_latents_noise: np.ndarray | None = None,
                  masked_image_latents_noise: np.ndarray | None = None,
-                 output_type: str = "pil", latents: Any = None) -> PipelineOutput:
+                 output_type: str = "pil", latents: Any = None,
+                 image_latents: np.ndarray | None = None,
+                 denoising_start: float | None = None) -> PipelineOutput:
         """One output image per :class:`ImageRequest`, from ``images[k]`` (and ``masks[k]``
         for inpainting), in one device batch padded to a bucket. Items share the size, the
         step count and the strength. ``height``/``width`` default to the first image's size
         rounded down to a multiple of the VAE scale factor; every image (and mask) is resized
-        to it as diffusers does."""
+        to it as diffusers does.
+
+        Image-to-image only: ``image_latents`` (N or 1, C, H/f, W/f), diffusers' layout,
+        instead of ``images``: the latents to start from (a base's ``output_type="latent"``),
+        not encoded. ``denoising_start`` in (0, 1): start at that fraction of the schedule
+        without adding noise (the latents are a base's stopped at ``denoising_end``; diffusers'
+        rule, which ignores ``strength``)."""
         t0 = time.perf_counter()
         if latents is not None:
             raise ValueError("latents= is not used here: pass noise= (the add-noise noise) and "
@@ -375,6 +399,12 @@ class _EditPipeline:
             raise ValueError("items is empty: give at least one ImageRequest")
         check([edit_adapter_problem(it.adapter) for it in items])
         n = len(items)
+        f = self.vae_scale_factor
+        from_latents = image_latents is not None
+        if from_latents:
+            image_latents = self._start_latents(image_latents, images, n, height, width)
+            images = [None] * n
+            height, width = image_latents.shape[1] * f, image_latents.shape[2] * f
         if images is None or len(images) != n:
             raise ValueError(f"give one image per item: {n} item(s), "
                              f"{0 if images is None else len(images)} image(s)")
@@ -384,8 +414,9 @@ class _EditPipeline:
                              f"{0 if masks is None else len(masks)} mask(s)")
         steps = self.default_steps if num_inference_steps is None else num_inference_steps
         strength = STRENGTH[self.kind] if strength is None else strength
-        f = self.vae_scale_factor
         for k, img in enumerate(images):
+            if from_latents:
+                break
             if not _is_image(img):
                 raise ValueError(f"image {k} is a {type(img).__name__}; give a PIL image or a "
                                  "float array (H, W, 3) in [0, 1]")
@@ -397,12 +428,16 @@ class _EditPipeline:
                 if (iw, ih) != (mw, mh):
                     raise ValueError(f"mask_image is {mw}x{mh} but image is {iw}x{ih} "
                                      f"(width x height); give a mask of the image's size")
-        w0, h0 = _size(images[0])
-        height = h0 - h0 % f if height is None else height
-        width = w0 - w0 % f if width is None else width
+        if not from_latents:
+            w0, h0 = _size(images[0])
+            height = h0 - h0 % f if height is None else height
+            width = w0 - w0 % f if width is None else width
         self.check_request(steps, height, width, output_type)
-        check([strength_problem(strength, steps)])
-        t_start = start_step(steps, float(strength))
+        if denoising_start is None:
+            check([strength_problem(strength, steps)])
+            t_start = start_step(steps, float(strength))
+        else:
+            t_start = self.start_step_at(steps, denoising_start)
         for k, it in enumerate(items):
             it.validate(k)
         lh, lw = height // f, width // f
@@ -430,7 +465,8 @@ class _EditPipeline:
                 cache[id(obj)] = fn(obj, *a)
             return cache[id(obj)]
 
-        pix = np.stack([prep(img, preprocess_image, height, width) for img in images])
+        pix = image_latents if from_latents else np.stack(
+            [prep(img, preprocess_image, height, width) for img in images])
         mask_lat = masked_pix = None
         if inpaint:
             mask_px = np.stack([prep(m, preprocess_mask, height, width) for m in masks])
@@ -457,10 +493,11 @@ class _EditPipeline:
         if tiled:  # the images (and masked images) become their tiled encoder moments
             args = list(args)
             for k in (4, 6):
-                if args[k] is not None:
+                if args[k] is not None and not (k == 4 and from_latents):
                     args[k] = self.pipe.encode_tiled(args[k])
         program = self._program((mode, bucket, lh, lw, steps, cfg, noise is not None,
-                                 post is not None, masked_post is not None, as_uint8, tiled))
+                                 post is not None, masked_post is not None, as_uint8, tiled,
+                                 from_latents, denoising_start is None))
         out = program(self.params, *args, state, *scalars)
         if tiled:
             out = self.pipe.decode_tiled(out, as_uint8)
@@ -470,6 +507,39 @@ class _EditPipeline:
                               {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket,
                                "denoising_steps": self.scheduler.num_model_calls(steps)
                                                   - t_start})
+
+    def start_step_at(self, steps: int, denoising_start: Any) -> int:
+        """The first model call of ``steps`` that runs from ``denoising_start`` (diffusers'
+        ``get_timesteps``; :func:`pipelines.program.start_step_at`); ValueError unless it is
+        in (0, 1) and leaves a step."""
+        check([denoising_fraction_problem(denoising_start, "denoising_start")])
+        sched = self.scheduler
+        timesteps = np.asarray(sched.set_timesteps(steps, (1, 1, 1, self.latent_channels))
+                               .timesteps)
+        t_start = program_lib.start_step_at(timesteps, sched.num_train_timesteps,
+                                            float(denoising_start))
+        check(split_steps_problems(1, len(timesteps) - t_start, denoising_start,
+                                   "denoising_start"))
+        return t_start
+
+    def _start_latents(self, latents, images, n: int, height, width) -> np.ndarray:
+        """Given start latents (N or 1, C, H/f, W/f) -> (n, H/f, W/f, C) float32, checked."""
+        if self.kind != "img2img":
+            raise ValueError("starting from latents is image-to-image's (give image=)")
+        if images is not None:
+            raise ValueError("give image= pixels or latents, not both")
+        a = np.asarray(latents, np.float32)
+        c, f = self.latent_channels, self.vae_scale_factor
+        if a.ndim != 4 or a.shape[1] != c or a.shape[0] not in (1, n):
+            raise ValueError(f"image latents have shape {a.shape}; give ({n} or 1, {c}, H/{f}, "
+                             f"W/{f}) (a base's output_type='latent')")
+        if not np.isfinite(a).all():
+            raise ValueError("image latents are not finite")
+        size = (a.shape[2] * f, a.shape[3] * f)
+        if (height or size[0], width or size[1]) != size:
+            raise ValueError(f"height x width {height}x{width} differs from the latents' "
+                             f"{size[0]}x{size[1]}; leave them out to use the latents' size")
+        return np.repeat(a, n // a.shape[0], axis=0).transpose(0, 2, 3, 1)
 
 
 class ImageToImagePipeline(_EditPipeline):
@@ -490,7 +560,10 @@ class ImageToImagePipeline(_EditPipeline):
                  image_latents_noise: np.ndarray | None = None, output_type: str = "pil",
                  original_size: tuple[int, int] | None = None,
                  crops_coords_top_left: tuple[int, int] = (0, 0),
-                 target_size: tuple[int, int] | None = None) -> PipelineOutput:
+                 target_size: tuple[int, int] | None = None,
+                 denoising_start: float | None = None,
+                 aesthetic_score: float = AESTHETIC_SCORE,
+                 negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE) -> PipelineOutput:
         """Repaint ``image`` (a PIL image or float (H, W, 3) array in [0, 1], or one per prompt)
         following ``prompt``. ``strength`` in (0, 1] (default 0.75, every front door's:
         :data:`pipelines.limits.STRENGTH`; diffusers' SDXL pipeline defaults to 0.3): the run
@@ -499,6 +572,16 @@ class ImageToImagePipeline(_EditPipeline):
         UNet steps run. ``height``/``width``: default the image's size (rounded down to a multiple
         of the VAE scale factor). ``noise`` / ``image_latents_noise``: the add-noise noise and the
         VAE posterior's standard normal draw, (N, C, H/f, W/f); by default drawn from the seeds.
+
+        The SDXL refiner (diffusers' two-stage "ensemble of experts"): ``image`` may be latents
+        (N or 1, C, H/f, W/f), a base's ``output_type="latent"`` output, which are not encoded;
+        with ``denoising_start`` in (0, 1) the run starts at that fraction of the schedule (the
+        timesteps below ``round(T - denoising_start * T)``) from those latents as they are, no
+        noise added (``strength`` is then ignored, as in diffusers). ``aesthetic_score`` /
+        ``negative_aesthetic_score`` (default 6 and 2.5) are the refiner's time ids (a model
+        whose model_index.json has ``requires_aesthetics_score``; others ignore them). A refiner
+        encodes ``prompt`` / ``negative_prompt`` with its one text encoder (``prompt_2`` is
+        unused, as in diffusers).
         The other arguments mean what they mean for :class:`TextToImagePipeline`."""
         return self._call(prompt, image, None, strength=strength, prompt_2=prompt_2,
                           negative_prompt=negative_prompt, negative_prompt_2=negative_prompt_2,
@@ -508,7 +591,9 @@ class ImageToImagePipeline(_EditPipeline):
                           image_latents_noise=image_latents_noise,
                           masked_image_latents_noise=None, output_type=output_type,
                           original_size=original_size, crops_coords_top_left=crops_coords_top_left,
-                          target_size=target_size)
+                          target_size=target_size, denoising_start=denoising_start,
+                          aesthetic_score=aesthetic_score,
+                          negative_aesthetic_score=negative_aesthetic_score)
 
 
 class InpaintPipeline(_EditPipeline):

@@ -10,8 +10,10 @@ OpenAI routes), the generator replicas and the step engine all check requests he
 - one rule per setting: :func:`steps_problem`, :func:`guidance_problem`, :func:`seed_problem`,
   :func:`n_problem`, :func:`strength_problem`, :func:`size_problems`, :func:`cost_problem`,
   :func:`control_scale_problem`, :func:`control_window_problems` and
-  :func:`controlnet_problem` (ControlNet) and
-  :func:`output_type_problem` (the Python API's).
+  :func:`controlnet_problem` (ControlNet),
+  :func:`denoising_fraction_problem`, :func:`aesthetic_problem` and
+  :func:`split_steps_problems` (the SDXL refiner) and :func:`output_type_problem` (the Python
+  API's).
   Each returns :class:`Problem` (canonical field, message, value) or None; the message states
   the allowed range and never the field's name, because
 - :data:`FIELDS` names each setting in each front door's vocabulary (``num_inference_steps``
@@ -73,6 +75,13 @@ FIELDS: dict[str, dict[str, str]] = {
                     "jsonl": "end", "native": "end"},
     "controlnet": {"python": "controlnet", "cli": "--control-image", "jsonl": "controlnet",
                    "native": "controlnet"},
+    # the SDXL refiner (two-stage): the base stops at denoising_end, the refiner starts at
+    # denoising_start (fractions of the schedule); the refiner's aesthetic-score time ids
+    "denoising_end": {"python": "denoising_end", "cli": "--high-noise-frac"},
+    "denoising_start": {"python": "denoising_start"},
+    "aesthetic_score": {"python": "aesthetic_score", "cli": "--aesthetic-score"},
+    "negative_aesthetic_score": {"python": "negative_aesthetic_score",
+                                 "cli": "--negative-aesthetic-score"},
 }
 
 
@@ -244,12 +253,54 @@ def controlnet_problem(name: Any, loaded: Iterable[str]) -> Problem | None:
 OUTPUT_TYPES = ("pil", "np")
 
 
-def output_type_problem(output_type: Any) -> Problem | None:
-    """The Python API's ``output_type``: one of :data:`OUTPUT_TYPES`."""
-    if output_type in OUTPUT_TYPES:
+def output_type_problem(output_type: Any, latent: bool = False) -> Problem | None:
+    """The Python API's ``output_type``: one of :data:`OUTPUT_TYPES`, or ``"latent"`` where
+    ``latent`` (a base stopped at ``denoising_end``, for a refiner)."""
+    if output_type in OUTPUT_TYPES or latent and output_type == "latent":
         return None
+    also = (", or 'latent' (the denoised latents, (N, C, H/f, W/f), for a refiner)"
+            if latent else "")
     return Problem("output_type", "must be 'pil' (PIL images) or 'np' (float32 arrays in "
-                   "[0, 1])", output_type)
+                   f"[0, 1]){also}", output_type)
+
+
+AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE = 6.0, 2.5  # diffusers' refiner defaults
+AESTHETIC_MAX = 10.0  # the LAION aesthetic predictor's scale, which the refiner was trained on
+HIGH_NOISE_FRAC = 0.8  # where a refiner takes over when a call says nothing (diffusers' docs)
+
+
+def denoising_fraction_problem(value: Any, field: str = "denoising_end") -> Problem | None:
+    """``denoising_end`` (where a base stops) or ``denoising_start`` (where a refiner starts):
+    a number strictly between 0 and 1, a fraction of the noise schedule (diffusers' rule: the
+    cut is at timestep ``round(T - value * T)``)."""
+    if is_number(value) and 0.0 < value < 1.0:
+        return None
+    return Problem(field, "must be a number in (0, 1), the fraction of the noise schedule "
+                   "where the base hands over to the refiner (0.8: the base runs the first 80 %)",
+                   value)
+
+
+def aesthetic_problem(value: Any, field: str = "aesthetic_score") -> Problem | None:
+    """The refiner's ``aesthetic_score`` / ``negative_aesthetic_score``: a number in
+    [0, :data:`AESTHETIC_MAX`] (the aesthetic predictor's scale; defaults 6 and 2.5)."""
+    if is_number(value) and 0.0 <= value <= AESTHETIC_MAX:
+        return None
+    return Problem(field, f"must be a number in [0, {AESTHETIC_MAX:g}] (the refiner's "
+                   "aesthetic score time id; diffusers' defaults: 6 positive, 2.5 negative)",
+                   value)
+
+
+def split_steps_problems(base_steps: int, refiner_steps: int, value: Any,
+                         field: str = "denoising_end") -> list[Problem]:
+    """A hand-over fraction that leaves the base (``base_steps`` before the cut) or the
+    refiner (``refiner_steps`` after it) no step."""
+    out = []
+    for n, who, way in ((base_steps, "the base", "raise it"), (refiner_steps, "the refiner",
+                                                                 "lower it")):
+        if n < 1:
+            out.append(Problem(field, f"leaves {who} no denoising step of this schedule; "
+                               f"{way} or give more steps", value))
+    return out
 
 
 def size_problems(width: int | None, height: int | None, multiple: int, lo: int | None = None,

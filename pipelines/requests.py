@@ -33,9 +33,10 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Type
 
 import numpy as np
 
-from pipelines.limits import (STRENGTH, cfg_on, control_scale_problem, control_window_problems,
-                              describe, guidance_problem, n_problem, seed_problem,
-                              strength_problem, within)
+from pipelines.limits import (AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE, STRENGTH,
+                              aesthetic_problem, cfg_on, control_scale_problem,
+                              control_window_problems, describe, guidance_problem, n_problem,
+                              seed_problem, strength_problem, within)
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 T = TypeVar("T")
@@ -103,7 +104,8 @@ class ImageRequest:
     (original_size, crops_coords_top_left, target_size) for the negative branch; None uses the
     positive ones, as diffusers does. ``adapter``: the name of a LoRA adapter added with
     ``TextToImagePipeline.add_adapter`` that this image uses (None: the base model); images with
-    different adapters share a batch.
+    different adapters share a batch. ``aesthetic_score`` / ``negative_aesthetic_score``: the
+    SDXL refiner's time ids (models with ``requires_aesthetics_score``; others ignore them).
     """
 
     prompt: str
@@ -118,6 +120,8 @@ class ImageRequest:
     target_size: tuple[int, int] | None = None
     negative_size: tuple | None = None
     adapter: str | None = None
+    aesthetic_score: float = AESTHETIC_SCORE
+    negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE
 
     def validate(self, index: int = 0) -> None:
         where = f"item {index}: " if index else ""
@@ -125,7 +129,9 @@ class ImageRequest:
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 raise ValueError(f"{where}{name} must be a string, got {type(v).__name__}")
-        for p in (seed_problem(self.seed), guidance_problem(self.guidance_scale)):
+        for p in (seed_problem(self.seed), guidance_problem(self.guidance_scale),
+                  aesthetic_problem(self.aesthetic_score),
+                  aesthetic_problem(self.negative_aesthetic_score, "negative_aesthetic_score")):
             if p is not None:
                 raise ValueError(where + describe(p))
         r = self.guidance_rescale
@@ -141,6 +147,16 @@ class ImageRequest:
             return self.time_ids(height, width)
         o, c, t = self.negative_size
         return [*o, *c, *t]
+
+    def aesthetic_time_ids(self, height: int, width: int) -> tuple[list[float], list[float]]:
+        """The SDXL refiner's five time ids (diffusers' ``requires_aesthetics_score``), positive
+        and negative: original size, crop corner, aesthetic score. The negative's size and
+        corner are ``negative_size``'s, else the original size and (0, 0) (diffusers' default
+        ``negative_crops_coords_top_left``)."""
+        o = tuple(self.original_size or (height, width))
+        no, nc = (o, (0, 0)) if self.negative_size is None else self.negative_size[:2]
+        return ([*o, *self.crops_coords_top_left, self.aesthetic_score],
+                [*no, *nc, self.negative_aesthetic_score])
 
 
 @dataclass(frozen=True)

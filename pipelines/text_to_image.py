@@ -37,8 +37,11 @@ from maxdiff.tokenizers import load_tokenizer, tokenize
 from maxdiff.models.vae_tiling import (check_tiling_setting, tile_decoder, tile_encoder,
                                        tiled_decode, tiled_encode, use_tiling)
 from pipelines import program as program_lib
+from pipelines.program import guide  # noqa: F401  (its home is program.py; step_engine's import)
 from pipelines.config import ModelDefaults, RunConfig, load_run_config
-from pipelines.limits import (MAX_SEED, Limits, cfg_on, check, n_problem, output_type_problem,
+from pipelines.limits import (AESTHETIC_SCORE, HIGH_NOISE_FRAC, MAX_SEED,
+                              NEGATIVE_AESTHETIC_SCORE, Limits, cfg_on, check,
+                              denoising_fraction_problem, n_problem, output_type_problem,
                               problems, seed_problem)
 from pipelines.requests import ImageRequest, bucket_size, image_seeds
 
@@ -87,9 +90,14 @@ _abs_sum = jax.jit(lambda x: jnp.sum(jnp.abs(x.astype(jnp.float32))))
 def encode_prompts(te1, te2, p, ids1, ids2, ad=None, aidx=None):
     """SDXL's two CLIP encoders: (penultimate states of both, concatenated; encoder 2's pooled
     projection). SD 1.x / 2.x (``te2`` None): (the one encoder's last state after its final
-    layer norm, as diffusers' StableDiffusionPipeline; an empty (B, 0) pooled). ``ad``/``aidx``:
-    per-image adapter tables and indices (or None)."""
+    layer norm, as diffusers' StableDiffusionPipeline; an empty (B, 0) pooled). The SDXL
+    refiner (``te1`` None): encoder 2's penultimate states and pooled projection (``ids1`` is
+    unused). ``ad``/``aidx``: per-image adapter tables and indices (or None)."""
     ad = ad or {}
+    if te1 is None:
+        with adapterlib.applied(ad.get("text_encoder_2"), aidx):
+            o2 = te2.apply({"params": p["text_encoder_2"]}, ids2)
+        return o2.hidden_states[-2], o2.text_embeds
     with adapterlib.applied(ad.get("text_encoder"), aidx):
         o1 = te1.apply({"params": p["text_encoder"]}, ids1)
     if te2 is None:
@@ -116,22 +124,13 @@ def conditioning(te1, te2, p, ids, neg_ids, zero_negative, time_ids, neg_time_id
             jnp.concatenate([neg_time_ids, time_ids]), uidx)
 
 
-def guide(out, cfg: bool, g, r):
-    """The UNet's output (float32) -> the guided prediction: ``uncond + g * (text - uncond)``,
-    then guidance rescale where ``r > 0`` (Lin et al. 2023, "Common Diffusion Noise Schedules
-    and Sample Steps are Flawed", eq. 15-16, with torch's unbiased std)."""
-    if not cfg:
-        return out
-    uncond, text = jnp.split(out, 2)
-    out = uncond + g * (text - uncond)
-    std_text = jnp.std(text, axis=(1, 2, 3), keepdims=True, ddof=1)
-    std_cfg = jnp.std(out, axis=(1, 2, 3), keepdims=True, ddof=1)
-    return jnp.where(r > 0, r * out * (std_text / std_cfg) + (1 - r) * out, out)
-
-
 # diffusers pipeline class -> (model components, tokenizer folders): SDXL or SD 1.x / 2.x
 _KINDS = {f.pipeline: (single_file.family_models(f), tuple(name for name, _ in f.tokenizers))
           for f in single_file.FAMILIES.values() if f.supported}
+# an SDXL image-to-image folder: the base's components, less those model_index.json marks
+# [null, null] (the refiner has neither text_encoder nor tokenizer)
+_IMG2IMG = "StableDiffusionXLImg2ImgPipeline"
+_KINDS[_IMG2IMG] = _KINDS["StableDiffusionXLPipeline"]
 
 
 def _kind(model_index: dict, where: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -140,7 +139,17 @@ def _kind(model_index: dict, where: Path) -> tuple[tuple[str, ...], tuple[str, .
         raise checkpoint.CheckpointError(
             f"{where}: model_index.json names a {name}; maxdiff loads "
             f"{' and '.join(_KINDS)} folders")
-    return _KINDS[name]
+    comps, tokenizers = _KINDS[name]
+    if name == _IMG2IMG:  # the refiner: text_encoder_2 and tokenizer_2 only
+
+        def present(c):
+            return c in ("unet", "vae") or model_index.get(c, [None])[0] is not None
+        comps, tokenizers = (tuple(filter(present, comps)), tuple(filter(present, tokenizers)))
+        if "text_encoder_2" not in comps or "tokenizer_2" not in tokenizers:
+            raise checkpoint.CheckpointError(
+                f"{where}: an SDXL image-to-image folder without text_encoder_2 / tokenizer_2; "
+                "maxdiff loads SDXL base and refiner folders")
+    return comps, tokenizers
 
 
 def model_root(path: Path, config: str | os.PathLike | None
@@ -206,13 +215,19 @@ class TextToImagePipeline:
     def __init__(self, *, tokenizer, tokenizer_2, text_encoder, text_encoder_2, unet, vae,
                  scheduler, params: dict, mesh, force_zeros_for_empty_prompt: bool = True,
                  default_steps: int = 50, default_guidance: float = 5.0, name: str = "",
-                 quantization: str = "none"):
+                 quantization: str = "none", requires_aesthetics_score: bool = False):
         self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
         self.text_encoder, self.text_encoder_2 = text_encoder, text_encoder_2
         self.unet, self.vae, self.scheduler = unet, vae, scheduler
         self.params = params
         self.mesh = mesh
         self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
+        # the SDXL refiner's time ids: (original size, crop corner, aesthetic score), five
+        self.requires_aesthetics_score = requires_aesthetics_score
+        # an SDXL refiner (an ImageToImagePipeline) that finishes every image from
+        # ``high_noise_frac`` of the schedule, base and refiner in one program; None: no refiner
+        self.refiner = None
+        self.high_noise_frac = HIGH_NOISE_FRAC
         self.default_steps = default_steps
         self.default_guidance = default_guidance
         self.name = name
@@ -249,7 +264,8 @@ class TextToImagePipeline:
                         variant: str | None = None, vae_tiling: bool | str = "auto",
                         vae: str | os.PathLike | None = None,
                         config: str | os.PathLike | None = None,
-                        quantization: str = "none") -> "TextToImagePipeline":
+                        quantization: str = "none", refiner: Any = None,
+                        high_noise_frac: float = HIGH_NOISE_FRAC) -> "TextToImagePipeline":
         """Load a diffusers SDXL folder (``model_index.json``, ``unet/``, ``vae/``,
         ``text_encoder/``, ``text_encoder_2/``, ``tokenizer*/``, ``scheduler/``), or a
         single-file SDXL checkpoint (see :meth:`from_single_file`; ``config`` applies to it).
@@ -267,6 +283,14 @@ class TextToImagePipeline:
         ``"int8-weights"``, ``"int8"`` or ``"fp8"``: the UNet's transformer linear layers run
         with int8 (or float8) weights, and with ``int8`` / ``fp8`` activations too, through
         qwix (:mod:`maxdiff.quantization`; LoRA adapters are then refused).
+
+        ``refiner``: an SDXL refiner that finishes every image (:attr:`refiner`): a diffusers
+        refiner folder (``StableDiffusionXLImg2ImgPipeline``, loaded with this call's dtype,
+        devices and compile cache) or a loaded pipeline; calls then run the base to
+        ``denoising_end`` (default ``high_noise_frac``, 0.8) and the refiner from there, in one
+        compiled program (:mod:`pipelines.refiner`). A refiner folder itself loads here too
+        (text_encoder_2 only, aesthetic-score time ids): use it with
+        :class:`pipelines.ImageToImagePipeline`.
         """
         vae_tiling = check_tiling_setting(vae_tiling)
         quantlib.check_quantization(quantization)
@@ -313,7 +337,7 @@ class TextToImagePipeline:
             cfg, src = part(name)
             encoders[name] = load_text_encoder(root / name, dtype, variant=variant, config=cfg,
                                                source=src)
-        te1, te1_params = encoders["text_encoder"]
+        te1, te1_params = encoders.get("text_encoder", (None, None))
         te2, te2_params = encoders.get("text_encoder_2", (None, None))
         te1_params, te2_params = jax.device_put((te1_params, te2_params), meshlib.replicated(mesh))
 
@@ -331,26 +355,33 @@ class TextToImagePipeline:
         else:
             sched = load_scheduler(scheduler)
 
-        expected = (unet_model.config.addition_time_embed_dim or 0) * 6 + (
+        # the refiner's five time ids (size, crop, aesthetic score) or the base's six
+        aesthetic = bool(model_index.get("requires_aesthetics_score", False))
+        n_ids = 5 if aesthetic else 6
+        expected = (unet_model.config.addition_time_embed_dim or 0) * n_ids + (
             te2.config.projection_dim if xl else 0)
         if xl and unet_model.config.projection_class_embeddings_input_dim != expected:
             raise checkpoint.CheckpointError(
                 f"{root}: unet projection_class_embeddings_input_dim="
                 f"{unet_model.config.projection_class_embeddings_input_dim} but text_encoder_2 "
                 f"projection_dim={te2.config.projection_dim} and addition_time_embed_dim="
-                f"{unet_model.config.addition_time_embed_dim} need {expected}")
-        toks = [load_tokenizer(_tokenizer_folder(root, name, layout)) for name in tokenizers]
-        params = {"unet": unet_params, "vae": vae_params, "text_encoder": te1_params}
+                f"{unet_model.config.addition_time_embed_dim} need {expected} ({n_ids} time ids: "
+                f"model_index.json requires_aesthetics_score={aesthetic})")
+        toks = {name: load_tokenizer(_tokenizer_folder(root, name, layout))
+                for name in tokenizers}
+        params = {"unet": unet_params, "vae": vae_params}
+        if te1 is not None:
+            params["text_encoder"] = te1_params
         if xl:
             params["text_encoder_2"] = te2_params
         pipe = cls(
-            tokenizer=toks[0], tokenizer_2=toks[1] if xl else None,
+            tokenizer=toks.get("tokenizer"), tokenizer_2=toks.get("tokenizer_2") if xl else None,
             text_encoder=te1, text_encoder_2=te2, unet=unet_model, vae=vae_model,
             scheduler=sched, params=params, mesh=mesh,
             # SDXL zeroes an omitted negative prompt; SD 1.x / 2.x encode "" (no such key)
             force_zeros_for_empty_prompt=bool(model_index.get("force_zeros_for_empty_prompt", xl)),
             default_steps=steps, default_guidance=guidance, name=str(path),
-            quantization=quantization,
+            quantization=quantization, requires_aesthetics_score=aesthetic,
         )
         sample_size = unet_cfg.get("sample_size")
         if isinstance(sample_size, int):
@@ -359,7 +390,28 @@ class TextToImagePipeline:
         pipe.default_width = measured.width or pipe.default_width
         pipe.max_size = measured.max_size
         pipe.vae_tiling = vae_tiling
+        if refiner is not None:
+            if isinstance(refiner, (str, os.PathLike)):
+                refiner = cls.from_pretrained(
+                    refiner, dtype, devices=devices, attention_kernel=attention_kernel,
+                    attention_chunk=attention_chunk, compile_cache_dir=compile_cache_dir,
+                    variant=variant, vae_tiling=vae_tiling)
+            pipe.set_refiner(refiner, high_noise_frac)
         return pipe
+
+    def set_refiner(self, refiner: Any, high_noise_frac: float = HIGH_NOISE_FRAC) -> None:
+        """Finish every image with ``refiner`` (a loaded SDXL refiner or base: a
+        :class:`TextToImagePipeline` or an image-to-image pipeline over one; None removes it)
+        from ``high_noise_frac`` of the schedule unless a call gives ``denoising_end``."""
+        check([denoising_fraction_problem(high_noise_frac, "high_noise_frac")])
+        if refiner is not None:
+            from pipelines.edit import ImageToImagePipeline
+
+            refiner = ImageToImagePipeline.from_pipe(refiner)
+            if refiner.text_encoder_2 is None or refiner.latent_channels != self.latent_channels:
+                raise ValueError(f"refiner {refiner.name}: an SDXL refiner (or base) with "
+                                 f"{self.latent_channels} latent channels, like this model's")
+        self.refiner, self.high_noise_frac = refiner, float(high_noise_frac)
 
     @classmethod
     def from_single_file(cls, path: str | os.PathLike, config: str | os.PathLike | None = None,
@@ -549,12 +601,21 @@ class TextToImagePipeline:
             self._programs[key] = fn
         return fn
 
+    def cached_program(self, key: tuple, build) -> Any:
+        """The jitted program kept under ``key``, made once from ``build()`` (a function of
+        the program's inputs): programs that compose this pipeline with others (the SDXL
+        refiner's, :mod:`pipelines.refiner`) live with its own, and :attr:`num_compiled`
+        counts them. A key must name every static choice the program closes over."""
+        fn = self._programs.get(key)
+        if fn is None:
+            fn = self._programs[key] = jax.jit(build())
+        return fn
+
     def _build(self, batch: int, lh: int, lw: int, steps: int, cfg: bool, given_latents: bool,
                as_uint8: bool, tiled: bool = False):
         te1, te2, unet, vae, sched = (self.text_encoder, self.text_encoder_2, self.unet, self.vae,
                                       self.scheduler)
         channels = self.latent_channels
-        stochastic = sched.stochastic
 
         def program(p, ids, neg_ids, zero_negative, seeds, latents, guidance, rescale, time_ids,
                     neg_time_ids, sched_state, ad=None, aidx=None):
@@ -569,25 +630,15 @@ class TextToImagePipeline:
             g = guidance[:, None, None, None]
             r = rescale[:, None, None, None]
 
-            def body(carry, i):
-                x, state = carry
-                xin = sched.scale_model_input(state, x, i)
-                t = sched.timestep_for_model(state, i)
-                if cfg:
-                    xin = jnp.concatenate([xin, xin])
+            def model(xin, t, i):
                 with adapterlib.applied((ad or {}).get("unet"), uidx):
-                    out = unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids)
-                out = guide(out.astype(jnp.float32), cfg, g, r)
-                noise = None
-                if stochastic:
-                    noise = program_lib.step_noise(step_keys, i, (lh, lw, channels))
-                state, x = sched.step(state, out, x, i, noise=noise)
-                return (x, state), None
+                    return unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids)
 
             # one iteration per model call: steps, or steps + 1 for PNDM (num_model_calls)
             calls = sched_state.timesteps.shape[0]
-            (latents, _), _ = jax.lax.scan(body, (latents, sched_state),
-                                           jnp.arange(calls, dtype=jnp.int32))
+            latents = program_lib.denoise(sched, model, latents, sched_state, 0, calls, cfg=cfg,
+                                          g=g, r=r, step_keys=step_keys,
+                                          shape=(lh, lw, channels))
             if tiled:  # decoded tile by tile afterwards (decode_tiled)
                 return vae.apply({"params": p["vae"]}, latents, method=vae.unscale_latents)
             img = vae.apply({"params": p["vae"]}, latents, method=vae.latents_to_image)
@@ -632,11 +683,21 @@ class TextToImagePipeline:
                  target_size: tuple[int, int] | None = None,
                  negative_original_size: tuple[int, int] | None = None,
                  negative_crops_coords_top_left: tuple[int, int] = (0, 0),
-                 negative_target_size: tuple[int, int] | None = None) -> PipelineOutput:
+                 negative_target_size: tuple[int, int] | None = None,
+                 denoising_end: float | None = None,
+                 aesthetic_score: float = AESTHETIC_SCORE,
+                 negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE) -> PipelineOutput:
         """Generate images; arguments mean what diffusers' ``StableDiffusionXLPipeline`` gives
         them. ``seed``: one int (image k gets ``seed + k``), one int per image, or None (random
         seeds, reported in the output). ``latents``: initial noise in diffusers' layout
-        (N, C, H/f, W/f), scaled by the scheduler's initial sigma as diffusers does."""
+        (N, C, H/f, W/f), scaled by the scheduler's initial sigma as diffusers does.
+
+        ``denoising_end`` in (0, 1): stop at that fraction of the schedule (the timesteps at or
+        above ``round(T - denoising_end * T)`` run). With a :attr:`refiner` the refiner then
+        finishes each image from there in the same compiled program (``denoising_end``
+        defaults to :attr:`high_noise_frac`; ``aesthetic_score`` / ``negative_aesthetic_score``
+        are the refiner's); without one, ``output_type="latent"`` returns the latents
+        (N, C, H/f, W/f) for a refiner's ``image=`` (``denoising_start``), as in diffusers."""
         neg_size = None
         if negative_original_size is not None and negative_target_size is not None:
             neg_size = (tuple(negative_original_size), tuple(negative_crops_coords_top_left),
@@ -645,9 +706,11 @@ class TextToImagePipeline:
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             guidance_scale=guidance_scale, guidance_rescale=guidance_rescale,
             original_size=original_size, crops_coords_top_left=tuple(crops_coords_top_left),
-            target_size=target_size, negative_size=neg_size)
+            target_size=target_size, negative_size=neg_size, aesthetic_score=aesthetic_score,
+            negative_aesthetic_score=negative_aesthetic_score)
         return self.generate(items, height=height, width=width, num_inference_steps=num_inference_steps,
-                             latents=latents, output_type=output_type)
+                             latents=latents, output_type=output_type,
+                             denoising_end=denoising_end)
 
     def prompt_items(self, prompt, prompt_2, negative_prompt, negative_prompt_2,
                       num_images_per_prompt: int, seed, *, per_prompt: dict | None = None,
@@ -690,14 +753,22 @@ class TextToImagePipeline:
 
     def generate(self, items: Sequence["ImageRequest"], *, height: int | None = None,
                  width: int | None = None, num_inference_steps: int | None = None,
-                 latents: np.ndarray | None = None, output_type: str = "pil") -> PipelineOutput:
+                 latents: np.ndarray | None = None, output_type: str = "pil",
+                 denoising_end: float | None = None) -> PipelineOutput:
         """Generate one image per :class:`ImageRequest` in one device batch (padded to a bucket).
 
         Every item has its own prompt, negative prompt, seed and guidance; they share the size
         and step count. Classifier-free guidance runs when any item's guidance is > 1 (items at
         <= 1 then get exactly the text-conditioned prediction). The serving batcher and the CLI
-        fill batches across prompts with this.
+        fill batches across prompts with this. With a :attr:`refiner`, ``denoising_end`` or
+        ``output_type="latent"`` the two-stage program runs (:mod:`pipelines.refiner`).
         """
+        if self.refiner is not None or denoising_end is not None or output_type not in ("pil", "np"):
+            from pipelines import refiner as refiner_lib
+
+            return refiner_lib.generate(
+                self, items, height=height, width=width, num_inference_steps=num_inference_steps,
+                latents=latents, output_type=output_type, denoising_end=denoising_end)
         t0 = time.perf_counter()
         items = list(items)
         if not items:
@@ -711,13 +782,7 @@ class TextToImagePipeline:
         f = self.vae_scale_factor
         n = len(items)
         lh, lw = height // f, width // f
-        if latents is not None:
-            latents = np.asarray(latents, np.float32)
-            want = (n, self.latent_channels, lh, lw)
-            if latents.shape != want:
-                raise ValueError(f"latents has shape {latents.shape}; for {n} image(s) of "
-                                 f"{width}x{height} it must be {want} (N, C, H/{f}, W/{f})")
-            latents = latents.transpose(0, 2, 3, 1)
+        latents = self.initial_latents(latents, n, height, width)
         (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
          rescale) = self.host_inputs(items, height, width)
         adapter_idx = self.adapter_index(items)
@@ -746,6 +811,19 @@ class TextToImagePipeline:
         return PipelineOutput(images, [int(s) for s in seeds],
                               {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket})
 
+    def initial_latents(self, latents, n: int, height: int, width: int) -> np.ndarray | None:
+        """Given initial noise in diffusers' layout (N, C, H/f, W/f) -> NHWC float32, checked
+        (None stays None: the program draws it from the seeds)."""
+        if latents is None:
+            return None
+        f = self.vae_scale_factor
+        latents = np.asarray(latents, np.float32)
+        want = (n, self.latent_channels, height // f, width // f)
+        if latents.shape != want:
+            raise ValueError(f"latents has shape {latents.shape}; for {n} image(s) of "
+                             f"{width}x{height} it must be {want} (N, C, H/{f}, W/{f})")
+        return latents.transpose(0, 2, 3, 1)
+
     def host_inputs(self, items: Sequence[ImageRequest], height: int, width: int) -> tuple:
         """Per-image program inputs made on the host: (seeds (random where None), CFG on?,
         token ids (2, N, 77), negative token ids, zero_negative, time ids, negative time ids,
@@ -760,8 +838,14 @@ class TextToImagePipeline:
                                              for it, neg in zip(items, negs)])
         zero_negative = np.array([it.negative_prompt is None and self.force_zeros_for_empty_prompt
                                   for it in items])
-        time_ids = np.array([it.time_ids(height, width) for it in items], np.float32)
-        neg_time_ids = np.array([it.negative_time_ids(height, width) for it in items], np.float32)
+        if self.requires_aesthetics_score:  # the refiner's (size, crop, aesthetic score)
+            pairs = [it.aesthetic_time_ids(height, width) for it in items]
+            time_ids = np.array([pos for pos, _ in pairs], np.float32)
+            neg_time_ids = np.array([neg for _, neg in pairs], np.float32)
+        else:
+            time_ids = np.array([it.time_ids(height, width) for it in items], np.float32)
+            neg_time_ids = np.array([it.negative_time_ids(height, width) for it in items],
+                                    np.float32)
         guidance = np.array([it.guidance_scale if cfg_on(it.guidance_scale) else 1.0
                              for it in items], np.float32)
         rescale = np.array([it.guidance_rescale for it in items], np.float32)
@@ -771,7 +855,12 @@ class TextToImagePipeline:
     def token_ids(self, prompts, prompts_2, negatives, negatives_2) -> tuple[np.ndarray, ...]:
         """Token ids (2, N, 77) of the prompts and of the negatives, one row per tokenizer; a
         model with one text encoder (SD 1.x / 2.x) repeats its ids in the second row, which
-        its program never reads."""
+        its program never reads. The SDXL refiner (``tokenizer_2`` only) tokenizes ``prompts``
+        and ``negatives`` with it, as diffusers does (``prompt_2`` is then unused), in both
+        rows."""
+        if self.tokenizer is None:
+            one = (tokenize(self.tokenizer_2, prompts), tokenize(self.tokenizer_2, negatives))
+            return np.stack([one[0], one[0]]), np.stack([one[1], one[1]])
         first = (tokenize(self.tokenizer, prompts), tokenize(self.tokenizer, negatives))
         second = first if self.tokenizer_2 is None else (
             tokenize(self.tokenizer_2, prompts_2), tokenize(self.tokenizer_2, negatives_2))

@@ -132,7 +132,11 @@ class LoadedModel:
         self.batches = BatchBackend(*parts, controlnets=self.controlnets)
         self.backend: Backend = self.batches
         if settings.engine == "step":
+            from serving.settings import STEP_REFINER
             from serving.step_backend import StepBackend
+
+            if self.pipe.refiner is not None:  # (a config file's refiner key)
+                raise ValueError(STEP_REFINER)
 
             self.backend = StepBackend(*parts)
         self.warmup_s, self.warmed = 0.0, []

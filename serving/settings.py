@@ -23,7 +23,7 @@ RUN_CONFIG_KEYS = tuple(RunConfig.model_fields)
 # args taken as given when they come as strings (names and paths); others are parsed as YAML
 _TEXT_ARGS = ("config", "model_name", "name", "resource", "model", "unet", "vae", "single_file_config",
               "scheduler", "compile_cache_dir", "dtype", "quantization", "attention", "api_keys",
-              "cors_origins", "adapters", "controlnets")
+              "cors_origins", "adapters", "controlnets", "refiner")
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
@@ -162,6 +162,9 @@ def _named_specs(cls, value: Any, what: str, scaled: bool) -> tuple:
 
 MODEL_NAME = ADAPTER_NAME  # a served model's name: no ':' (``<model>:<adapter>`` picks an adapter)
 # serve args that belong to one model: with a ``models:`` list each entry gives its own
+# the step engine's program has no refiner stage (yet): engine=batch runs base + refiner
+STEP_REFINER = ("serve arg refiner: engine=step does not run an SDXL refiner yet; use "
+                "engine=batch (its programs run base and refiner as one)")
 MODEL_ARGS = ("config", "model_name", "adapters", "controlnets", *RUN_CONFIG_KEYS)
 
 
@@ -441,6 +444,9 @@ class ServeSettings(StrictConfig):
         if (self.min_size is not None and self.max_size is not None
                 and self.min_size > self.max_size):
             raise ValueError(f"min_size={self.min_size} is above max_size={self.max_size}")
+        if self.engine == "step" and (self.run_overrides.get("refiner") or any(
+                m.run_overrides.get("refiner") for m in self.models)):
+            raise ValueError(STEP_REFINER)
         return self
 
     @classmethod

@@ -222,6 +222,7 @@ def paths(tmp_path_factory):
     controlnet = work / "controlnet-canny-sdxl-1.0"
     tiny.make_controlnet(controlnet, tiny.SDXL_UNET)
     tiny.make_controlnet(work / "controlnet-depth-sdxl-1.0", tiny.SDXL_UNET, seed=1)
+    tiny.make_sdxl_refiner(work / "sdxl-refiner", vae_config=tiny.VAE_F8)
     subs = [  # longest first
         ("/models/stable-diffusion-xl-base-1.0", str(sdxl_dir)),
         ("stable-diffusion-xl-base-1.0", str(sdxl_dir)),
@@ -233,6 +234,7 @@ def paths(tmp_path_factory):
         ("/models/pixel-art-xl.safetensors", str(lora_1)),
         ("/models/lora-folder", str(work / "lora-folder")),
         ("/models/sdxl-base.safetensors", str(work / "sdxl-base.safetensors")),
+        ("/models/sdxl-refiner", str(work / "sdxl-refiner")),
         ("/models/sdxl-base", str(sdxl_dir)),
         ("/tmp/tiny-sdxl", str(work / "tiny-sdxl")),
         ("/tmp/tiny-out", str(work / "tiny-out")),
@@ -319,6 +321,8 @@ def test_cli_examples(paths):
     assert len(list((work / "out" / "file").glob("*.png"))) == 1  # from the single file
     statue = [json.loads(line) for line in (work / "out" / "statue" / "metadata.jsonl").open()]
     assert [(r["mode"], r["size"]) for r in statue] == [("controlnet", "128x96")]  # edges.png's
+    refined = [json.loads(line) for line in (work / "out" / "refined" / "metadata.jsonl").open()]
+    assert [r["refiner"] for r in refined] == [f"{(work / 'sdxl-refiner').resolve()}:0.8"]
 
 
 @pytest.mark.slow  # default-suite time (14-23 s): make test-slow runs it

@@ -325,3 +325,39 @@ def run_on_host_devices(script: str, n: int = 4):
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def make_sdxl_refiner(folder: str | Path, seed: int = 5, scheduler_config: dict | None = None,
+                      vae_config: dict | None = None):
+    """A tiny SDXL refiner folder as diffusers saves stabilityai's: a
+    ``StableDiffusionXLImg2ImgPipeline`` with ``text_encoder=None``, ``tokenizer=None`` and
+    ``requires_aesthetics_score=True``. Its UNet reads encoder 2's states alone
+    (``cross_attention_dim`` = its hidden size) and five time ids (original size, crop
+    corner, aesthetic score): ``projection_class_embeddings_input_dim = 5 *
+    addition_time_embed_dim + projection_dim``; its own VAE and text encoder weights."""
+    from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLImg2ImgPipeline,
+                           UNet2DConditionModel)
+    from transformers import CLIPTextModelWithProjection, CLIPTokenizer
+
+    folder = Path(folder)
+    tok2 = CLIPTokenizer.from_pretrained(write_clip_tokenizer(folder / "_tok", pad_token="!"))
+    te_config = clip_text_config(projection=True, legacy_eos=False)
+    unet_config = dict(SDXL_UNET, cross_attention_dim=te_config.hidden_size,
+                       projection_class_embeddings_input_dim=5 * SDXL_UNET["addition_time_embed_dim"]
+                       + te_config.projection_dim)
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(**unet_config).eval()
+    _randomize(unet, seed)
+    vae = AutoencoderKL(**(vae_config or VAE)).eval()
+    _randomize(vae, seed + 10)
+    torch.manual_seed(seed + 20)
+    te2 = CLIPTextModelWithProjection(te_config).eval()
+    sched = EulerDiscreteScheduler(**(scheduler_config or SDXL_SCHEDULER))
+    pipe = StableDiffusionXLImg2ImgPipeline(vae=vae, text_encoder=None, text_encoder_2=te2,
+                                            tokenizer=None, tokenizer_2=tok2, unet=unet,
+                                            scheduler=sched, requires_aesthetics_score=True)
+    pipe.save_pretrained(folder)
+    import shutil
+
+    shutil.rmtree(folder / "_tok")
+    return pipe
