@@ -355,6 +355,9 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", nargs="+", choices=QUALITY_MODES, default=list(QUALITY_MODES))
     ap.add_argument("--demo-modes", nargs="*", choices=QUALITY_MODES, default=list(DEMO_MODES))
     ap.add_argument("--no-demo", action="store_true", help="skip the demo model")
+    ap.add_argument("--no-medium", action="store_true",
+                    help="quality: the demo model only (no checkpoint is written: a machine "
+                         "without diffusers)")
     ap.add_argument("--memory-setups", nargs="+", choices=list(MEMORY_SETUPS),
                     default=list(DEFAULT_MEMORY))
     ap.add_argument("--reps", type=int, default=5, help="--part speed: timed repetitions (>= 5 "
@@ -385,12 +388,13 @@ def main(argv=None) -> None:
         result["versions"]["qwix"] = version("qwix")
     except Exception:  # noqa: BLE001 (quantize() says what to install)
         pass
-    path, spec, remove = checkpoint(a.config, a.checkpoint)
-    result.update(size=spec["size"], batch=spec["batch"])
+    need = a.part != ["quality"] or not a.no_medium
+    path, spec, remove = checkpoint(a.config, a.checkpoint) if need else (None, {}, False)
+    result.update(size=spec.get("size"), batch=spec.get("batch"))
     ok = True
     try:
         if "quality" in a.part:
-            result["medium"] = quality_medium(path, spec, a.n, a.modes)
+            result["medium"] = None if a.no_medium else quality_medium(path, spec, a.n, a.modes)
             result["demo"] = None if a.no_demo else quality_demo(a.demo_modes, a.demo_n)
             result["verdicts"] = verdicts(result["medium"], result["demo"])
             ok = all_pass(result["verdicts"])
