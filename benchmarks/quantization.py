@@ -260,20 +260,22 @@ def memory_child(path: str, setup: str, size: int) -> dict:
            "peak_rss_after_imports_mib": round(after_imports, 1),
            "peak_rss_after_load_mib": round(_maxrss_mib(), 1),
            "rss_after_load_mib": round(_rss_mib(), 1)}
-    pipe.generate([ImageRequest(PROMPTS[0], seed=1, guidance_scale=0.0)], height=size,
-                  width=size, num_inference_steps=STEPS, output_type="np")
-    row["peak_rss_after_image_mib"] = round(_maxrss_mib(), 1)
+    if size:  # 0: loading only (--memory-no-image)
+        pipe.generate([ImageRequest(PROMPTS[0], seed=1, guidance_scale=0.0)], height=size,
+                      width=size, num_inference_steps=STEPS, output_type="np")
+        row["peak_rss_after_image_mib"] = round(_maxrss_mib(), 1)
     return row
 
 
-def memory(path: Path, spec: dict, setups) -> list[dict]:
-    """Each setup in a fresh process (this module with ``--memory-child``)."""
+def memory(path: Path, spec: dict, setups, image: bool = True) -> list[dict]:
+    """Each setup in a fresh process (this module with ``--memory-child``); ``image``: also
+    make one image there."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     rows = []
     for setup in setups:
         cmd = [sys.executable, "-m", "benchmarks.quantization", "--memory-child", setup,
-               "--checkpoint", str(path), "--size", str(spec["size"])]
+               "--checkpoint", str(path), "--size", str(spec["size"] if image else 0)]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
         if proc.returncode:
             raise SystemExit(f"memory {setup} failed (exit {proc.returncode}):\n"
@@ -281,8 +283,9 @@ def memory(path: Path, spec: dict, setups) -> list[dict]:
         row = json.loads(proc.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(f"# memory {setup}: UNet {row['unet_bytes'] / 2**20:.1f} MiB, peak RSS "
-              f"{row['peak_rss_after_load_mib']:.0f} MiB loaded, "
-              f"{row['peak_rss_after_image_mib']:.0f} MiB after one image", flush=True)
+              f"{row['peak_rss_after_load_mib']:.0f} MiB loaded "
+              f"({row['rss_after_load_mib']:.0f} MiB resident then), "
+              f"{row.get('peak_rss_after_image_mib', '-')} MiB after one image", flush=True)
     base = rows[0]["unet_bytes"] if rows else 0
     for r in rows:
         r["unet_bytes_vs_first"] = round(r["unet_bytes"] / base, 4) if base else None
@@ -360,6 +363,8 @@ def main(argv=None) -> None:
                          "without diffusers)")
     ap.add_argument("--memory-setups", nargs="+", choices=list(MEMORY_SETUPS),
                     default=list(DEFAULT_MEMORY))
+    ap.add_argument("--memory-no-image", action="store_true",
+                    help="--part memory: loading only (no image, no compile)")
     ap.add_argument("--reps", type=int, default=5, help="--part speed: timed repetitions (>= 5 "
                                                         "for a published figure)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -400,7 +405,7 @@ def main(argv=None) -> None:
             ok = all_pass(result["verdicts"])
             result["pass"] = ok
         if "memory" in a.part:
-            result["memory"] = memory(path, spec, a.memory_setups)
+            result["memory"] = memory(path, spec, a.memory_setups, not a.memory_no_image)
         if "speed" in a.part:
             result["speed"] = speed(path, spec, a.reps, ["none", *a.modes])
     finally:
