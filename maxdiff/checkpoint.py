@@ -64,6 +64,7 @@ _ST_DTYPES = {
     "I16": np.dtype("<i2"),
     "I8": np.dtype("i1"),
     "U8": np.dtype("u1"),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "BOOL": np.dtype("?"),
 }
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}

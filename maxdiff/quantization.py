@@ -44,6 +44,15 @@ weights and would keep both copies.
 
 qwix is imported only when a quantization other than ``"none"`` is asked for, and JAX only
 by the functions that need it (the configs import :data:`Quantization` without JAX).
+
+Quantized checkpoints (``maxdiff convert SRC DST --quantize MODE``): :func:`save_quantized`
+writes the quantized UNet's parameter tree as one safetensors file, :data:`WEIGHTS_FILE` in
+``unet/``, every leaf under its tree path (``.../attn1/to_q/kernel/array/qvalue`` int8 or
+float8 values, ``.../array/scale`` their float32 scales, ``.../conv_in/kernel`` a float weight
+in the Flax layout), with :data:`CONFIG_KEY` naming the mode in ``unet/config.json`` and in the
+file's metadata. :func:`load_quantized` reads it back strictly: the mode must be the one asked
+for, every leaf the quantized model needs must be there with its shape, the quantized values in
+their exact dtype, and nothing else may be in the file.
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ from typing import Any, Literal
 
 
 MODES = ("none", "int8-weights", "int8", "fp8")
+CONFIG_KEY = "_maxdiff_quantization"  # in a quantized folder's unet/config.json
+WEIGHTS_FILE = "maxdiff_quantized.safetensors"  # its weights, in unet/
 Quantization = Literal["none", "int8-weights", "int8", "fp8"]
 
 # mode -> (weight qtype, activation qtype); "none" has no entry
@@ -167,3 +178,102 @@ def nbytes(params: Any) -> int:
     import jax
 
     return int(sum(x.nbytes for x in jax.tree_util.tree_leaves(params)))
+
+
+def _leaf_key(path) -> str:
+    """A tree path as "a/b/kernel/array/qvalue" (dict keys and dataclass fields alike)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def _quantized_abstract(model, mode: str, dtype, example_inputs: dict | None = None):
+    """(qwix's PTQ copy of ``model``, the abstract tree of its quantized parameters when the
+    float ones are ``dtype``): what :func:`quantize` would make, computed without any weights."""
+    import jax
+
+    from maxdiff.models.unet import param_shapes
+
+    qwix = _qwix(mode)
+    qmodel = qwix.quantize_model(model, qwix.PtqProvider(rules(mode)))
+    inputs = example_inputs if example_inputs is not None else model.dummy_inputs()
+    abstract = jax.eval_shape(qmodel.init, jax.random.key(0), **inputs)["params"]
+    floats = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), param_shapes(model))
+    return qmodel, jax.eval_shape(lambda p: qwix.quantize_params(p, abstract), floats)
+
+
+def save_quantized(params: dict, path, mode: str, float_dtype=None) -> int:
+    """Write a quantized parameter tree (from :func:`quantize`) to the safetensors file
+    ``path``, one tensor at a time: the quantized values and their scales as they are, the
+    float leaves cast to ``float_dtype`` (None: as they are). Returns the file's size."""
+    import jax
+    import numpy as np
+
+    from maxdiff import checkpoint
+
+    check_quantization(mode)
+    layers = quantized_layers(params)
+    if mode == "none" or not layers:
+        raise ValueError(f"save_quantized: the parameters are not quantized (mode {mode!r})")
+    quantized = tuple(f"{layer}/" for layer in layers)
+    target = None if float_dtype is None else checkpoint.resolve_dtype(float_dtype)
+    tensors = {}
+    for where, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        key = _leaf_key(where)
+        dtype = np.dtype(leaf.dtype)
+        if target is not None and not key.startswith(quantized) and checkpoint._is_float(dtype):
+            dtype = target
+        tensors[key] = checkpoint.LazyTensor(
+            tuple(leaf.shape), dtype, lambda leaf=leaf, dtype=dtype: np.asarray(leaf).astype(dtype))
+    return checkpoint.save_safetensors(tensors, path, {"format": "maxdiff", CONFIG_KEY: mode})
+
+
+def load_quantized(model, path, mode: str, *, put=None, example_inputs: dict | None = None
+                   ) -> tuple[Any, dict]:
+    """(qwix's PTQ module of ``model``, its quantized parameters) read from a file written by
+    :func:`save_quantized`: what :func:`quantize` makes from the float weights, without them.
+    Float leaves are cast to the model's dtype; the quantized values must have the dtype
+    ``mode`` gives them (int8 / float8) and every leaf its shape. CheckpointError naming the
+    file and the key otherwise, or when the file holds another mode or extra tensors."""
+    import jax
+    import numpy as np
+
+    from maxdiff import checkpoint
+
+    check_quantization(mode)
+    if mode == "none":
+        raise ValueError("load_quantized needs a quantization mode, not 'none'")
+    file = checkpoint.SafetensorsFile(path)
+    stored = file.metadata.get(CONFIG_KEY)
+    if stored != mode:
+        raise checkpoint.CheckpointError(
+            f"{path}: holds UNet weights quantized to {stored!r}, not {mode!r}; load it with "
+            f"quantization={stored!r} (or convert the float model again)")
+    qmodel, abstract = _quantized_abstract(model, mode, model.dtype, example_inputs)
+    layers = tuple(f"{layer}/" for layer in quantized_layers(abstract))
+    put = put or jax.device_put
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    leaves, used = [], set()
+    for p, want in flat:
+        key = _leaf_key(p)
+        if key not in file:
+            raise checkpoint.CheckpointError(
+                f"{path}: missing tensor {key!r} (shape {tuple(want.shape)}, {want.dtype}): "
+                "the file does not belong to this UNet config and quantization")
+        shape, dtype = file.shape(key), file.dtype(key)
+        if shape != tuple(want.shape):
+            raise checkpoint.CheckpointError(
+                f"{path}: tensor {key!r} has shape {shape}, expected {tuple(want.shape)} (does "
+                "unet/config.json match these weights?)")
+        exact = key.startswith(layers) and key.endswith("/qvalue")
+        if (dtype != np.dtype(want.dtype)) if exact else not checkpoint._is_float(dtype):
+            raise checkpoint.CheckpointError(
+                f"{path}: tensor {key!r} is {dtype}, expected "
+                f"{np.dtype(want.dtype) if exact else 'a float dtype'} for quantization={mode!r}")
+        leaves.append(put(file.get(key).astype(want.dtype, copy=False)))
+        used.add(key)
+    extra = sorted(set(file.keys()) - used)
+    if extra:
+        raise checkpoint.CheckpointError(
+            f"{path}: unexpected tensor {extra[0]!r}"
+            f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}: the file does not "
+            "belong to this UNet config and quantization")
+    return qmodel, jax.tree_util.tree_unflatten(treedef, leaves)

@@ -217,9 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "  folder -> FILE.safetensors: one file in the original Stability layout "
                     "(what A1111, ComfyUI and diffusers' from_single_file read)\n"
                     "  FILE.safetensors -> folder: a diffusers folder (configs from "
-                    "--single-file-config or the shipped SDXL base ones)",
+                    "--single-file-config or the shipped SDXL base ones)\n"
+                    "  folder -> folder with --quantize: the UNet's weights quantized as "
+                    "from_pretrained(quantization=) does, stored quantized (maxdiff loads the "
+                    "folder with that quantization; diffusers cannot read its UNet)",
         epilog="examples:\n"
                "  maxdiff convert /models/sdxl-base /models/sdxl-base-bf16 --dtype bf16\n"
+               "  maxdiff convert /models/sdxl-base /models/sdxl-base-int8 --quantize int8\n"
                "  maxdiff convert /models/sdxl-base /models/sdxl-base.safetensors --dtype fp16\n"
                "  maxdiff convert /models/juggernaut-xl.safetensors /models/juggernaut-xl")
     conv.add_argument("src", metavar="SRC", help="diffusers SDXL folder or single file")
@@ -232,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="diffusers folder whose configs describe a single-file SRC")
     conv.add_argument("--vae", metavar="FILE",
                       help="VAE file for a single-file SRC that holds none")
+    conv.add_argument("--quantize", choices=[m for m in QUANTIZATION_MODES if m != "none"],
+                      help="folder to folder: store the UNet's transformer linear layers "
+                           "quantized (int8 / float8 values and float32 scales, computed from "
+                           "its float32 weights); its other weights in --dtype")
     conv.add_argument("--force", action="store_true", help="replace DST if it exists")
     return parser
 
@@ -608,6 +616,9 @@ def cmd_convert(args) -> int:
     if dst.exists() and not args.force:
         raise InputError([f"DST {dst} exists; pass --force to replace it"])
     if src.is_file() or dst.suffix == ".safetensors":
+        if args.quantize:
+            raise InputError([f"--quantize writes a folder from a folder; {src} -> {dst} is "
+                              "not one (convert to a diffusers folder first)"])
         return _convert_single_file(args, src, dst)
     with _usage_errors():
         dtype = resolve_dtype(args.dtype or "bfloat16")
@@ -632,6 +643,9 @@ def cmd_convert(args) -> int:
             if len(rel.parts) != 1 or rel.parts[0] not in components:
                 _log(f"skipping {', '.join(str(rel / w) for w in weights)}: "
                      "not a component's weights")
+                continue
+            if args.quantize and rel.parts[0] == "unet":
+                total += _quantize_unet(src / "unet", tmp / "unet", args.quantize, dtype)
                 continue
             with _usage_errors():
                 source = open_weights(folder)  # safetensors only; single, fp16 variant or shards
@@ -658,6 +672,28 @@ def cmd_convert(args) -> int:
     _log(f"wrote {dst} ({total / 2**20:.1f} MiB of weights, {dtype}) in "
          f"{time.perf_counter() - t0:.1f}s")
     return 0
+
+
+def _quantize_unet(src: Path, out: Path, mode: str, dtype) -> int:
+    """``src`` (a diffusers unet/ folder) quantized to ``mode`` into ``out`` (its config
+    already copied there): the weights file and the config key naming the mode."""
+    from maxdiff import quantization as quantlib
+    from maxdiff.models.unet import load_unet
+
+    with _usage_errors():
+        config = _json_file(out / "config.json")
+        if quantlib.CONFIG_KEY in config:
+            raise InputError([f"{src}: its UNet is quantized already "
+                              f"({config[quantlib.CONFIG_KEY]})"])
+        model, params = load_unet(src, "float32", config=config)
+        model, params = quantlib.quantize(model, params, mode)
+    nbytes = quantlib.save_quantized(params, out / quantlib.WEIGHTS_FILE, mode, float_dtype=dtype)
+    del params
+    (out / "config.json").write_text(json.dumps({**config, quantlib.CONFIG_KEY: mode}, indent=2)
+                                     + "\n")
+    _log(f"unet: quantized to {mode} -> {quantlib.WEIGHTS_FILE} ({nbytes / 2**20:.1f} MiB; "
+         f"its other weights {dtype})")
+    return nbytes
 
 
 def _convert_single_file(args, src: Path, dst: Path) -> int:

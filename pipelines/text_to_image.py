@@ -29,7 +29,7 @@ import numpy as np
 from maxdiff import adapters as adapterlib, checkpoint, mesh as meshlib, single_file
 from maxdiff import quantization as quantlib
 from maxdiff.models.clip import load_text_encoder
-from maxdiff.models.unet import load_unet
+from maxdiff.models.unet import load_unet, unet_module
 from maxdiff.models.vae import load_vae
 from maxdiff.schedulers import (get_preset, load_scheduler, max_inference_steps,
                                 read_scheduler_config)
@@ -317,12 +317,23 @@ class TextToImagePipeline:
                          if layout else None)
 
         unet_cfg, unet_src = part("unet")
-        unet_model, unet_params = load_unet(
-            unet if unet is not None else root / "unet", dtype, config=unet_cfg,
-            attention_kernel=attention_kernel, attention_chunk=attention_chunk, put=put,
-            variant=None if unet is not None else variant,
-            source=None if unet is not None else unet_src)
-        if quantization != "none":  # the float UNet weights go once quantized
+        stored = unet_cfg.get(quantlib.CONFIG_KEY) if unet is None else None
+        if stored is not None:  # maxdiff convert --quantize: the quantized weights themselves
+            if quantization != stored:
+                raise checkpoint.CheckpointError(
+                    f"{root / 'unet'}: holds UNet weights quantized to {stored!r} (maxdiff "
+                    f"convert --quantize); load it with quantization={stored!r}, not "
+                    f"{quantization!r}")
+            unet_model, unet_params = quantlib.load_quantized(
+                unet_module(unet_cfg, dtype, attention_kernel, attention_chunk),
+                root / "unet" / quantlib.WEIGHTS_FILE, stored, put=put)
+        else:
+            unet_model, unet_params = load_unet(
+                unet if unet is not None else root / "unet", dtype, config=unet_cfg,
+                attention_kernel=attention_kernel, attention_chunk=attention_chunk, put=put,
+                variant=None if unet is not None else variant,
+                source=None if unet is not None else unet_src)
+        if quantization != "none" and stored is None:  # the float weights go once quantized
             unet_model, unet_params = quantlib.quantize(unet_model, unet_params, quantization)
             unet_params = put(unet_params)
         if vae is None:

@@ -176,3 +176,39 @@ def test_compare_repeats_summary():
     assert s[1]["ratio_default"] == {"min": 2.0, "median": 4.0, "max": 8.0}
     assert s[1]["compile"] == ["off", "failed: X: y", "off"]
     assert summarise([runs[0][:1], runs[1][:1]])[0]["ratio"]["median"] == 2.0  # even count
+
+
+def test_quantization_thresholds_are_stated_and_judged():
+    """benchmarks.quantization: the acceptance thresholds its docstring states are the ones it
+    judges by, and each verdict can fail: a mean above its bound with a worst image below it
+    fails the worst-image bound; the demo's drop is in points of the `all` score."""
+    import math
+
+    import numpy as np
+
+    from benchmarks import quantization as bq
+
+    rows = {line.split()[0]: line for line in bq.__doc__.splitlines()
+            if ">= " in line and line.split()[0] in bq.QUALITY_MODES}  # the table's rows
+    assert set(rows) == set(bq.QUALITY_MODES)
+    t = bq.THRESHOLDS
+    for mode, row in rows.items():
+        assert row.split()[1:] == [">=", f"{t['medium_mean_psnr_db'][mode]:g}", "dB", ">=",
+                                   f"{t['medium_worst_psnr_db'][mode]:g}", "dB", "at", "most",
+                                   f"{t['demo_all_drop_points'][mode]:.1f}", "points",
+                                   *(["(when", "measured)"] if mode == "fp8" else [])], row
+    medium = {"int8": {"mean_db": 36.0, "worst_db": 29.9}}
+    demo = {"float32": {"all": 1.0}, "int8": {"all": 0.98}, "int8-weights": {"all": 0.976}}
+    v = bq.verdicts(medium, demo)
+    assert v["medium_mean_psnr_db"]["int8"]["pass"]
+    assert not v["medium_worst_psnr_db"]["int8"]["pass"]
+    assert v["demo_all_drop_points"]["int8"] == {"value": 2.0, "bound": 2.0, "pass": True}
+    assert v["demo_all_drop_points"]["int8-weights"]["value"] == 2.4
+    assert not bq.all_pass(v) and bq.all_pass({"x": {"int8": {"pass": True}}})
+    a = np.zeros((2, 4, 4, 3), np.float32)
+    b = a.copy()
+    b[1] += 0.01  # MSE 1e-4: 40 dB
+    s = bq.psnr_summary(b, a)
+    assert s["per_image_db"][0] == math.inf and s["per_image_db"][1] == pytest.approx(40.0)
+    assert (s["worst_db"], s["equal_images"]) == (pytest.approx(40.0), 1)
+

@@ -371,3 +371,56 @@ def test_data_parallel_quantized(sdxl_dir):
     res = tiny.run_on_host_devices(script, 4)
     assert res["int8-weights"][0] <= 5e-6, res  # test_pipeline's bound for float32
     assert res["int8"][1] >= MIN_PSNR["int8"], res
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def test_convert_quantize_round_trip(sdxl_dir, int8_pipe, tmp_path):
+    """``maxdiff convert SRC DST --quantize int8``: DST's UNet holds the int8 values and float32
+    scales quantizing at load makes (and no float UNet file), its config names the mode; loaded
+    with quantization="int8" it has the same arrays and gives the same pixels, to the bit. Loading
+    it with another mode, or a file with a wrong dtype, a missing or an extra tensor, is a
+    CheckpointError naming the mode or the tensor; --quantize to a single file is refused."""
+    from maxdiff.checkpoint import CheckpointError, SafetensorsFile, save_safetensors
+    from pipelines import cli
+
+    dst = tmp_path / "int8"
+    assert cli.main(["convert", str(sdxl_dir), str(dst), "--quantize", "int8",
+                     "--dtype", "float32"]) == 0
+    unet = dst / "unet"
+    assert json.loads((unet / "config.json").read_text())[q.CONFIG_KEY] == "int8"
+    assert [p.name for p in unet.glob("*.safetensors")] == [q.WEIGHTS_FILE]
+    f = SafetensorsFile(unet / q.WEIGHTS_FILE)
+    qkeys = sorted(k for k in f.keys() if k.endswith("/array/qvalue"))
+    want = int8_pipe.params["unet"]
+    assert [k.removesuffix("/array/qvalue") for k in qkeys] == sorted(q.quantized_layers(want))
+    assert {f.dtype(k) for k in qkeys} == {np.dtype(np.int8)}
+    assert {f.dtype(k.replace("/qvalue", "/scale")) for k in qkeys} == {np.dtype(np.float32)}
+
+    pipe = TextToImagePipeline.from_pretrained(dst, quantization="int8", compile_cache_dir=None)
+    got = pipe.params["unet"]
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert all(a.dtype == b.dtype and np.array_equal(a, b)
+               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    kw = dict(num_inference_steps=2, height=SIZE, width=SIZE, seed=4, output_type="np")
+    np.testing.assert_array_equal(pipe("a red circle", **kw).images,
+                                  int8_pipe("a red circle", **kw).images)
+
+    for mode in ("none", "fp8"):
+        with pytest.raises(CheckpointError, match=rf"holds UNet weights quantized to 'int8'.*"
+                                                  rf"quantization='int8', not '{mode}'"):
+            TextToImagePipeline.from_pretrained(dst, quantization=mode, compile_cache_dir=None)
+    tensors = {k: f.get(k) for k in f.keys()}
+    k0 = qkeys[0]
+    name = re.escape(repr(k0))
+    for change, message in (
+            (lambda t: t.update({k0: t[k0].astype(np.float32)}),
+             rf"tensor {name} is float32, expected int8"),
+            (lambda t: t.pop(k0), rf"missing tensor {name}"),
+            (lambda t: t.update({"extra": np.zeros(2, np.float32)}), "unexpected tensor 'extra'")):
+        bad = dict(tensors)
+        change(bad)
+        save_safetensors(bad, unet / q.WEIGHTS_FILE, f.metadata)
+        with pytest.raises(CheckpointError, match=rf"{q.WEIGHTS_FILE}: {message}"):
+            TextToImagePipeline.from_pretrained(dst, quantization="int8", compile_cache_dir=None)
+    assert cli.main(["convert", str(sdxl_dir), str(tmp_path / "q.safetensors"),
+                     "--quantize", "int8"]) == 2

@@ -45,6 +45,9 @@ NOT_RUN = {
         "a benchmark (tens of minutes on an idle machine); tests/test_benchmarks.py runs its parts",
     "python -m benchmarks.compare --quick --repeats 3 --compile off --json repeats.json":
         "a benchmark (tens of minutes on an idle machine); tests/test_benchmarks.py runs its parts",
+    "python -m benchmarks.quantization --part quality --checkpoint /tmp/medium --json quality.json":
+        "a benchmark (tens of minutes); tests/test_benchmarks.py runs every part on the tiny "
+        "checkpoint",
     "kubectl apply -f deploy/rayservice-gpu.yaml":
         "needs a Kubernetes cluster with the KubeRay operator; tests/test_deploy.py validates "
         "both manifests against Ray Serve's schema and configs/serve.yaml",

@@ -440,6 +440,15 @@ def param_shapes(model: UNetEncoder) -> dict:
     return jax.eval_shape(model.init, jax.random.key(0), **inputs)["params"]
 
 
+def unet_module(config: dict, dtype: Any = "float32", attention_kernel: str = "auto",
+                attention_chunk: int = DEFAULT_CHUNK) -> UNet2DConditionModel:
+    """The UNet module of a diffusers ``config.json`` dict, computing in ``dtype`` (no weights)."""
+    if attention_kernel not in KERNELS:
+        raise ValueError(f"attention_kernel={attention_kernel!r}; use one of {', '.join(KERNELS)}")
+    return UNet2DConditionModel(UNetConfig.from_dict(config), attention_kernel, attention_chunk,
+                                jnp.dtype(checkpoint.resolve_dtype(dtype)))
+
+
 def load_unet(path: str | os.PathLike, dtype: Any = "float32", *, config: dict | None = None,
               attention_kernel: str = "auto", attention_chunk: int = DEFAULT_CHUNK,
               put=None, variant: str | None = None, source=None
@@ -459,11 +468,8 @@ def load_unet(path: str | os.PathLike, dtype: Any = "float32", *, config: dict |
                 f"{path}: a single-file UNet needs the config of the model it belongs to "
                 "(pass config=, e.g. the base model's unet/config.json)")
         config = checkpoint.read_config(path)
-    if attention_kernel not in KERNELS:
-        raise ValueError(f"attention_kernel={attention_kernel!r}; use one of {', '.join(KERNELS)}")
-    cfg = UNetConfig.from_dict(config)
     np_dtype = checkpoint.resolve_dtype(dtype)
-    model = UNet2DConditionModel(cfg, attention_kernel, attention_chunk, jnp.dtype(np_dtype))
+    model = unet_module(config, dtype, attention_kernel, attention_chunk)
     if source is None:
         source = (single_file.unet_source(path, config) if path.is_file()
                   else checkpoint.open_weights(path, variant))

@@ -3,10 +3,13 @@ tiny SDXL checkpoints of different weights behind one endpoint, on two generator
 each keep one model loaded. Requests naming each model get that model's pixels (equal to its
 Python API output), the default when they name none; a name not served is a 404 naming the
 choices in both dialects; ``/v1/models`` lists both with their limits; and once a replica has
-loaded model B, B's requests go to it while A's go to the replica that still holds A."""
+loaded model B, B's requests go to it while A's go to the replica that still holds A. A third
+entry serves A's weights quantized to int8 (``quantization: int8``)."""
 
 from __future__ import annotations
 
+import base64
+import io
 import time
 
 import numpy as np
@@ -20,7 +23,7 @@ from .helpers import MAIN_ARGS, SIZE, STEPS, generate, png, sse_events
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-A, B = "tiny-a", "tiny-b"
+A, B, Q = "tiny-a", "tiny-b", "tiny-int8"
 BODY = dict(steps=STEPS, guidance_scale=0.0, width=SIZE, height=SIZE)
 
 
@@ -40,7 +43,9 @@ def multi(cluster, sdxl_dir, sdxl_b):
     args = {k: v for k, v in MAIN_ARGS.items() if k not in ("steps", "guidance", "model_name")}
     args.update(num_cpus=0, num_replicas=2, max_models_per_replica=1, max_queued_requests=-1,
                 models=[{"name": A, "model": str(sdxl_dir), "steps": STEPS, "guidance": 0.0},
-                        {"name": B, "model": str(sdxl_b), "steps": 3, "guidance": 0.0}])
+                        {"name": B, "model": str(sdxl_b), "steps": 3, "guidance": 0.0},
+                        {"name": Q, "model": str(sdxl_dir), "quantization": "int8",
+                         "steps": STEPS, "guidance": 0.0}])
     serve.run(build_app(args), name="multi", route_prefix="/multi")
     yield f"{cluster.url}/multi"
     serve.delete("multi")
@@ -126,8 +131,8 @@ def test_models_lists_both_with_their_limits(multi):
     assert r.status_code == 200, r.text
     assert r.json()["maxdiff"]["default_steps"] == 3 and not r.json()["maxdiff"]["default"]
     data = requests.get(f"{multi}/v1/models", timeout=30).json()["data"]
-    assert [m["id"] for m in data] == [A, B]
-    a, b = (m["maxdiff"] for m in data)
+    assert [m["id"] for m in data] == [A, B, Q]
+    a, b = (m["maxdiff"] for m in data[:2])  # (Q, never loaded here, has no details)
     assert a["default"] and (a["default_steps"], b["default_steps"]) == (STEPS, 3)
     assert a["limits"]["max_size"] == b["limits"]["max_size"] == MAIN_ARGS["max_size"]
 
@@ -225,3 +230,33 @@ def test_models_that_take_turns_on_one_replica_lose_nothing(cluster, sdxl_dir, s
         assert (rep["models"][A]["images"], rep["models"][B]["images"]) == (3, 3)
     finally:
         serve.delete("multi-swap")
+
+
+def test_an_int8_model_answers_the_openai_client_with_the_python_apis_pixels(multi, cluster,
+                                                                           sdxl_dir, want):
+    """The ``quantization: int8`` entry (A's weights): the official openai client gets its image
+    and sees the setting in the model's details. Its pixels (native route, seed 5: the OpenAI
+    route's seeds are random and not reported) equal the Python API's with
+    ``quantization="int8"`` for the same request to the bit: one image, so the same padded batch
+    (1) and program (uint8 output), which int8 activations need (docs/python-api.md); they
+    differ from A's float32 pixels. Last in the module: loading it swaps a replica's model."""
+    import openai
+    from PIL import Image
+
+    from pipelines import TextToImagePipeline
+
+    client = openai.OpenAI(base_url=f"{multi}/v1", api_key="unused", max_retries=0)
+    out = client.images.generate(model=Q, prompt="a red circle", size=f"{SIZE}x{SIZE}")
+    assert len(out.data) == 1 and png(out.data[0].b64_json).shape == (SIZE, SIZE, 3)
+    assert client.models.retrieve(Q).to_dict()["maxdiff"]["quantization"] == "int8"
+    r = generate(multi, seed=5, model=Q, **BODY)
+    assert r.status_code == 200 and r.json()["model"] == Q, r.text
+    b64 = r.json()["images"][0]["b64_json"]
+    assert Image.open(io.BytesIO(base64.b64decode(b64))).text["quantization"] == "int8"
+    pipe = TextToImagePipeline.from_pretrained(sdxl_dir, quantization="int8",
+                                               compile_cache_dir=cluster.cache)
+    ours = pipe("a red circle", seed=5, num_inference_steps=STEPS, guidance_scale=0.0,
+                height=SIZE, width=SIZE).images[0]
+    got = png(b64)
+    np.testing.assert_array_equal(got, np.asarray(ours))
+    assert np.abs(got.astype(int) - want[A]).max() > 0  # quantized: not A's float32 pixels
