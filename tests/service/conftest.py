@@ -3,9 +3,13 @@
 The cluster: a head node and two "hosts" with one unit each of a custom ``maxdiff_host``
 resource (the multi-host test places one replica on each). The main application (one generator
 replica, tiny checkpoint) serves most tests; ``guarded`` adds API keys, a rate limit, CORS and
-tight limits; ``step_app`` runs engine=step. Replicas share a JAX compilation cache
-(``MAXDIFF_COMPILE_CACHE``), so only the first replica compiles cold. Each application is
-deployed when a test first asks for it."""
+tight limits; ``step_app`` runs engine=step (with a second model); ``multi_app`` serves two models
+on two replicas, priced. Replicas share a JAX compilation cache (``MAXDIFF_COMPILE_CACHE``), so
+only the first replica compiles cold. Each application is deployed once, when a test first asks
+for it, and lives as long as the package runs: a deployment (replica processes, model loads,
+warm-up) is what these tests spend most of their time on, so modules share one wherever their
+serve args agree, and read the counters of ``/v1/stats`` as differences (another module may
+have used the application before)."""
 
 from __future__ import annotations
 
@@ -15,7 +19,10 @@ import types
 import pytest
 import requests
 
-from .helpers import GUARDED_ARGS, KEY_A, KEY_B, MAIN_ARGS, STEP_ARGS, free_port
+import tiny
+
+from .helpers import (GUARDED_ARGS, KEY_A, KEY_B, MAIN_ARGS, MODEL_A, MODEL_B, MULTI_ARGS, STEPS,
+                      STEP_ARGS, STEP_MODEL, free_port)
 
 
 @pytest.fixture(scope="package")
@@ -108,15 +115,50 @@ def guarded(cluster, sdxl_dir, tmp_path_factory):
     serve.delete("guarded")
 
 
-@pytest.fixture(scope="module")
-def step_app(cluster, sdxl_dir):
-    """An engine=step application (two slots per engine; engines warmed up at SIZE and BIG),
-    for the module that uses it."""
+@pytest.fixture(scope="package")
+def sdxl_b(tmp_path_factory):
+    """A second tiny SDXL checkpoint: the same shapes as ``sdxl_dir`` (so the two share compiled
+    programs), other weights (torch seed 1)."""
+    path = tmp_path_factory.mktemp("tiny-sdxl-b")
+    tiny.make_sdxl_pipeline(path, seed=1)
+    return path
+
+
+@pytest.fixture(scope="package")
+def step_app(cluster, sdxl_dir, sdxl_b):
+    """An engine=step application (two slots per engine; the default model's engines warmed up
+    at SIZE and BIG), serving ``sdxl_dir`` as tiny-sdxl (the default) and ``sdxl_b`` as
+    ``MODEL_B`` (loaded by the first request that names it, on the same replica)."""
     from ray import serve
 
     from serving.app import build_app
 
-    serve.run(build_app({"model": str(sdxl_dir), **STEP_ARGS}), name="step",
-              route_prefix="/step")
+    models = [{"name": "tiny-sdxl", "model": str(sdxl_dir), **STEP_MODEL},
+              {"name": MODEL_B, "model": str(sdxl_b), **STEP_MODEL}]
+    serve.run(build_app({**STEP_ARGS, "models": models}), name="step", route_prefix="/step")
     yield f"{cluster.url}/step"
     serve.delete("step")
+
+
+@pytest.fixture(scope="package")
+def multi_app(cluster, sdxl_dir, sdxl_b):
+    """Three models behind one endpoint (``MODEL_A``: ``sdxl_dir``, the default; ``MODEL_B``:
+    ``sdxl_b``, 3 default steps; ``tiny-int8``: ``sdxl_dir`` quantized to int8) on two
+    generator replicas that keep one model each, priced
+    (``price_per_hour``, a stats window longer than the application's life). ``started`` and
+    ``returned``: unix times the deploy began and returned."""
+    from ray import serve
+
+    from serving.app import build_app
+
+    args = dict(MULTI_ARGS, models=[
+        {"name": MODEL_A, "model": str(sdxl_dir), "steps": STEPS, "guidance": 0.0},
+        {"name": MODEL_B, "model": str(sdxl_b), "steps": 3, "guidance": 0.0},
+        # test_multi_model's int8 case (loaded only by its last test)
+        {"name": "tiny-int8", "model": str(sdxl_dir), "quantization": "int8", "steps": STEPS,
+         "guidance": 0.0}])
+    started = time.time()
+    serve.run(build_app(args), name="multi", route_prefix="/multi")
+    yield types.SimpleNamespace(url=f"{cluster.url}/multi", started=started,
+                                returned=time.time())
+    serve.delete("multi")

@@ -26,12 +26,20 @@ GUARDED_ARGS = dict(MAIN_ARGS, max_steps=5000, min_size=SIZE, max_size=SIZE, max
                     max_cost=0.002, rate_limit_per_minute=400, cors_origins=[ORIGIN],
                     num_cpus=0, max_queued_requests=-1, model_name="guarded", max_body_bytes=4096)
 BIG = 128
+# the engine=step application (conftest's step_app): two models, each with these defaults
+STEP_MODEL = dict(steps=4, guidance=0.0)
 STEP_ARGS = dict(
-    engine="step", engine_slots=2, steps=4, guidance=0.0,
-    warmup_shapes=[f"{SIZE}x{SIZE}", f"{BIG}x{BIG}"],
+    engine="step", engine_slots=2, warmup_shapes=[f"{SIZE}x{SIZE}", f"{BIG}x{BIG}"],
     max_steps=50, max_n=2, min_size=16, max_size=BIG, request_timeout_s=120, num_cpus=1,
-    ingress_num_cpus=0, model_name="tiny-sdxl", max_cost=1.0, max_queued_requests=16,
+    ingress_num_cpus=0, max_cost=1.0, max_queued_requests=16,
 )
+# the multi-model application (conftest's multi_app): MAIN_ARGS' limits, two replicas that keep
+# one model each, priced per replica-hour with a stats window longer than the app's life
+MODEL_A, MODEL_B = "tiny-a", "tiny-b"
+PRICE = 2.5
+MULTI_ARGS = dict({k: v for k, v in MAIN_ARGS.items() if k not in ("steps", "guidance", "model_name")},
+                  num_cpus=0, num_replicas=2, max_models_per_replica=1, max_queued_requests=-1,
+                  price_per_hour=PRICE, stats_window_s=3600)
 
 
 def free_port() -> int:

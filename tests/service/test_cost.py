@@ -1,6 +1,8 @@
-"""``/v1/stats``' throughput and cost figures, checked by hand: two generator replicas (one per
-host) with ``price_per_hour``, a window longer than the application's life (so the window holds
-every image it made), a known number of images."""
+"""``/v1/stats``' throughput and cost figures, checked by hand: two generator replicas with
+``price_per_hour``, a window longer than the application's life (so the window holds every
+image it made), a known number of images. The application is conftest's ``multi_app`` (two
+replicas, priced; test_multi_model.py tests its models): other modules may have had it make
+images before, so the count is a difference."""
 
 from __future__ import annotations
 
@@ -9,40 +11,27 @@ import time
 import pytest
 import requests
 
-from .helpers import MAIN_ARGS, SIZE, generate
-
-PRICE = 2.5  # per replica-hour
-COST_ARGS = dict(MAIN_ARGS, model_name="priced", num_cpus=0, resource="maxdiff_host",
-                 resource_amount=1, num_replicas=2, max_replicas_per_node=1,
-                 max_queued_requests=-1, price_per_hour=PRICE, stats_window_s=3600)
+from .helpers import PRICE, SIZE, generate
 
 
-@pytest.fixture(scope="module")
-def priced(cluster, sdxl_dir):
-    from ray import serve
-
-    from serving.app import build_app
-
-    started = time.time()
-    serve.run(build_app({"model": str(sdxl_dir), **COST_ARGS}), name="priced",
-              route_prefix="/priced")
-    yield f"{cluster.url}/priced", started, time.time()
-    serve.delete("priced")
+def _timed_stats(url):
+    before = time.time()
+    stats = requests.get(f"{url}/v1/stats", timeout=30).json()
+    return before, stats, time.time()
 
 
-def test_stats_report_images_per_second_and_cost_per_1000_images(priced):
-    url, deploy_started, deploy_returned = priced
+def test_stats_report_images_per_second_and_cost_per_1000_images(multi_app):
+    url, deploy_started, deploy_returned = multi_app.url, multi_app.started, multi_app.returned
+    earlier = _timed_stats(url)[1]["throughput"]["total"]["images"]
     n = 6
     for seed in range(n):
         r = generate(url, seed=seed, width=SIZE, height=SIZE)
         assert r.status_code == 200, r.text
     deadline = time.monotonic() + 60
     while True:  # reports are sent after each batch, without waiting: poll until all are in
-        before = time.time()
-        stats = requests.get(f"{url}/v1/stats", timeout=30).json()
-        after = time.time()
+        before, stats, after = _timed_stats(url)
         figures = stats["throughput"]
-        if figures["total"]["images"] == n or time.monotonic() > deadline:
+        if figures["total"]["images"] == earlier + n or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert figures["window_s"] == 3600 and figures["price_per_hour"] == PRICE
@@ -63,15 +52,15 @@ def test_stats_report_images_per_second_and_cost_per_1000_images(priced):
         else:
             assert f["cost_per_1000_images"] is None
     total = figures["total"]
-    assert total["replicas"] == 2 and total["images"] == n
+    assert total["replicas"] == 2 and total["images"] == earlier + n
     seconds = sum(f["seconds"] for f in per_replica.values())
     assert total["seconds"] == pytest.approx(seconds, abs=2e-3)
     assert total["images_per_s"] == pytest.approx(
         sum(f["images"] / f["seconds"] for f in per_replica.values()),
         rel=1e-4 + 5e-4 / min(f["seconds"] for f in per_replica.values()))
-    # two replicas' hours at PRICE each, over the n images they made
-    assert total["cost_per_1000_images"] == pytest.approx(PRICE * seconds / 3600 / n * 1000,
-                                                          rel=1e-4)
+    # two replicas' hours at PRICE each, over all the images they made
+    assert total["cost_per_1000_images"] == pytest.approx(
+        PRICE * seconds / 3600 / total["images"] * 1000, rel=1e-4)
 
 
 def test_cost_figures_without_a_price_or_images():

@@ -15,7 +15,7 @@ import requests
 
 from pipelines.requests import GenerationRequest
 
-from .helpers import SIZE, STEP_ARGS, generate, sse_events
+from .helpers import SIZE, generate, sse_events
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json"
 
@@ -53,25 +53,10 @@ def test_the_dashboard_covers_what_it_should():
             "ray_maxdiff_http_latency_s_bucket"} <= used
 
 
-@pytest.fixture(scope="module")
-def step_engine_app(cluster, sdxl_dir):
-    """An engine=step application of its own (conftest's step_app is test_step_serving's: its
-    stats must list only its own replica, and the stats actor of an application name outlives a
-    redeploy)."""
+def test_every_metric_the_dashboard_uses_is_exported(cluster, main_app, step_app):
+    """On the package's main (engine=batch) and step applications; the metrics are counters and
+    histograms, so what other modules sent before only adds to them."""
     from ray import serve
-
-    from serving.app import build_app
-
-    serve.run(build_app({"model": str(sdxl_dir), **STEP_ARGS}), name="metrics-step",
-              route_prefix="/metrics-step")
-    yield f"{cluster.url}/metrics-step"
-    serve.delete("metrics-step")
-
-
-def test_every_metric_the_dashboard_uses_is_exported(cluster, main_app, step_engine_app):
-    from ray import serve
-
-    step_app = step_engine_app
 
     # images on both engines, and a request refused (422) for the errors panel
     assert generate(main_app.url, seed=11).status_code == 200

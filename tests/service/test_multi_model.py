@@ -3,8 +3,11 @@ tiny SDXL checkpoints of different weights behind one endpoint, on two generator
 each keep one model loaded. Requests naming each model get that model's pixels (equal to its
 Python API output), the default when they name none; a name not served is a 404 naming the
 choices in both dialects; ``/v1/models`` lists both with their limits; and once a replica has
-loaded model B, B's requests go to it while A's go to the replica that still holds A. A third
-entry serves A's weights quantized to int8 (``quantization: int8``)."""
+loaded model B, B's requests go to it while A's go to the replica that still holds A. The
+application is conftest's ``multi_app`` (its serve args: ``MULTI_ARGS``), which test_cost.py
+prices; the step engine's case runs on conftest's ``step_app``, which serves the two
+checkpoints too. A third entry of ``multi_app`` serves A's weights quantized to int8
+(``quantization: int8``)."""
 
 from __future__ import annotations
 
@@ -16,39 +19,18 @@ import numpy as np
 import pytest
 import requests
 
-import tiny
-
-from .helpers import MAIN_ARGS, SIZE, STEPS, generate, png, sse_events
+from .helpers import MAIN_ARGS, MODEL_A, MODEL_B, SIZE, STEPS, generate, png, sse_events
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-A, B, Q = "tiny-a", "tiny-b", "tiny-int8"
+A, B, Q = MODEL_A, MODEL_B, "tiny-int8"
 BODY = dict(steps=STEPS, guidance_scale=0.0, width=SIZE, height=SIZE)
 
 
 @pytest.fixture(scope="module")
-def sdxl_b(tmp_path_factory):
-    """A second tiny SDXL checkpoint: the same shapes as ``sdxl_dir`` (so the two share compiled
-    programs), other weights (torch seed 1)."""
-    path = tmp_path_factory.mktemp("tiny-sdxl-b")
-    tiny.make_sdxl_pipeline(path, seed=1)
-    return path
-
-
-@pytest.fixture(scope="module")
-def multi(cluster, sdxl_dir, sdxl_b):
-    from serving.app import build_app
-
-    args = {k: v for k, v in MAIN_ARGS.items() if k not in ("steps", "guidance", "model_name")}
-    args.update(num_cpus=0, num_replicas=2, max_models_per_replica=1, max_queued_requests=-1,
-                models=[{"name": A, "model": str(sdxl_dir), "steps": STEPS, "guidance": 0.0},
-                        {"name": B, "model": str(sdxl_b), "steps": 3, "guidance": 0.0},
-                        {"name": Q, "model": str(sdxl_dir), "quantization": "int8",
-                         "steps": STEPS, "guidance": 0.0}])
-    serve.run(build_app(args), name="multi", route_prefix="/multi")
-    yield f"{cluster.url}/multi"
-    serve.delete("multi")
+def multi(multi_app):
+    return multi_app.url
 
 
 def _replicas(url) -> dict:
@@ -169,38 +151,36 @@ def test_a_replica_holding_a_model_is_preferred_for_it(multi):
     assert {b["model"] for b in reps[b_replica]["batches"][-4:]} == {B}
 
 
-def test_the_step_engine_runs_each_model_on_its_own_engines(cluster, sdxl_dir, sdxl_b, want):
-    """engine=step with two models on one replica: each model gets its own step engines (no
-    tick mixes models) and its own pixels."""
-    from serving.app import build_app
+def test_the_step_engine_runs_each_model_on_its_own_engines(step_app, want):
+    """engine=step with two models on one replica (conftest's step_app: tiny-sdxl, the default,
+    is A's checkpoint; B is B's): each model gets its own step engines (no tick mixes models) and
+    its own pixels. Image counts are read as differences: other modules use the application."""
+    url, default = step_app, "tiny-sdxl"
+    checkpoint = {default: A, B: B}  # served name -> whose Python API pixels it must give
 
-    args = {k: v for k, v in MAIN_ARGS.items() if k not in ("steps", "guidance", "model_name")}
-    args.update(num_cpus=0, engine="step", engine_slots=2, max_queued_requests=-1,
-                warmup_shapes=[f"{SIZE}x{SIZE}"],
-                models=[{"name": A, "model": str(sdxl_dir)}, {"name": B, "model": str(sdxl_b)}])
-    serve.run(build_app(args), name="multi-step", route_prefix="/multi-step")
-    try:
-        url = f"{cluster.url}/multi-step"
-        for name in (B, A):
-            r = generate(url, seed=5, model=name, **BODY)
-            assert r.status_code == 200, r.text
-            got = png(r.json()["images"][0]["b64_json"]).astype(int)
-            assert np.abs(got - want[name]).max() <= 1, name
-        r = requests.post(f"{url}/v1/generate", stream=True, timeout=120,  # streamed: B's too
-                          json={"prompt": "a red circle", "model": B, "seed": 5, "stream": True,
-                                **BODY})
-        events = list(sse_events(r))
-        assert [name for name, _ in events].count("progress") >= 2, events  # B's engine's steps
-        assert events[-1][0] == "result" and events[-1][1]["model"] == B
-        got = png(events[-1][1]["images"][0]["b64_json"]).astype(int)
-        assert np.abs(got - want[B]).max() <= 1
-        rep = _replica_once(url, lambda rep: rep["models"][B]["images"] == 2)
-        assert rep["loaded_models"] == [A, B] and rep["engine"] == "step"
-        for name in (A, B):
-            assert list(rep["models"][name]["engines"]) == [f"{SIZE}x{SIZE}"]
-        assert rep["models"][A]["images"] == 1
-    finally:
-        serve.delete("multi-step")
+    def images(rep, name):
+        return rep["models"].get(name, {}).get("images", 0)
+
+    before = _replica_once(url, lambda rep: True)
+    for name in (B, default):
+        r = generate(url, seed=5, model=name, **BODY)
+        assert r.status_code == 200, r.text
+        got = png(r.json()["images"][0]["b64_json"]).astype(int)
+        assert np.abs(got - want[checkpoint[name]]).max() <= 1, name
+    r = requests.post(f"{url}/v1/generate", stream=True, timeout=120,  # streamed: B's too
+                      json={"prompt": "a red circle", "model": B, "seed": 5, "stream": True,
+                            **BODY})
+    events = list(sse_events(r))
+    assert [name for name, _ in events].count("progress") >= 2, events  # B's engine's steps
+    assert events[-1][0] == "result" and events[-1][1]["model"] == B
+    got = png(events[-1][1]["images"][0]["b64_json"]).astype(int)
+    assert np.abs(got - want[B]).max() <= 1
+    rep = _replica_once(url, lambda rep: images(rep, B) == images(before, B) + 2)
+    assert rep["loaded_models"] == [default, B] and rep["engine"] == "step"
+    assert list(rep["models"][B]["engines"]) == [f"{SIZE}x{SIZE}"]  # B's own, only its size
+    assert f"{SIZE}x{SIZE}" in rep["models"][default]["engines"]  # (and its warm-up sizes)
+    assert images(rep, default) == images(before, default) + 1
+    assert images(rep, B) == images(before, B) + 2
 
 
 def test_models_that_take_turns_on_one_replica_lose_nothing(cluster, sdxl_dir, sdxl_b, want):
