@@ -159,8 +159,7 @@ def quantized_layers(params: dict) -> list[str]:
     import jax
 
     flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_quantized)[0]
-    return ["/".join(str(getattr(k, "key", k)) for k in path) for path, leaf in flat
-            if _is_quantized(leaf)]
+    return [_leaf_key(path) for path, leaf in flat if _is_quantized(leaf)]
 
 
 def weights(params: Any) -> list:
