@@ -19,11 +19,17 @@ venv: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# Both suites run on TEST_WORKERS pytest-xdist workers (2: this project's 2-core machines); a
+# group (a test module, or all of tests/service) runs whole on one worker (tests/conftest.py).
+# TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" --durations=20
+	$(PY) -m pytest -q -m "not slow" $(XDIST) --durations=20
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow --durations=10
+	$(PY) -m pytest -q -m slow $(XDIST) --durations=10
 
 demo: $(STAMP)
 	$(PY) -m pipelines.demo

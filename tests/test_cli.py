@@ -27,11 +27,10 @@ COMMON = ["--steps", "1", "--batch-size", "2"]  # with the model's 32x32 and gui
 
 @pytest.fixture(scope="module")
 def env():
-    """The run's compile cache for every run (conftest.py sets MAXDIFF_COMPILE_CACHE); XLA's CPU
-    backend at -O0 halves each first compile (the tests compare runs with each other, never with
-    another optimisation level)."""
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    e = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS=flags.strip())
+    """The run's compile cache and XLA flags (-O0) for every run (conftest.py sets
+    MAXDIFF_COMPILE_CACHE and XLA_FLAGS): the tests compare runs with each other, never with
+    another optimisation level."""
+    e = dict(os.environ, PYTHONPATH=str(REPO))
     e.pop("MAXDIFF_DEFAULT_MODEL", None)
     return e
 
@@ -446,7 +445,9 @@ def test_a_regular_install_works_from_another_folder(tmp_path):
     assert (shipped / "scheduler" / "scheduler_config.json").is_file()
     assert "<title>maxdiff playground</title>" in (target / "serving" / "playground.html"
                                                    ).read_text()  # the service's page at /
-    env = {**os.environ, "PYTHONPATH": str(target),
+    from conftest import SHIPPED_XLA_FLAGS
+
+    env = {**os.environ, "PYTHONPATH": str(target), "XLA_FLAGS": SHIPPED_XLA_FLAGS,  # as shipped
            "MAXDIFF_COMPILE_CACHE": str(tmp_path / "jax")}
     env.pop("MAXDIFF_DEFAULT_MODEL", None)
     where = subprocess.run(

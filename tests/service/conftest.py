@@ -13,6 +13,7 @@ have used the application before)."""
 
 from __future__ import annotations
 
+import os
 import time
 import types
 
@@ -37,7 +38,8 @@ def cluster(compile_cache):
         "_system_config": {"metrics_report_interval_ms": 1000}})
     hosts = [c.add_node(num_cpus=1, resources={"maxdiff_host": 1}) for _ in range(2)]
     ray.init(address=c.address, log_to_driver=False,
-             runtime_env={"env_vars": {"MAXDIFF_COMPILE_CACHE": str(cache)}})
+             runtime_env={"env_vars": {"MAXDIFF_COMPILE_CACHE": str(cache),
+                                       "XLA_FLAGS": os.environ["XLA_FLAGS"]}})
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
