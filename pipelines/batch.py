@@ -44,7 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from pipelines.limits import (STRENGTH, Problem, cfg_on, control_scale_problem,
+from pipelines.limits import (STRENGTH, Problem, cfg_on, chosen_controlnet, control_scale_problem,
                               control_window_problems, describe, guidance_problem, n_problem,
                               seed_problem, size_problems, steps_problem,
                               strength_problem, within)
@@ -246,9 +246,8 @@ def _float(text: Any) -> Any:
 def _controlnet(ref: Any, names: dict[str, str], base: Path | None) -> str:
     """The folder of the ControlNet ``ref`` names: a ``--controlnet`` name, else a folder
     (relative to ``base``); ValueError saying which names there are."""
+    ref = chosen_controlnet(ref, names)
     if ref is None:
-        if len(names) == 1:
-            return next(iter(names.values()))
         have = (f"the --controlnet names are {', '.join(names)}" if names else
                 "or name one with --controlnet NAME=PATH")
         raise ValueError(f"which ControlNet reads it? give its name or folder ({have})")

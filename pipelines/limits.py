@@ -9,7 +9,7 @@ OpenAI routes), the generator replicas and the step engine all check requests he
 - :func:`cfg_on`: guidance turns classifier-free guidance on above 1.
 - one rule per setting: :func:`steps_problem`, :func:`guidance_problem`, :func:`seed_problem`,
   :func:`n_problem`, :func:`strength_problem`, :func:`size_problems`, :func:`cost_problem`,
-  :func:`control_scale_problem`, :func:`control_window_problems` and
+  :func:`control_scale_problem`, :func:`control_window_problems`, :func:`chosen_controlnet` and
   :func:`controlnet_problem` (ControlNet),
   :func:`denoising_fraction_problem`, :func:`aesthetic_problem` and
   :func:`split_steps_problems` (the SDXL refiner) and :func:`output_type_problem` (the Python
@@ -238,6 +238,14 @@ def control_window_problems(start: Any, end: Any, which: str = "") -> list[Probl
                            f"{_why(which)}: the ControlNet acts from start to end, fractions "
                            "of the denoising steps", start))
     return out
+
+
+def chosen_controlnet(name: Any, loaded: Iterable[str]) -> Any:
+    """The ControlNet a control image goes to, for every front door: the one it names, or, when
+    it names none, the only one loaded. None when it names none and there is not exactly one:
+    the door asks for a name (and lists the loaded ones)."""
+    loaded = list(loaded)
+    return loaded[0] if name is None and len(loaded) == 1 else name
 
 
 def controlnet_problem(name: Any, loaded: Iterable[str]) -> Problem | None:

@@ -7,8 +7,8 @@ import asyncio
 import base64
 import time
 
-from pipelines.limits import (control_scale_problem, control_window_problems, controlnet_problem,
-                              within)
+from pipelines.limits import (chosen_controlnet, control_scale_problem, control_window_problems,
+                              controlnet_problem, within)
 from pipelines.requests import (ControlImage, ControlRequest, EditRequest, GenerationRequest,
                                 decode_image, encode_image, image_info)
 from serving import validation
@@ -95,9 +95,7 @@ async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wante
     errors, raw = [], []
     for k, entry in enumerate(body.control_images):
         where = f"control_images[{k}]"
-        name = entry.controlnet
-        if name is None and len(loaded) == 1:
-            name = loaded[0]
+        name = chosen_controlnet(entry.controlnet, loaded)
         if name is None:
             have = ", ".join(loaded) or "none (serve arg controlnets)"
             errors.append((f"{where}.controlnet", f"name the ControlNet that reads this image; "

@@ -13,8 +13,8 @@ from pathlib import Path
 # 5.5 s of XLA compilation, its run 0.15 -> 0.29 s). The parity tests compare against PyTorch
 # with tolerances, the bit-equality tests compare runs of one run's processes with each other;
 # the shipped default is what tests/test_cli.py's installed-copy run and
-# tests/test_pipeline.py::test_the_shipped_xla_optimisation_level_agrees exercise. MAXDIFF_TEST_XLA_FLAGS replaces the addition
-# ("" runs the whole suite at XLA's defaults).
+# tests/test_pipeline.py::test_the_shipped_xla_optimisation_level_agrees exercise.
+# MAXDIFF_TEST_XLA_FLAGS replaces the addition ("" runs the whole suite at XLA's defaults).
 SHIPPED_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 _ADDED = os.environ.get("MAXDIFF_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
 os.environ["XLA_FLAGS"] = f"{SHIPPED_XLA_FLAGS} {_ADDED}".strip()

@@ -16,7 +16,7 @@ from PIL import Image
 
 from pipelines import batch, cli
 from pipelines.limits import (FIELDS, MAX_SEED, STRENGTH, Limits, Problem, check,
-                              control_scale_problem, control_window_problems, cost_problem,
+                              chosen_controlnet, control_scale_problem, control_window_problems, cost_problem,
                               describe, guidance_problem, n_problem, problems, seed_problem,
                               size_problems, steps_problem, strength_problem)
 
@@ -81,6 +81,16 @@ def test_controlnet_rules_accept_their_range_and_state_it():
         (p,) = control_window_problems(start, end)
         assert p.field == "control_start" and f"below the window's end ({end})" in p.message
     assert describe(control_window_problems(0, 2)[0]).startswith("control_guidance_end=2: ")
+
+
+def test_an_unnamed_control_image_goes_to_the_only_controlnet_at_every_door():
+    assert chosen_controlnet(None, ["canny"]) == "canny"
+    assert chosen_controlnet(None, {"canny": "/nets/canny"}) == "canny"  # the CLI's name -> folder
+    assert chosen_controlnet(None, []) is None and chosen_controlnet(None, ["a", "b"]) is None
+    assert chosen_controlnet("depth", ["canny"]) == "depth"  # a named one stays (checked later)
+    with pytest.raises(ValueError, match=r"which ControlNet reads it\? .*names are a, b"):
+        batch._controlnet(None, {"a": "/x", "b": "/y"}, None)
+    assert batch._controlnet(None, {"a": "/x"}, None) == "/x"
 
 
 def test_size_problems_name_the_side_and_the_range():
