@@ -213,7 +213,8 @@ def parse_controlnets(specs: Iterable[str]) -> tuple[dict[str, str], list[str]]:
         name, eq, path = spec.partition("=")
         name = name.strip()
         if not eq or not name or not path.strip():
-            errors.append(f"--controlnet {spec}: give NAME=PATH (a diffusers ControlNet folder)")
+            errors.append(f"--controlnet {spec}: give NAME=PATH (a diffusers ControlNet folder "
+                          "or .safetensors file)")
         elif name in names:
             errors.append(f"--controlnet {spec}: the name {name!r} is given twice")
         elif not Path(path).expanduser().exists():

@@ -186,14 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--control-image", action="append", default=[],
                      metavar="PATH[:MODEL[:SCALE]]",
                      help="ControlNet text-to-image: a control image (edges, depth, pose, ...) "
-                          "read by the ControlNet MODEL (a --controlnet name or a diffusers "
-                          "ControlNet folder; may be left out with one --controlnet) at "
+                          "read by the ControlNet MODEL (a --controlnet name, a diffusers "
+                          "ControlNet folder or a .safetensors file; may be left out with one "
+                          "--controlnet) at "
                           f"conditioning scale SCALE in [0, {CONTROL_SCALE_MAX:g}] (default 1); "
                           "repeatable: several ControlNets, residuals summed. The size "
                           "defaults to the first control image's")
     gen.add_argument("--controlnet", action="append", default=[], metavar="NAME=PATH",
-                     help="name a ControlNet folder for --control-image and JSONL lines' "
-                          "control_images (repeatable)")
+                     help="name a ControlNet (a diffusers folder, or a .safetensors file: "
+                          "without its config.json it takes the model UNet's) for "
+                          "--control-image and JSONL lines' control_images (repeatable)")
     gen.add_argument("--control-guidance-start", type=float, metavar="A",
                      help="the ControlNets act from this fraction of the steps (default 0)")
     gen.add_argument("--control-guidance-end", type=float, metavar="B",

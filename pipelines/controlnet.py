@@ -8,6 +8,8 @@ and composes on it as the edit pipelines do (:mod:`pipelines.edit`): the weights
 scheduler, defaults and adapters are the parent's, live; only the ControlNets are its own.
 Build it with ``ControlNetPipeline.from_pipe(pipe, controlnet=...)`` or
 ``from_pretrained(path, controlnet=...)``; ``controlnet`` is a diffusers ControlNet folder, a
+single ``.safetensors`` file (diffusers keys or the original layout; without its config.json it
+takes the config made from this model's UNet, as diffusers' ``ControlNetModel.from_unet``), a
 ``(module, params)`` pair from :func:`maxdiff.models.controlnet.load_controlnet`, or a list of
 them (loaded in the parent's dtype, on its mesh).
 
@@ -77,7 +79,7 @@ def _as_pairs(controlnet) -> list:
         return [controlnet]
     if isinstance(controlnet, (list, tuple)) and controlnet and all(one(x) for x in controlnet):
         return list(controlnet)
-    raise TypeError("controlnet must be a ControlNet folder, a (module, params) pair from "
+    raise TypeError("controlnet must be a ControlNet folder or file, a (module, params) pair from "
                     "load_controlnet, or a non-empty list of them; got "
                     f"{type(controlnet).__name__}")
 
@@ -93,7 +95,7 @@ class ControlNetPipeline(_EditPipeline):
     def __init__(self, pipe: TextToImagePipeline, controlnet: Any = None):
         super().__init__(pipe)
         if controlnet is None:
-            raise TypeError("controlnet= is required: a ControlNet folder, a (module, params) "
+            raise TypeError("controlnet= is required: a ControlNet folder or file, a (module, params) "
                             "pair from load_controlnet, or a list of them")
         p = self.pipe
         dtype = p.unet.dtype  # the UNet's compute dtype (its weights may be quantized)
@@ -105,8 +107,8 @@ class ControlNetPipeline(_EditPipeline):
                 cn_params = jax.device_put(cn_params, rep)
                 name = "ControlNet"
             else:
-                model, cn_params = load_controlnet(
-                    spec, dtype, attention_kernel=p.unet.attention_kernel,
+                model, cn_params = load_controlnet(  # a single file: the UNet's config
+                    spec, dtype, unet_config=p.unet.config, attention_kernel=p.unet.attention_kernel,
                     attention_chunk=p.unet.attention_chunk, put=meshlib.put_replicated(p.mesh))
                 name = str(spec)
             self._check_fits(model, name)

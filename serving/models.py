@@ -108,11 +108,13 @@ def _check_adapters(run: RunConfig, adapters, what: str) -> None:
 
 
 def _check_controlnets(controlnets, what: str) -> None:
-    """Each ControlNet's folder exists (once, here, rather than in every replica)."""
+    """Each ControlNet's folder or file exists (once, here, rather than in every replica)."""
     for c in controlnets:
-        if not Path(c.path).expanduser().is_dir():
-            raise ValueError(f"{what}: {c.name}: {c.path}: no such folder (a diffusers "
-                             "ControlNet folder: config.json and its weights)")
+        path = Path(c.path).expanduser()
+        if not (path.is_dir() or path.is_file() and path.suffix == ".safetensors"):
+            raise ValueError(f"{what}: {c.name}: {c.path}: no such folder or .safetensors file "
+                             "(a diffusers ControlNet folder: config.json and its weights; or "
+                             "one file, read with the model's UNet config)")
 
 
 def not_found(name: str, names: list[str]) -> ApiError:

@@ -109,7 +109,7 @@ class ControlNetSpec(StrictConfig):
     requests name it in their ``control_images``."""
 
     name: str = Field(pattern=ADAPTER_NAME)
-    path: str = Field(min_length=1)  # a diffusers ControlNet folder
+    path: str = Field(min_length=1)  # a diffusers ControlNet folder or a .safetensors file
 
     @classmethod
     def parse_all(cls, value: Any) -> tuple["ControlNetSpec", ...]:

@@ -17,7 +17,7 @@ import torch
 import tiny
 from maxdiff import single_file
 from maxdiff.checkpoint import CheckpointError, _flatten, save_safetensors
-from maxdiff.models.controlnet import ControlNetConfig, load_controlnet
+from maxdiff.models.controlnet import ControlNetConfig, config_from_unet, load_controlnet
 from maxdiff.models.unet import load_unet
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -295,8 +295,17 @@ def test_single_files(sdxl, tmp_path):
 
     with pytest.raises(CheckpointError, match="a ControlNet; load it with maxdiff.models.controlnet"):
         single_file.inspect(tmp_path / "control.safetensors")  # e.g. passed as a whole model
-    with pytest.raises(CheckpointError, match="needs its diffusers config"):
+    with pytest.raises(CheckpointError, match="needs a config: config= .* or unet_config="):
         load_controlnet(tmp_path / "control.safetensors")
+    # without its config: the UNet's (diffusers' from_unet fields), the conditioning encoder's
+    # channels read off the file, in each of the three layouts
+    for name in ("diffusers-keys", "control", "bare"):
+        made = config_from_unet(tmp_path / f"{name}.safetensors", tiny.SD15_UNET)
+        assert made["conditioning_embedding_out_channels"] == (16, 32, 96, 256)
+        assert made["conditioning_channels"] == 3
+        assert ControlNetConfig.from_dict(made) == ControlNetConfig.from_dict(config)
+        _assert_same(load_controlnet(tmp_path / f"{name}.safetensors",
+                                     unet_config=tiny.SD15_UNET)[1], want)
     save_safetensors({"first_stage_model.encoder.down.0.block.0.conv1.weight": np.zeros(1, np.float32)},
                      tmp_path / "vae.safetensors")
     with pytest.raises(CheckpointError, match="not a ControlNet: a VAE alone"):

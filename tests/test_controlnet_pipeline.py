@@ -76,6 +76,19 @@ def _control(seed, size=(SIZE, SIZE)):
 PROMPTS = ["a red circle on a blue background", "the cat!"]
 
 
+def test_a_single_file_controlnet_takes_the_models_unet_config(one, base, nets, tmp_path):
+    """A ControlNet downloaded as one file, without its config.json, loads with the config
+    made from the model's UNet: the same module and weights as its diffusers folder."""
+    import shutil
+
+    file = tmp_path / "cn0.safetensors"
+    shutil.copy(nets[0][0] / "diffusion_pytorch_model.safetensors", file)
+    alone = ControlNetPipeline.from_pipe(base, controlnet=file)
+    assert alone.controlnets[0].config == one.controlnets[0].config
+    got, want = jax.tree_util.tree_leaves(alone._cn_params), jax.tree_util.tree_leaves(one._cn_params)
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parity
 @pytest.mark.parametrize("case", [
     dict(controlnet_conditioning_scale=1.0, guidance_scale=5.0),

@@ -187,6 +187,16 @@ def test_catalog_of_the_serve_args(tmp_path):
     with pytest.raises(ValueError, match=r"models\[0\] \(bad\): run config 'nope'"):
         Catalog.from_settings(ServeSettings.from_args({"models": [{"name": "bad",
                                                                    "config": "nope"}]}))
+    # ControlNets: a diffusers folder or one .safetensors file; anything else names the entry
+    (tmp_path / "cn.safetensors").write_bytes(b"")
+    ok = {"model": str(tmp_path / "m1"), "controlnets": {"a": str(tmp_path / "m1"),
+                                                          "b": str(tmp_path / "cn.safetensors")}}
+    assert len(Catalog.from_settings(ServeSettings.from_args(ok)).default.controlnets) == 2
+    (tmp_path / "cn.ckpt").write_bytes(b"")
+    for bad in (tmp_path / "missing", tmp_path / "cn.ckpt"):  # nothing there; not safetensors
+        with pytest.raises(ValueError, match=rf"serve arg controlnets: c: {bad}: no such folder "
+                                             r"or \.safetensors file"):
+            Catalog.from_settings(ServeSettings.from_args({**ok, "controlnets": {"c": str(bad)}}))
 
 
 def test_the_shipped_multi_model_config_parses():
