@@ -341,10 +341,19 @@ def _port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+def _wait_for_port(seconds: float) -> None:
+    """Until PORT is free or ``seconds`` pass: a stopped ``serve run`` lets its Ray's HTTP proxy
+    go a while after the command exits (longer on a busy machine: the suite's other worker)."""
+    deadline = time.monotonic() + seconds
+    while not _port_free(PORT) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 class Served:
     """``serve run ...`` as a user starts it, until /healthz answers 200."""
 
     def __init__(self, command: str, cwd: Path):
+        _wait_for_port(60)  # the example before this one may still be shutting its Ray down
         if not _port_free(PORT):
             pytest.fail(f"port {PORT} is taken: the pages' service examples need it free")
         self.log = open(cwd / f"serve-{time.monotonic_ns()}.log", "w+")
@@ -382,9 +391,7 @@ class Served:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        deadline = time.monotonic() + 30
-        while not _port_free(PORT) and time.monotonic() < deadline:
-            time.sleep(0.5)
+        _wait_for_port(60)
 
 
 def _serve_line(subs, start: str) -> str:
