@@ -194,7 +194,7 @@ def _hint_channels(source: checkpoint.WeightSource) -> tuple[int, tuple[int, ...
     keys = set(source.keys())
 
     def out_in(key: str) -> tuple[int, int]:
-        shape = source.files[source.file_of(key)].shape(key)
+        shape = source.lazy(key).shape  # from the file's header; nothing read
         return int(shape[0]), int(shape[1])
 
     first = "controlnet_cond_embedding.conv_in.weight"
