@@ -28,10 +28,11 @@ import tiny  # noqa: E402
 # on one worker, so its module-scoped fixtures (a compiled pipeline, a PyTorch reference) are
 # built once: every module is its own group, and tests/service is one group (its package
 # fixtures: one Ray cluster and the shared applications). HEAVY goes first, so the long groups
-# start at once and the short ones fill the other worker (the measured cold times of
-# docs/development.md).
-HEAVY = ("service", "test_readme", "test_demo_model", "test_quantization", "test_step_engine",
-         "test_controlnet_pipeline", "test_refiner", "test_edit", "test_cli")
+# start at once and the short ones fill the other worker: the groups over 80 worker-seconds in
+# the cold default-suite run of 2026-12-04 (docs/development.md), longest first.
+HEAVY = ("service", "test_readme", "test_cli", "test_quantization", "test_pipeline",
+         "test_demo_model", "test_controlnet_pipeline", "test_sd_pipeline", "test_step_pacing",
+         "test_edit", "test_refiner", "test_step_engine", "test_single_file")
 
 
 def _group(item) -> str:
