@@ -112,28 +112,28 @@ def test_progress_is_reported_as_the_device_runs_the_steps(engine, step_s):
     s = total / n  # this run's own time per step
     for t, k in events:  # the k-th step is not reported before k steps' worth of time passed
         assert t - t0 >= 0.5 * k * s, (k, t - t0, s)
-    times = [t0, *(t for t, _ in events), h.finished_at]
-    assert max(np.diff(times)) <= 4 * s, np.diff(times)  # spread over the run, not bunched
+    # spread over the run, not bunched at its start or its end: about half of the progress events
+    # come before the run's midpoint (a rank test: one slow step on a shared machine moves at most
+    # the events around it, where a largest-gap bound failed)
+    early = sum(t - t0 < total / 2 for t, _ in events)
+    assert n // 4 <= early <= 3 * n // 4, (early, [round(t - t0, 3) for t, _ in events])
 
 
 def test_a_cancelled_image_stops_using_device_time(engine, step_s):
-    def long_one(cancel_neighbour: bool) -> float:
-        with ticking(engine):
-            a = engine.submit(req("the one that stays", 4), 30)
-            b = engine.submit(req("the one that leaves", 5), 30)
-            time.sleep(10 * step_s)  # both are a few (shared) steps in
-            if cancel_neighbour:
-                engine.cancel(b)
-                queued_then = b.dispatched
-            wait_for(lambda: a.done and b.done)
-        if cancel_neighbour:
-            assert b.status == "cancelled" and b.image is None
-            # nothing of it was queued after the next tick
-            assert b.dispatched <= queued_then + 1, (queued_then, b.dispatched)
-        return a.finished_at - a.submitted_at
-
-    alone_after = long_one(True)
-    shared = long_one(False)
-    # on a CPU a tick of two images costs about twice one: the long image gains most of the
-    # neighbour's remaining steps
-    assert alone_after < 0.8 * shared, (alone_after, shared)
+    """Two 30-step images share ticks; the one cancelled after 5 steps has nothing queued after
+    the next tick, while the other runs to the end. Device time is counted in slot-steps (the
+    images the engine stepped, summed over ticks), not on the wall clock of a shared machine."""
+    before = dict(engine.stats)
+    with ticking(engine):
+        a = engine.submit(req("the one that stays", 4), 30)
+        b = engine.submit(req("the one that leaves", 5), 30)
+        wait_for(lambda: b.step >= 5)  # the device has run 5 of its steps
+        engine.cancel(b)
+        queued_then = b.dispatched
+        wait_for(lambda: a.done and b.done)
+    assert a.status == "done" and a.image is not None
+    assert b.status == "cancelled" and b.image is None
+    assert b.dispatched <= queued_then + 1, (queued_then, b.dispatched)  # nothing after next tick
+    assert b.dispatched < 15, b.dispatched  # far from its 30
+    assert engine.stats["slot_steps"] - before["slot_steps"] == 30 + b.dispatched
+    assert engine.stats["cancelled"] - before["cancelled"] == 1
