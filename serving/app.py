@@ -47,9 +47,10 @@ request to a job, result to a response), ``client`` (calls to the generator), ``
 import functools
 import logging
 import time
+import types
 from typing import Any
 
-from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -71,6 +72,7 @@ from serving.schemas import (
     ImagesGenerationRequest,
     ImagesResponse,
     JobResult,
+    generate_openapi_body,
 )
 from serving.schemas import EditRequest as EditBody
 from serving.settings import ServeSettings
@@ -96,6 +98,20 @@ api = FastAPI(
 )
 api.add_middleware(Gate)
 errors.install(api)
+
+
+def _openapi(self: FastAPI) -> dict:
+    """FastAPI's schema plus ``/v1/generate``'s request body: it reads the body itself (JSON or
+    multipart, :func:`serving.native_api.generate_body`), so FastAPI cannot describe it."""
+    if self.openapi_schema is None:
+        schema = FastAPI.openapi(self)
+        body, components = generate_openapi_body()
+        schema["paths"]["/v1/generate"]["post"]["requestBody"] = body
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+    return self.openapi_schema
+
+
+api.openapi = types.MethodType(_openapi, api)
 
 # the page may talk to this server only; its script and style are inline
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; connect-src 'self'; img-src 'self' "
@@ -201,10 +217,16 @@ class Ingress:
                                "description": "JSON, or with `Accept: image/png` (jpeg, webp) "
                                "and one image, the image itself (seed in `X-Seed`), or with "
                                "`stream` Server-Sent Events."},
-                         **ERROR_RESPONSES})
-    async def generate(self, body: GenerateRequest, request: Request):
+                         **ERROR_RESPONSES,
+                         400: {"model": ErrorResponse,
+                               "description": "The multipart body could not be parsed."}})
+    async def generate(self, request: Request,
+                       body: GenerateRequest = Depends(native_api.generate_body)):
         """Every setting explicit; the response carries each image's seed (pass it back to
-        reproduce the image) and timings (queue, device, encode)."""
+        reproduce the image) and timings (queue, device, encode). The body is JSON, or
+        ``multipart/form-data`` with the same fields and the control images as
+        ``control_image`` files (``controlnet`` / ``control_scale`` / ``control_start`` /
+        ``control_end`` once, or once per file)."""
         t0 = time.perf_counter()
         model = self.catalog.pick(body.model)
         deadline = validation.deadline(request, self.s)

@@ -1,11 +1,20 @@
 """The native dialect (``/v1/generate``, ``/v1/edit``): every setting explicit, a response that
-reports each image's seed and the timings; an image ``Accept`` type answers the image itself."""
+reports each image's seed and the timings; an image ``Accept`` type answers the image itself.
+
+``/v1/generate`` takes its body as JSON or as ``multipart/form-data`` (:func:`generate_body`):
+the JSON fields as form fields, and control images as files (``control_image``, once per
+ControlNet), so ``curl -F prompt=... -F control_image=@edges.png`` needs no base64."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from pipelines.limits import (chosen_controlnet, control_scale_problem, control_window_problems,
                               controlnet_problem, within)
@@ -18,6 +27,105 @@ from serving.schemas import GenerateRequest, JobResult
 from serving.settings import ServeSettings
 
 DOOR = "native"  # how pipelines.limits names fields for this dialect
+
+
+# multipart/form-data: the form fields that set each control image's entry of control_images
+FORM_CONTROL = {"controlnet": "controlnet", "control_scale": "scale",
+                "control_start": "start", "control_end": "end"}
+
+
+async def generate_body(request: Request) -> GenerateRequest:
+    """The body of a ``/v1/generate`` request, as FastAPI would read it for a JSON body (the same
+    422s), or from ``multipart/form-data``: every JSON field as a form field (text, read as
+    its type: ``steps=20``, ``stream=true``), each ``control_image`` file one control image in
+    order, and ``controlnet`` / ``control_scale`` / ``control_start`` / ``control_end`` given
+    once (for every control image) or once per control image. A 422 names every problem; a
+    400 when the multipart body cannot be parsed."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    found = []  # the form's own problems, as RequestValidationError entries
+    if kind == "multipart/form-data":
+        data, problems = await _form_body(request)
+        found = invalid_all(problems).errors()
+        strict = False  # form values are text: read each as its field's type
+    else:
+        data, strict = await _json_body(request, kind), None
+    try:
+        body = GenerateRequest.model_validate(data, strict=strict)
+    except ValidationError as e:
+        found += [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
+    if found:
+        raise RequestValidationError(found)
+    return body
+
+
+async def _json_body(request: Request, kind: str):
+    raw = await request.body()
+    if not raw:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",),
+                                       "msg": "Field required", "input": None}])
+    if kind and kind != "application/json" and not (
+            kind.startswith("application/") and kind.endswith("+json")):
+        raise RequestValidationError([{  # the gate already read JSON objects as JSON
+            "type": "model_type", "loc": ("body",),
+            "msg": f"the body ({kind}) is not a JSON object: send the fields as JSON "
+                   "(application/json) or as multipart/form-data"}])
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:  # what FastAPI answers (serving.errors words it)
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos),
+                                       "msg": "JSON decode error", "input": {},
+                                       "ctx": {"error": e.msg}}]) from None
+    except UnicodeDecodeError as e:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.start),
+                                       "msg": "JSON decode error", "input": {},
+                                       "ctx": {"error": "the body is not UTF-8"}}]) from None
+
+
+async def _form_body(request: Request) -> tuple[dict, list]:
+    """A multipart body as the dict a JSON body would have been (values still text), and the
+    (field, message, value) problems of the form itself."""
+    try:
+        form = await request.form()
+    except Exception as e:  # starlette's MultiPartException and the parser's own errors
+        raise ApiError(400, f"the multipart body could not be parsed: {e}") from None
+    data, files, per_image, errors = {}, [], {k: [] for k in FORM_CONTROL}, []
+    for key, value in form.multi_items():
+        is_file = not isinstance(value, str)
+        if key == "control_image":
+            if is_file:
+                files.append(await value.read())
+            else:
+                errors.append((key, "must be a file (a PNG, JPEG or WebP control image)",
+                               None))
+        elif is_file:
+            errors.append((key, "must be a text field; only control_image takes a file",
+                           None))
+        elif key in FORM_CONTROL:
+            per_image[key].append(value)
+        elif key == "control_images":
+            errors.append((key, "in a form, give each control image as a control_image file "
+                           "(and controlnet / control_scale / control_start / control_end)",
+                           None))
+        elif key in data:
+            errors.append((key, "is given more than once", None))
+        else:
+            data[key] = value
+    given = [k for k, v in per_image.items() if v]
+    if given and not files:
+        errors.append((given[0], "sets a control image's setting: send the control image "
+                       "as a control_image file", None))
+    if files:
+        entries = [{"image": base64.b64encode(f).decode()} for f in files]
+        for key in given:
+            values = per_image[key]
+            if len(values) not in (1, len(files)):
+                errors.append((key, f"give it once (for every control image) or once per "
+                               f"control_image ({len(files)}), not {len(values)} times", None))
+                continue
+            for k, entry in enumerate(entries):
+                entry[FORM_CONTROL[key]] = values[k if len(values) > 1 else 0]
+        data["control_images"] = entries
+    return data, errors
 
 
 def wanted_image_type(accept: str | None) -> str | None:

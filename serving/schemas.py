@@ -186,6 +186,42 @@ class GenerateRequest(BaseModel):
         "request-batched).")
 
 
+def generate_openapi_body() -> tuple[dict, dict]:
+    """``/v1/generate``'s OpenAPI request body (JSON or ``multipart/form-data``) and the
+    component schemas it references: the form is the JSON body's fields with the control images
+    as ``control_image`` files and their settings as form fields (see
+    :func:`serving.native_api.generate_body`)."""
+    ref = "#/components/schemas/{model}"
+    json_schema = GenerateRequest.model_json_schema(ref_template=ref)
+    components = json_schema.pop("$defs", {})
+    components["GenerateRequest"] = json_schema
+    props = {k: v for k, v in json_schema["properties"].items() if k != "control_images"}
+    control = ControlImageInput.model_json_schema()["properties"]
+
+    def each(schema: dict, what: str) -> dict:
+        return {"type": "array", "items": schema, "description": f"{what}: once for every "
+                "control image, or once per control_image, in their order."}
+
+    props.update(
+        control_image={"type": "array", "items": {"type": "string", "format": "binary"},
+                       "description": "Control images (PNG, JPEG or WebP files), one per "
+                       "ControlNet, in order: ControlNet text-to-image."},
+        controlnet=each({"type": "string"}, "The ControlNet that reads each control image"),
+        control_scale=each({k: control["scale"][k] for k in ("type", "minimum", "maximum")},
+                           "Conditioning scale"),
+        control_start=each({"type": "number", "minimum": 0, "maximum": 1}, "Window start"),
+        control_end=each({"type": "number", "minimum": 0, "maximum": 1}, "Window end"))
+    components["GenerateForm"] = {
+        "title": "GenerateForm", "type": "object", "required": ["prompt"], "properties": props,
+        "additionalProperties": False,
+        "description": "/v1/generate as multipart/form-data: the JSON body's fields as form "
+                       "fields, control images as files."}
+    body = {"required": True, "content": {
+        "application/json": {"schema": {"$ref": ref.format(model="GenerateRequest")}},
+        "multipart/form-data": {"schema": {"$ref": ref.format(model="GenerateForm")}}}}
+    return body, components
+
+
 class EditRequest(BaseModel):
     """Native editing: image-to-image, or inpainting with a mask. Every setting explicit,
     seeds reported, unknown fields refused."""

@@ -48,6 +48,9 @@ NOT_RUN = {
     "python -m benchmarks.quantization --part quality --checkpoint /tmp/medium --json quality.json":
         "a benchmark (tens of minutes); tests/test_benchmarks.py runs every part on the tiny "
         "checkpoint",
+    "curl -s http://localhost:8000/v1/generate -H \"Accept: image/png\" -o statue.png \\":
+        "needs a server with a ControlNet loaded; tests/service/test_controlnet_serving.py sends "
+        "the same multipart form (control_image files, controlnet / control_scale / control_end)",
     "kubectl apply -f deploy/rayservice-gpu.yaml":
         "needs a Kubernetes cluster with the KubeRay operator; tests/test_deploy.py validates "
         "both manifests against Ray Serve's schema and configs/serve.yaml",

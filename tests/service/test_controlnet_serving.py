@@ -1,5 +1,6 @@
 """ControlNet over HTTP: the serve arg ``controlnets`` loads them with the model, ``/v1/generate``
-takes ``control_images`` (base64, each naming a loaded ControlNet), requests that share their
+takes ``control_images`` (base64 in JSON, or files in a multipart form; each naming a loaded
+ControlNet), requests that share their
 ControlNets and shape run in one device batch with their own control images and scales, each
 equal to the Python API's image alone; an unknown ControlNet is a 422 naming the loaded ones.
 One application for the module (the session's Ray cluster), two tiny random ControlNets."""
@@ -122,6 +123,43 @@ def test_unknown_controlnets_and_bad_values_are_422(cn_app):
     (entry,) = [m for m in requests.get(f"{cn_app}/v1/models", timeout=30).json()["data"]
                 if m["id"] == "tiny-cn"]
     assert entry["maxdiff"]["controlnets"] == [{"name": "canny"}, {"name": "depth"}]
+
+
+def test_multipart_control_images_equal_the_json_ones(cn_app):
+    """``/v1/generate`` as multipart/form-data (``curl -F``): the JSON fields as text fields,
+    control images as ``control_image`` files and their settings once per file or once for all;
+    the image equals the JSON request's; a bad form names its field."""
+    images = [_control(20), _control(21)]
+    body = {"prompt": "a red circle", "seed": 3, "steps": STEPS, "guidance_scale": 0.0}
+    as_json = _generate(cn_app, seed=3, control_images=[
+        {"image": base64.b64encode(images[0]).decode(), "controlnet": "canny", "scale": 0.5},
+        {"image": base64.b64encode(images[1]).decode(), "controlnet": "depth", "scale": 0.5,
+         "end": 0.5}])
+    assert as_json.status_code == 200, as_json.text
+    form = {k: str(v) for k, v in body.items()} | {
+        "controlnet": ["canny", "depth"], "control_scale": "0.5", "control_end": ["1", "0.5"]}
+    files = [("control_image", (f"c{k}.png", data, "image/png")) for k, data in enumerate(images)]
+    r = requests.post(f"{cn_app}/v1/generate", data=form, files=files, timeout=300)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["controlnets"] == ["canny", "depth"] and got["seeds"] == [3]
+    assert np.abs(png(got["images"][0]["b64_json"]).astype(int)
+                  - png(as_json.json()["images"][0]["b64_json"])).max() <= 1
+    # the image itself, as with JSON
+    r = requests.post(f"{cn_app}/v1/generate", data=form, files=files,
+                      headers={"Accept": "image/png"}, timeout=300)
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png", r.text
+    assert r.headers["X-Seed"] == "3"
+    # problems of the form and of its values, all named in one 422
+    bad = form | {"control_scale": ["1", "2", "3"], "steps": "four"}
+    r = requests.post(f"{cn_app}/v1/generate", data=bad, files=files, timeout=30)
+    assert r.status_code == 422, r.text
+    locs = {tuple(d["loc"][1:]) for d in r.json()["detail"]}
+    assert {("control_scale",), ("steps",)} <= locs, r.json()
+    assert "once per control_image (2), not 3 times" in r.json()["error"]["message"]
+    r = requests.post(f"{cn_app}/v1/generate", data=form | {"controlnet": "pose"}, files=files,
+                      timeout=30)
+    assert r.status_code == 422 and "unknown ControlNet 'pose'" in r.text, r.text
 
 
 def test_the_serve_arg_controlnets(sdxl_dir, tmp_path):
