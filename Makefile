@@ -20,10 +20,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 # Both suites run on TEST_WORKERS pytest-xdist workers (2: this project's 2-core machines); a
-# group (a test module, or all of tests/service) runs whole on one worker (tests/conftest.py).
+# group (a test module, or one of tests/service's two) runs whole on one worker, the groups in
+# the order tests/conftest.py gives them (the longest first: --no-loadscope-reorder).
 # TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
-XDIST = -n $(TEST_WORKERS) --dist loadgroup
+XDIST = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(XDIST) --durations=20

@@ -26,27 +26,47 @@ import tiny  # noqa: E402
 
 # `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup). A group runs whole
 # on one worker, so its module-scoped fixtures (a compiled pipeline, a PyTorch reference) are
-# built once: every module is its own group, and tests/service is one group (its package
-# fixtures: one Ray cluster and the shared applications). HEAVY goes first, so the long groups
-# start at once and the short ones fill the other worker: the groups over 80 worker-seconds in
-# the cold default-suite run of 2026-12-04 (docs/development.md), longest first.
-HEAVY = ("service", "test_readme", "test_cli", "test_quantization", "test_pipeline",
-         "test_demo_model", "test_controlnet_pipeline", "test_sd_pipeline", "test_step_pacing",
-         "test_edit", "test_refiner", "test_step_engine", "test_single_file")
+# built once: every module is its own group, and tests/service is two groups, each sharing the
+# package fixtures (one Ray cluster per worker, the applications its modules use):
+# SERVICE_STEP's modules use the engine=step and multi-model applications, the others the main,
+# guarded and ControlNet ones. HEAVY goes first, so the long groups start at once and the short
+# ones fill the other worker: the groups over 80 worker-seconds in the default-suite run of
+# 2026-12-05 (docs/development.md), longest first.
+SERVICE_STEP = ("test_step_serving", "test_multi_model", "test_cost", "test_metrics")
+HEAVY = ("service-step", "service", "test_demo_model", "test_readme", "test_pipeline",
+         "test_quantization", "test_cli", "test_controlnet_pipeline", "test_sd_pipeline")
 
 
-def _group(item) -> str:
-    path = Path(str(item.fspath))
-    return "service" if path.parent.name == "service" else path.stem
+def group(nodeid: str) -> str:
+    """The xdist group of a test, from its node id."""
+    path = Path(nodeid.split("::", 1)[0])
+    if path.parent.name == "service":
+        return "service-step" if path.stem in SERVICE_STEP else "service"
+    return path.stem
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With --dist loadgroup, a scheduler that groups by :func:`group`. xdist's own loadgroup
+    reads ``xdist_group`` markers by appending the group to ``item._nodeid``, which pytest 9.2's
+    node ids no longer read: with the markers alone no test had a group, and every module's
+    fixtures were built on both workers (seen in the 2026-12-05 run's setups)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group(nodeid)
+
+    return ByGroup(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
     rank = {g: i for i, g in enumerate(HEAVY)}
-    # a stable sort: the heavy groups first in HEAVY's order, then the rest as collected
-    items.sort(key=lambda it: rank.get(it.get_closest_marker("xdist_group").args[0], len(HEAVY)))
+    # a stable sort: the heavy groups first in HEAVY's order, then the rest as collected (the
+    # scheduler hands groups out in this order with --no-loadscope-reorder)
+    items.sort(key=lambda it: rank.get(group(it.nodeid), len(HEAVY)))
 
 # One persistent compilation cache for the run, shared by this process and every process the
 # tests start (CLI runs, Ray Serve replicas, the notebook's kernel: they read

@@ -5,8 +5,9 @@ resource (the multi-host test places one replica on each). The main application 
 replica, tiny checkpoint) serves most tests; ``guarded`` adds API keys, a rate limit, CORS and
 tight limits; ``step_app`` runs engine=step (with a second model); ``multi_app`` serves two models
 on two replicas, priced. Replicas share a JAX compilation cache (``MAXDIFF_COMPILE_CACHE``), so
-only the first replica compiles cold. Each application is deployed once, when a test first asks
-for it, and lives as long as the package runs: a deployment (replica processes, model loads,
+only the first replica compiles cold. Each application is deployed once (per pytest-xdist
+worker: tests/conftest.py splits the package into two groups by the applications they use), when
+a test first asks for it, and lives as long as the package runs: a deployment (replica processes, model loads,
 warm-up) is what these tests spend most of their time on, so modules share one wherever their
 serve args agree, and read the counters of ``/v1/stats`` as differences (another module may
 have used the application before)."""
@@ -87,7 +88,7 @@ def main_app(cluster, sdxl_dir):
 
 
 @pytest.fixture(scope="package")
-def pipe(main_app, cluster, sdxl_dir):
+def pipe(cluster, sdxl_dir):
     """The Python API in this process, sharing the replicas' compilation cache."""
     import jax
 
