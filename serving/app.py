@@ -219,7 +219,10 @@ class Ingress:
                                "`stream` Server-Sent Events."},
                          **ERROR_RESPONSES,
                          400: {"model": ErrorResponse,
-                               "description": "The multipart body could not be parsed."}})
+                               "description": "The multipart body could not be parsed."},
+                         422: {"model": ErrorResponse,
+                               "description": "A field is missing or out of range (`param` "
+                               "and `detail` name every one)."}})
     async def generate(self, request: Request,
                        body: GenerateRequest = Depends(native_api.generate_body)):
         """Every setting explicit; the response carries each image's seed (pass it back to

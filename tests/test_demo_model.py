@@ -156,8 +156,8 @@ def test_tokenizer_is_clips(pipe):
 
 def _evaluate_as_shipped(split: str) -> dict:
     """``python -m pipelines.demo_eval --split SPLIT`` at the model's steps/guidance, as a user
-    runs it: XLA's shipped flags, where the published scores were measured (the suite's -O0,
-    conftest.py, made these 252 images ~1.7x slower in-process)."""
+    runs it: at XLA's shipped flags, where the published scores were measured, not at the
+    suite's -O0 (conftest.py)."""
     from conftest import SHIPPED_XLA_FLAGS
 
     env = dict(os.environ, XLA_FLAGS=SHIPPED_XLA_FLAGS, PYTHONPATH=str(ROOT))

@@ -53,19 +53,20 @@ def test_the_dashboard_covers_what_it_should():
             "ray_maxdiff_http_latency_s_bucket"} <= used
 
 
-def test_every_metric_the_dashboard_uses_is_exported(cluster, main_app, step_app):
-    """On the package's main (engine=batch) and step applications; the metrics are counters and
-    histograms, so what other modules sent before only adds to them."""
+def test_every_metric_the_dashboard_uses_is_exported(cluster, multi_app, step_app):
+    """On the package's multi-model (engine=batch, priced) and step applications, which its
+    group deploys anyway; the metrics are counters and histograms, so what other modules sent
+    before only adds to them."""
     from ray import serve
 
     # images on both engines, and a request refused (422) for the errors panel
-    assert generate(main_app.url, seed=11).status_code == 200
+    assert generate(multi_app.url, seed=11).status_code == 200
     assert generate(step_app, seed=11, width=SIZE, height=SIZE).status_code == 200
-    assert generate(main_app.url, steps=10_000).status_code == 422
+    assert generate(multi_app.url, steps=10_000).status_code == 422
     # an expired request: a deadline that has passed when its device batch starts (the batch
     # waits batch_wait_timeout_s to fill); asked of the generator directly, so no caller gives
     # up first
-    handle = serve.get_deployment_handle("Generator", app_name="main")
+    handle = serve.get_deployment_handle("Generator", app_name="multi")
     job = GenerationRequest("expires", None, 1, 1, SIZE, SIZE, 2, 0.0)
     with pytest.raises(Exception, match="deadline passed"):
         handle.generate.remote(job, 0.0).result(timeout_s=60)
