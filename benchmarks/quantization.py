@@ -130,7 +130,7 @@ def verdicts(medium: dict | None, demo: dict | None) -> dict:
                                   ("medium_worst_psnr_db", "worst_db", THRESHOLDS)):
             b = bound[key][mode]
             out.setdefault(key, {})[mode] = {"value": round(r[field], 2), "bound": b,
-                                             "pass": r[field] >= b}
+                                             "pass": bool(r[field] >= b)}
     if demo:
         base = demo["float32"]["all"]
         for mode, r in demo.items():
@@ -139,7 +139,7 @@ def verdicts(medium: dict | None, demo: dict | None) -> dict:
             drop = round(100 * (base - r["all"]), 2)
             b = THRESHOLDS["demo_all_drop_points"][mode]
             out.setdefault("demo_all_drop_points", {})[mode] = {"value": drop, "bound": b,
-                                                                "pass": drop <= b}
+                                                                "pass": bool(drop <= b)}
     return out
 
 
@@ -413,7 +413,9 @@ def main(argv=None) -> None:
             shutil.rmtree(path, ignore_errors=True)
     result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
+        # numpy scalars (a verdict of np.float64 figures) as Python numbers: the run of
+        # 2026-12-05 lost its JSON to a numpy bool after 20 minutes of measuring
+        Path(a.json).write_text(json.dumps(result, indent=1, default=lambda o: o.item()))
     for name, per in result.get("verdicts", {}).items():
         for mode, v in per.items():
             print(f"{name:<22} {mode:<13} {v['value']:>8} (bound {v['bound']}): "
