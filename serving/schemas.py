@@ -202,15 +202,17 @@ def generate_openapi_body() -> tuple[dict, dict]:
         return {"type": "array", "items": schema, "description": f"{what}: once for every "
                 "control image, or once per control_image, in their order."}
 
+    def bounded(field: str) -> dict:  # ControlImageInput's type and range of the field
+        return {k: control[field][k] for k in ("type", "minimum", "maximum")}
+
     props.update(
         control_image={"type": "array", "items": {"type": "string", "format": "binary"},
                        "description": "Control images (PNG, JPEG or WebP files), one per "
                        "ControlNet, in order: ControlNet text-to-image."},
         controlnet=each({"type": "string"}, "The ControlNet that reads each control image"),
-        control_scale=each({k: control["scale"][k] for k in ("type", "minimum", "maximum")},
-                           "Conditioning scale"),
-        control_start=each({"type": "number", "minimum": 0, "maximum": 1}, "Window start"),
-        control_end=each({"type": "number", "minimum": 0, "maximum": 1}, "Window end"))
+        control_scale=each(bounded("scale"), "Conditioning scale"),
+        control_start=each(bounded("start"), "Window start"),
+        control_end=each(bounded("end"), "Window end"))
     components["GenerateForm"] = {
         "title": "GenerateForm", "type": "object", "required": ["prompt"], "properties": props,
         "additionalProperties": False,

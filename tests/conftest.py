@@ -19,6 +19,12 @@ SHIPPED_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 _ADDED = os.environ.get("MAXDIFF_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
 os.environ["XLA_FLAGS"] = f"{SHIPPED_XLA_FLAGS} {_ADDED}".strip()
 
+
+def shipped_env(pythonpath, **extra: str) -> dict:
+    """The environment of a process the tests start as a user would run it: XLA's shipped
+    flags (not the suite's -O0), ``pythonpath`` the code it imports, ``extra`` variables."""
+    return dict(os.environ, XLA_FLAGS=SHIPPED_XLA_FLAGS, PYTHONPATH=str(pythonpath), **extra)
+
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads them when it starts)
 import pytest  # noqa: E402
 

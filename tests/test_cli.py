@@ -445,10 +445,9 @@ def test_a_regular_install_works_from_another_folder(tmp_path):
     assert (shipped / "scheduler" / "scheduler_config.json").is_file()
     assert "<title>maxdiff playground</title>" in (target / "serving" / "playground.html"
                                                    ).read_text()  # the service's page at /
-    from conftest import SHIPPED_XLA_FLAGS
+    from conftest import shipped_env
 
-    env = {**os.environ, "PYTHONPATH": str(target), "XLA_FLAGS": SHIPPED_XLA_FLAGS,  # as shipped
-           "MAXDIFF_COMPILE_CACHE": str(tmp_path / "jax")}
+    env = shipped_env(target, MAXDIFF_COMPILE_CACHE=str(tmp_path / "jax"))  # as shipped
     env.pop("MAXDIFF_DEFAULT_MODEL", None)
     where = subprocess.run(
         [sys.executable, "-c", "import maxdiff.config, pipelines.default_model as d; "

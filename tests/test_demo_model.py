@@ -4,7 +4,6 @@ procedural dataset it was trained on, and ``python -m pipelines.demo``."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -158,12 +157,12 @@ def _evaluate_as_shipped(split: str) -> dict:
     """``python -m pipelines.demo_eval --split SPLIT`` at the model's steps/guidance, as a user
     runs it: at XLA's shipped flags, where the published scores were measured, not at the
     suite's -O0 (conftest.py)."""
-    from conftest import SHIPPED_XLA_FLAGS
+    from conftest import shipped_env
 
-    env = dict(os.environ, XLA_FLAGS=SHIPPED_XLA_FLAGS, PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-m", "pipelines.demo_eval", "--split", split,
                           "--steps", str(DEMO["steps"]), "--guidance", str(DEMO["guidance"])],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                         cwd=ROOT, env=shipped_env(ROOT), capture_output=True, text=True,
+                         timeout=900)
     lines = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, (res.stdout[-2000:], res.stderr[-3000:])
     (out,) = lines

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -112,7 +111,7 @@ def test_the_shipped_xla_optimisation_level_agrees(sdxl_dir, pipe, torch_pipe, t
     """The suite runs XLA's CPU backend at -O0 (conftest.py); a user's process runs XLA's default.
     The same images from a process at the shipped flags agree with diffusers as closely, and
     with this process's."""
-    from conftest import SHIPPED_XLA_FLAGS
+    from conftest import shipped_env
 
     lat = _latents(2, seed=4)
     np.save(tmp_path / "lat.npy", lat)
@@ -126,9 +125,8 @@ def test_the_shipped_xla_optimisation_level_agrees(sdxl_dir, pipe, torch_pipe, t
         out = p(**{kw!r}, latents=lat, output_type="np").images
         np.save({str(tmp_path / "shipped.npy")!r}, out)
     """)
-    env = dict(os.environ, XLA_FLAGS=SHIPPED_XLA_FLAGS, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=shipped_env(ROOT),
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     shipped = np.load(tmp_path / "shipped.npy")
     ours = pipe(**kw, latents=lat, output_type="np").images

@@ -7,10 +7,10 @@ tight limits; ``step_app`` runs engine=step (with a second model); ``multi_app``
 on two replicas, priced. Replicas share a JAX compilation cache (``MAXDIFF_COMPILE_CACHE``), so
 only the first replica compiles cold. Each application is deployed once (per pytest-xdist
 worker: tests/conftest.py splits the package into two groups by the applications they use), when
-a test first asks for it, and lives as long as the package runs: a deployment (replica processes, model loads,
-warm-up) is what these tests spend most of their time on, so modules share one wherever their
-serve args agree, and read the counters of ``/v1/stats`` as differences (another module may
-have used the application before)."""
+a test first asks for it, and lives as long as the package runs: a deployment (replica
+processes, model loads, warm-up) is what these tests spend most of their time on, so modules
+share one wherever their serve args agree, and read the counters of ``/v1/stats`` as
+differences (another module may have used the application before)."""
 
 from __future__ import annotations
 
