@@ -60,11 +60,13 @@ train-demo-captions: $(STAMP)
 
 # The demo model from scratch on caption set v2 (#25; the run and its snapshot rule are in
 # pipelines/demo_eval.py, fixed before training): train-demo's config, VAE reused, snapshots every
-# 2,500 steps in out/demo-v2/snapshots (about 1.5 h on 2 idle cores).
+# 2,500 steps in out/demo-v2/snapshots (1.5-2.5 h on 2 idle cores). Stopped (Ctrl-C, kill), the
+# same command continues from out/demo-v2/state.npz to the same weights.
 V2_OUT ?= out/demo-v2
 train-demo-v2: $(STAMP)
 	$(PY) -m maxdiff.training.train --config configs/train-demo.yaml --out $(V2_OUT)/model \
-	  --snapshots $(V2_OUT)/snapshots --vae-from $(DEMO_OUT) --set captions=v2 save_every=2500
+	  --snapshots $(V2_OUT)/snapshots --vae-from $(DEMO_OUT) --set captions=v2 save_every=2500 \
+	  --state $(V2_OUT)/state.npz
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

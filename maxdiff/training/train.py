@@ -25,8 +25,10 @@ An EMA of the phase-2 weights is exported as a diffusers SDXL folder (``--out``)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -217,10 +219,77 @@ def load_text_and_unet(folder: str | Path, like: dict) -> dict:
     return jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), loaded)
 
 
+# config keys that do not change the weights a run reaches (a continued run may change them)
+_NOT_IN_STATE = ("save_every", "max_minutes")
+
+
+def _run_identity(cfg: TrainConfig, pool: dict) -> dict:
+    """What a state file must match to be continued: the config's keys that shape the weights
+    and a digest of the encoded image pool (it also depends on the VAE, ``--vae-from``)."""
+    digest = hashlib.sha256()
+    for name in ("latents", "ids1", "ids2"):
+        digest.update(np.ascontiguousarray(pool[name]).tobytes())
+    return {**{k: v for k, v in cfg.model_dump(mode="json").items() if k not in _NOT_IN_STATE},
+            "pool_sha256": digest.hexdigest()}
+
+
+def _save_state(path: Path, identity: dict, done: int, trees: tuple, rng, avg) -> None:
+    """The whole phase-2 state after ``done`` steps (weights, optimizer, EMA as float32 leaves;
+    the data order's generator; the run it belongs to), written atomically."""
+    leaves = jax.tree_util.tree_leaves(trees)
+    meta = {"step": done, "run": identity, "rng": rng.bit_generator.state, "loss": avg,
+            "leaves": len(leaves)}
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+                 **{f"a{k}": np.asarray(x) for k, x in enumerate(leaves)})
+    tmp.replace(path)
+
+
+def _check_state(path: Path, identity: dict, z=None) -> dict:
+    """The metadata of a :func:`_save_state` file; a file from another run (other settings,
+    another image pool) is an error naming what differs."""
+    if z is None:
+        with np.load(path) as z:
+            return _check_state(path, identity, z)
+    meta = json.loads(bytes(z["meta"]))
+    diff = sorted(k for k in set(identity) | set(meta["run"])
+                  if identity.get(k) != meta["run"].get(k))
+    if diff:
+        raise ValueError(f"--state {path}: it is the state of a run with other settings "
+                         f"({', '.join(diff)} differ); give this run's own state file or "
+                         "remove it to start over")
+    return meta
+
+
+def _load_state(path: Path, identity: dict, like: tuple, rng) -> tuple[int, tuple, object]:
+    """(steps done, (params, opt, ema), moving loss) from a :func:`_save_state` file, shaped as
+    ``like``; ``rng`` is set to where the data order stopped. A file from another run is an
+    error naming what differs."""
+    with np.load(path) as z:
+        meta = _check_state(path, identity, z)
+        ref, tree = jax.tree_util.tree_flatten(like)
+        if meta["leaves"] != len(ref):
+            raise ValueError(f"--state {path}: it holds {meta['leaves']} arrays, this run has "
+                             f"{len(ref)}")
+        leaves = [jnp.asarray(z[f"a{k}"], r.dtype) for k, r in enumerate(ref)]
+    rng.bit_generator.state = meta["rng"]
+    return int(meta["step"]), jax.tree_util.tree_unflatten(tree, leaves), meta["loss"]
+
+
 def train_unet(cfg: TrainConfig, vae_cfg: dict, vae_params: dict, vocab_dir: Path, out: Path,
-               sched_cfg: dict, log=print, snapshots: Path | None = None) -> dict:
+               sched_cfg: dict, log=print, snapshots: Path | None = None,
+               state: Path | None = None, state_every: int = 250,
+               stop_at: int | None = None) -> dict:
+    """Phase 2. ``state``: a file that holds the whole training state every ``state_every``
+    steps (and when the run stops early or is interrupted); a run given an existing one
+    continues from it, to the same weights as a run never stopped. ``stop_at``: stop after that
+    many steps (with ``state``: to continue later)."""
     toks = _tokenizers(vocab_dir)
     pool = make_pool(cfg, vae_cfg, vae_params, toks, log)
+    identity = _run_identity(cfg, pool) if state is not None else None
+    if state is not None and state.exists():
+        _check_state(state, identity)  # before the models are built
     key = jax.random.key(cfg.seed + 4)
     params, (te1, te2, unet) = init_text_and_unet(cfg, key)
     if cfg.init_from:
@@ -282,29 +351,51 @@ def train_unet(cfg: TrainConfig, vae_cfg: dict, vae_params: dict, vocab_dir: Pat
 
     rng = np.random.default_rng(cfg.seed + 5)
     n = pool["latents"].shape[0]
-    t0 = time.time()
-    limit = cfg.max_minutes * 60 if cfg.max_minutes else float("inf")
-    bar = tqdm(range(p.steps), desc="unet", dynamic_ncols=True, mininterval=2.0)
     avg = None
     done = 0
-    for i in bar:
-        idx = rng.integers(0, n, p.batch)
-        params, opt, ema, loss, raw = step(params, opt, ema, jnp.float32(i), pool["latents"][idx],
-                                           pool["ids1"][idx], pool["ids2"][idx],
-                                           jax.random.fold_in(key, i))
-        done = i + 1
-        if i % 10 == 0:
-            lv = float(raw)
-            avg = lv if avg is None else 0.9 * avg + 0.1 * lv
-            bar.set_postfix(loss=f"{avg:.4f}")
-        if done % cfg.save_every == 0:
-            save(str(done))
-        if time.time() - t0 > limit:
-            log(f"stopping at step {done}: max_minutes={cfg.max_minutes} reached")
-            break
+    if state is not None and state.exists():
+        done, (params, opt, ema), avg = _load_state(state, identity, (params, opt, ema), rng)
+        log(f"continuing from {state}: step {done} of {p.steps}")
+    t0 = time.time()
+    limit = cfg.max_minutes * 60 if cfg.max_minutes else float("inf")
+    last = p.steps if stop_at is None else min(p.steps, stop_at)
+    bar = tqdm(range(done, last), desc="unet", dynamic_ncols=True, mininterval=2.0,
+               initial=done, total=p.steps)
+    interrupted = None
+    try:
+        for i in bar:
+            idx = rng.integers(0, n, p.batch)
+            params, opt, ema, loss, raw = step(params, opt, ema, jnp.float32(i),
+                                               pool["latents"][idx], pool["ids1"][idx],
+                                               pool["ids2"][idx], jax.random.fold_in(key, i))
+            done = i + 1
+            if i % 10 == 0:
+                lv = float(raw)
+                avg = lv if avg is None else 0.9 * avg + 0.1 * lv
+                bar.set_postfix(loss=f"{avg:.4f}")
+            if done % cfg.save_every == 0:
+                save(str(done))
+            if state is not None and done % state_every == 0 and done < p.steps:
+                _save_state(state, identity, done, (params, opt, ema), rng, avg)
+            if time.time() - t0 > limit:
+                log(f"stopping at step {done}: max_minutes={cfg.max_minutes} reached")
+                break
+    except KeyboardInterrupt as e:  # Ctrl-C (and SIGTERM, see main): keep what was done
+        interrupted = e
     bar.close()
+    if state is not None and done < p.steps:
+        _save_state(state, identity, done, (params, opt, ema), rng, avg)
+        log(f"stopped at step {done} of {p.steps}; the same command continues from {state}")
+    if interrupted is not None:
+        raise interrupted
     save(str(done))
+    if state is not None and done == p.steps and state.exists():
+        state.unlink()  # the run is complete: the same command now starts a new one
     return {"steps": done, "seconds": time.time() - t0, "loss": avg}
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM stops a run as Ctrl-C does (its state is kept)
 
 
 def main(argv=None) -> None:
@@ -321,8 +412,20 @@ def main(argv=None) -> None:
     ap.add_argument("--snapshots", default=None, metavar="DIR",
                     help="also keep every saved UNet checkpoint as DIR/step-N (for a training "
                          "curve: evaluate them with pipelines.demo_eval --model DIR/step-N)")
+    ap.add_argument("--state", default=None, metavar="FILE",
+                    help="keep the UNet phase's whole state (weights, optimizer, EMA, data order) "
+                         "in FILE every --state-every steps and when stopped (Ctrl-C, SIGTERM, "
+                         "--stop-at); a run whose FILE exists continues from it, to the same "
+                         "weights as a run never stopped")
+    ap.add_argument("--state-every", type=int, default=250, metavar="N",
+                    help="steps between --state writes (default 250)")
+    ap.add_argument("--stop-at", type=int, default=None, metavar="N",
+                    help="stop the UNet phase after N steps (with --state: continue later)")
     a = ap.parse_args(argv)
+    if a.state_every < 1 or (a.stop_at is not None and a.stop_at < 1):
+        ap.error("--state-every and --stop-at must be >= 1")
     cfg = TrainConfig.load(a.config, a.set)
+    signal.signal(signal.SIGTERM, _interrupt)
     out = Path(a.out)
     t0 = time.time()
     # keep a private copy of the vocabulary: --out may be the folder it came from
@@ -341,8 +444,14 @@ def main(argv=None) -> None:
     else:
         vae_cfg, vae_params = train_vae(cfg)
     t1 = time.time()
-    stats = train_unet(cfg, vae_cfg, vae_params, tmp, out, sched_cfg,
-                       snapshots=Path(a.snapshots) if a.snapshots else None)
+    try:
+        stats = train_unet(cfg, vae_cfg, vae_params, tmp, out, sched_cfg,
+                           snapshots=Path(a.snapshots) if a.snapshots else None,
+                           state=Path(a.state) if a.state else None,
+                           state_every=a.state_every, stop_at=a.stop_at)
+    except KeyboardInterrupt:
+        shutil.rmtree(tmp)
+        raise SystemExit(130)
     shutil.rmtree(tmp)
     total = time.time() - t0
     print(json.dumps({"out": str(out), "vae_s": round(t1 - t0), "unet_s": round(stats["seconds"]),
