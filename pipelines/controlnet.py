@@ -54,7 +54,8 @@ from pipelines.requests import ControlImage, ImageRequest, bucket_size
 from pipelines.text_to_image import (PipelineOutput, TextToImagePipeline, _to_pixels,
                                      conditioning)
 
-__all__ = ["ControlNetPipeline", "ControlImage", "control_keep"]
+__all__ = ["ControlNetPipeline", "ControlImage", "control_inputs", "control_keep",
+           "control_residuals"]
 
 # UNet settings a ControlNet must share with the UNet it feeds (its residuals' shapes, its
 # text and time inputs)
@@ -68,6 +69,54 @@ def control_keep(calls: int, start: float, end: float) -> np.ndarray:
     else 0. Computed on the host in float64, as diffusers does."""
     return np.array([1.0 - float(i / calls < start or (i + 1) / calls > end)
                      for i in range(calls)], np.float32)
+
+
+def control_residuals(nets, cps, x, t, emb, pooled, time_ids, images, scales, guess):
+    """The UNet's additional residuals from ControlNets ``nets`` (weights ``cps``) for one
+    model call on rows ``x`` (the UNet's inputs ``t``, ``emb``, ``pooled``, ``time_ids``):
+    ``images`` one (B, H, W, 3) control batch per ControlNet, ``scales`` (B, K) this call's
+    scale of each row for each ControlNet (0 outside its window), ``guess`` (B, K). Summed over
+    the ControlNets in order (diffusers' ``MultiControlNetModel``); a ControlNet whose scales
+    are all 0 at this call is skipped (``lax.cond``), not run and multiplied by 0. Returns
+    ``(down residuals, mid residual)``; what :class:`ControlNetPipeline`'s program and the step
+    engine (:mod:`pipelines.step_engine`) both feed the UNet."""
+    down = mid = None
+    for k, net in enumerate(nets):
+        def run(net=net, k=k):
+            return net.apply({"params": cps[k]}, x, t, emb, images[k], scales[:, k],
+                             text_embeds=pooled, time_ids=time_ids, guess_mode=guess[:, k])
+
+        shapes = jax.eval_shape(run)
+        d, m = jax.lax.cond(jnp.any(scales[:, k] != 0), run, lambda shapes=shapes: jax.tree.map(
+            lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+        down = d if down is None else tuple(a + b for a, b in zip(down, d))
+        mid = m if mid is None else mid + m
+    return down, mid
+
+
+def control_inputs(nets, controls: Sequence[Sequence[ControlImage]], height: int, width: int,
+                   calls: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """The host side of :func:`control_residuals` for images of ``height`` x ``width`` and a
+    run of ``calls`` model calls: ``controls`` has one row per image, one
+    :class:`ControlImage` per ControlNet of ``nets``. Returns the control images (one float32
+    (n, H, W, 3) batch per ControlNet, resized as diffusers' control image processor does), the
+    scales (n, K, calls: scale times :func:`control_keep`) and guess mode (n, K: the
+    ControlImage's, or the ControlNet's ``global_pool_conditions``)."""
+    k = len(nets)
+    cache: dict[int, np.ndarray] = {}  # an image given for several rows is resized once
+
+    def pixels(img, name):
+        if id(img) not in cache:
+            cache[id(img)] = image_pixels(img, height, width, name)
+        return cache[id(img)]
+
+    images = [np.stack([pixels(row[j].image, f"image[{j}]" if k > 1 else "image")
+                        for row in controls]) for j in range(k)]
+    scales = np.array([[c.scale * control_keep(calls, c.start, c.end) for c in row]
+                       for row in controls], np.float32).reshape(len(controls), k, calls)
+    guess = np.array([[bool(c.guess_mode) or bool(net.config.global_pool_conditions)
+                       for c, net in zip(row, nets)] for row in controls]).reshape(-1, k)
+    return images, scales, guess
 
 
 def _as_pairs(controlnet) -> list:
@@ -183,6 +232,24 @@ class ControlNetPipeline(_EditPipeline):
         """Each ControlNet's weights (on the parent's mesh, replicated)."""
         return self._cn_params
 
+    def check_controls(self, entries, where: str = "") -> None:
+        """ValueError unless ``entries`` is one image's conditioning: a list of one
+        :class:`ControlImage` per ControlNet, each with a valid scale and window and an image
+        (PIL, or a float (H, W, 3) array); ``where`` starts the message."""
+        k = len(self._nets)
+        if not isinstance(entries, list) or len(entries) != k or not all(
+                isinstance(c, ControlImage) for c in entries):
+            raise ValueError(f"{where}give one ControlImage per ControlNet ({k}), got "
+                             f"{entries!r:.80}")
+        for j, c in enumerate(entries):
+            found = c.problems(f"ControlNet {j}" if k > 1 else "")
+            if found:
+                raise ValueError(where + "; ".join(describe(p) for p in found))
+            if not _is_image(c.image):
+                name = f"image[{j}]" if k > 1 else "image"
+                raise ValueError(f"{where}{name} is a {type(c.image).__name__}; give a PIL "
+                                 "image or a float array (H, W, 3) in [0, 1]")
+
     # ------------------------------------------------------------------ the program
     def _build(self, batch: int, lh: int, lw: int, steps: int, cfg: bool, given_latents: bool,
                as_uint8: bool, tiled: bool):
@@ -190,17 +257,6 @@ class ControlNetPipeline(_EditPipeline):
                                       self.scheduler)
         nets = self._nets
         channels = self.latent_channels
-
-        def residuals(net, cp, x, t, emb, pooled, time_ids, image, scale, guess):
-            """One ControlNet's residuals, or zeros without running it when every row's scale
-            is 0 (a step outside every image's window)."""
-            def run():
-                return net.apply({"params": cp}, x, t, emb, image, scale, text_embeds=pooled,
-                                 time_ids=time_ids, guess_mode=guess)
-
-            shapes = jax.eval_shape(run)
-            return jax.lax.cond(jnp.any(scale != 0), run, lambda: jax.tree.map(
-                lambda s: jnp.zeros(s.shape, s.dtype), shapes))
 
         def program(p, cps, ids, neg_ids, zero_negative, seeds, latents, guidance, rescale,
                     time_ids, neg_time_ids, images, scales, guess, sched_state, ad=None,
@@ -221,12 +277,8 @@ class ControlNetPipeline(_EditPipeline):
                 guess = jnp.concatenate([guess, guess])
 
             def model(xin, t, i):
-                down = mid = None
-                for k, net in enumerate(nets):  # MultiControlNet: residuals summed in order
-                    d, m = residuals(net, cps[k], xin, t, emb, pooled, time_ids, images[k],
-                                     scales[:, k, i], guess[:, k])
-                    down = d if down is None else tuple(a + b for a, b in zip(down, d))
-                    mid = m if mid is None else mid + m
+                down, mid = control_residuals(nets, cps, xin, t, emb, pooled, time_ids, images,
+                                              scales[:, :, i], guess)
                 with adapterlib.applied((ad or {}).get("unet"), uidx):
                     return unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids,
                                       down_block_additional_residuals=down,
@@ -332,26 +384,13 @@ class ControlNetPipeline(_EditPipeline):
         items = list(items)
         if not items:
             raise ValueError("items is empty: give at least one ImageRequest")
-        n, k = len(items), len(self._nets)
+        n = len(items)
         controls = [list(row) if isinstance(row, (list, tuple)) else row for row in controls]
         if len(controls) != n:
             raise ValueError(f"give one list of ControlImage per item: {n} item(s), "
                              f"{len(controls)} given")
         for row, entries in enumerate(controls):
-            where = f"item {row}: " if row else ""
-            if not isinstance(entries, list) or len(entries) != k or not all(
-                    isinstance(c, ControlImage) for c in entries):
-                raise ValueError(f"{where}give one ControlImage per ControlNet ({k}), got "
-                                 f"{entries!r:.80}")
-            for j, c in enumerate(entries):
-                which = f"ControlNet {j}" if k > 1 else ""
-                found = c.problems(which)
-                if found:
-                    raise ValueError(where + "; ".join(describe(p) for p in found))
-                if not _is_image(c.image):
-                    name = f"image[{j}]" if k > 1 else "image"
-                    raise ValueError(f"{where}{name} is a {type(c.image).__name__}; give a PIL "
-                                     "image or a float array (H, W, 3) in [0, 1]")
+            self.check_controls(entries, f"item {row}: " if row else "")
         steps = self.default_steps if num_inference_steps is None else num_inference_steps
         f = self.vae_scale_factor
         w0, h0 = _size(controls[0][0].image)
@@ -369,20 +408,8 @@ class ControlNetPipeline(_EditPipeline):
                                  f"{width}x{height} it must be {want} (N, C, H/{f}, W/{f})")
             latents = latents.transpose(0, 2, 3, 1)
 
-        cache: dict[int, np.ndarray] = {}
-
-        def pixels(img, name):
-            if id(img) not in cache:
-                cache[id(img)] = image_pixels(img, height, width, name)
-            return cache[id(img)]
-
-        images = [np.stack([pixels(row[j].image, f"image[{j}]" if k > 1 else "image")
-                            for row in controls]) for j in range(k)]
-        calls = self.scheduler.num_model_calls(steps)
-        scales = np.array([[c.scale * control_keep(calls, c.start, c.end) for c in row]
-                           for row in controls], np.float32)  # (n, K, calls)
-        guess = np.array([[bool(c.guess_mode) or bool(net.config.global_pool_conditions)
-                           for c, net in zip(row, self._nets)] for row in controls])
+        images, scales, guess = control_inputs(self._nets, controls, height, width,
+                                               self.scheduler.num_model_calls(steps))
         (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
          rescale) = self.pipe.host_inputs(items, height, width)
         adapter_idx = self.pipe.adapter_index(items)

@@ -454,6 +454,14 @@ class ControlRequest(GenerationRequest):
     def controlnets(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.controls)
 
+    def pipeline_controls(self) -> list[ControlImage]:
+        """The controls as the ControlNet pipeline and the step engine take them: each image a
+        PIL image, so it is resized (to the output size) as diffusers resizes an uploaded one."""
+        from PIL import Image
+
+        return [ControlImage(Image.fromarray(c.image), c.scale, c.start, c.end, c.guess_mode)
+                for _, c in self.controls]
+
     @property
     def key(self) -> ControlKey:  # type: ignore[override]
         return ControlKey(self.controlnets, self.height, self.width, self.steps,

@@ -82,6 +82,16 @@ latent-to-RGB projection would be cheaper but model specific).
 Per-image adapters (``ImageRequest.adapter``, ``TextToImagePipeline.add_adapter``) are applied
 per slot like the pipeline applies them per row; ``pipe.vae_tiling`` is honoured at decode.
 
+**ControlNets.** Over a :class:`pipelines.ControlNetPipeline` every image is submitted with one
+:class:`pipelines.requests.ControlImage` per ControlNet, and each slot also holds its control
+images (resized at admission by :func:`pipelines.controlnet.control_inputs`, as the pipeline
+resizes them), its scale table (scale x ``controlnet_keep`` over its own steps, padded at the
+front like the schedules, so row ``i`` of a k-step image reads its own step's scale) and guess
+mode. The step program feeds the tick's rows (negative rows too; in guess mode those get scale
+0, as in the pipeline) to :func:`pipelines.controlnet.control_residuals`, the pipeline's own,
+before the UNet; idle rows get scale 0, so a ControlNet that no active row needs at this step
+is skipped. An image's pixels equal ``ControlNetPipeline.generate`` on it alone.
+
 **Who does what.** The deciding is host-only and JAX-free, in
 :class:`pipelines.step_scheduler.SlotScheduler` (queue, slots, admission policy, queue
 positions, cancels, aborts, the ``(b, g)`` of each tick, step counting); the device side is a
@@ -99,7 +109,7 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -111,8 +121,9 @@ from maxdiff.schedulers.common import SigmaState, at
 from maxdiff.schedulers.ddim import x0_and_eps
 from maxdiff.schedulers.euler import denoised_from_sigma
 from pipelines import program as program_lib
+from pipelines.controlnet import ControlNetPipeline, control_inputs, control_residuals
 from pipelines.limits import cfg_on, check, steps_problem
-from pipelines.requests import ImageRequest, bucket_size
+from pipelines.requests import ControlImage, ImageRequest, bucket_size
 from pipelines.step_scheduler import Handle, Policy, SlotScheduler, StepPlan, step_shapes
 from pipelines.text_to_image import _to_pixels, conditioning, encode_prompts, guide
 
@@ -178,6 +189,9 @@ class StepRunner:
         self.lh, self.lw, self.channels = height // f, width // f, pipe.latent_channels
         self.sched = pipe.scheduler
         self.stochastic = self.sched.stochastic
+        # ControlNets (a ControlNetPipeline): each slot also holds its control images, its
+        # scale table (per ControlNet, padded at the front like the schedules) and guess mode
+        self.nets = pipe.controlnets if isinstance(pipe, ControlNetPipeline) else ()
         self.tiled = pipe.uses_vae_tiling(height, width)  # the pipeline's vae_tiling rule
         self._sharded = meshlib.batch_sharded(pipe.mesh)
         self._state = self._empty_state()
@@ -221,6 +235,12 @@ class StepRunner:
             "g": np.ones(s, np.float32), "r": np.zeros(s, np.float32), "cfg": np.zeros(s, bool),
             "aidx": np.zeros(s, np.int32),
         }
+        if self.nets:
+            k = len(self.nets)
+            state.update(
+                cimg=tuple(np.zeros((s, self.height, self.width, 3), np.float32)
+                           for _ in self.nets),
+                cscale=np.zeros((s, k, self.max_steps), np.float32), cguess=np.zeros((s, k), bool))
         if self.cfg:
             state.update(nemb=np.zeros_like(state["emb"]), npooled=np.zeros_like(state["pooled"]),
                          ntime_ids=np.zeros_like(state["time_ids"]))
@@ -280,7 +300,7 @@ class StepRunner:
         cfg_engine = self.cfg
 
         def admit(params, state, slot, ids, neg_ids, zero_negative, time_ids, neg_time_ids,
-                  seeds, init_sigma, g, r, cfg, sched, aidx, ad=None):
+                  seeds, init_sigma, g, r, cfg, sched, aidx, control, ad=None):
             # the pipeline's conditioning and noise, for a batch of new images; rows for slot
             # index == slots are padding and are dropped by the scatter
             emb, pooled, tids, _ = conditioning(te1, te2, params, ids, neg_ids, zero_negative,
@@ -291,7 +311,7 @@ class StepRunner:
             x = x.astype(jnp.float32) * init_sigma[:, None, None, None]
             new = {"x": x, "x0": jnp.zeros_like(x), "sched": sched,
                    "keys": jax.random.key_data(step_keys), "g": g, "r": r, "cfg": cfg,
-                   "aidx": aidx}
+                   "aidx": aidx, **control}
             if cfg_engine:
                 (new["nemb"], new["emb"]) = jnp.split(emb, 2)
                 (new["npooled"], new["pooled"]) = jnp.split(pooled, 2)
@@ -310,6 +330,7 @@ class StepRunner:
         lh, lw, ch = self.lh, self.lw, self.channels
         stochastic = self.stochastic
         variants = _final_order_variants(sched)
+        nets = self.nets
 
         def step(params, state, active, index, local, short, ad=None):
             s, x = state["sched"], state["x"]
@@ -317,14 +338,28 @@ class StepRunner:
             t = jax.vmap(sched.timestep_for_model)(s, index)
             emb, pooled, tids = state["emb"], state["pooled"], state["time_ids"]
             aidx = state["aidx"]
+            if nets:  # this step's scale of each row for each ControlNet (0 for idle rows)
+                scale = jnp.take_along_axis(state["cscale"], index[:, None, None], axis=2)[..., 0]
+                scale = scale * active[:, None]
+                guess, images = state["cguess"], state["cimg"]
             if g:  # negative rows first, for the first g rows (the guided ones)
                 xin, t = jnp.concatenate([xin[:g], xin]), jnp.concatenate([t[:g], t])
                 emb = jnp.concatenate([state["nemb"][:g], emb])
                 pooled = jnp.concatenate([state["npooled"][:g], pooled])
                 tids = jnp.concatenate([state["ntime_ids"][:g], tids])
                 aidx = jnp.concatenate([aidx[:g], aidx])
+                if nets:  # guess mode: the negative rows get no residuals
+                    scale = jnp.concatenate([jnp.where(guess[:g], 0.0, scale[:g]), scale])
+                    guess = jnp.concatenate([guess[:g], guess])
+                    images = tuple(jnp.concatenate([im[:g], im]) for im in images)
+            down = mid = None
+            if nets:
+                down, mid = control_residuals(nets, params["controlnets"], xin, t, emb, pooled,
+                                              tids, images, scale, guess)
             with adapterlib.applied((ad or {}).get("unet"), aidx):
-                out = unet.apply({"params": params["unet"]}, xin, t, emb, pooled, tids)
+                out = unet.apply({"params": params["unet"]}, xin, t, emb, pooled, tids,
+                                 down_block_additional_residuals=down,
+                                 mid_block_additional_residual=mid)
             out = out.astype(jnp.float32)
             if g:
                 text = out[g:]
@@ -388,6 +423,12 @@ class StepRunner:
         tables = self.pipe.adapter_tables
         return () if tables is None else (tables.as_tree(),)
 
+    def _params(self):
+        """The programs' weights: the pipeline's (live: a LoRA fused later is used), and the
+        ControlNets' when there are any."""
+        p = self.pipe.params
+        return dict(p, controlnets=self.pipe.controlnet_params) if self.nets else p
+
     # ------------------------------------------------------------------ running
     def admit(self, take: list[Handle], free: list[int], b: int) -> None:
         """Write ``take`` into slots ``free`` (batch padded to ``b``; ``take`` may be empty):
@@ -411,9 +452,29 @@ class StepRunner:
         put = program_lib.BatchPut(p.mesh, b)
         args = (put(slot), put(ids, ids=True), put(neg_ids, ids=True), put(zero_negative),
                 put(time_ids), put(neg_time_ids), put(np.asarray(seeds, np.uint32)),
-                put(init_sigma), put(guidance), put(rescale), put(cfg), put.tree(sched), put(aidx))
-        self._state = self._program("admit", b)(p.params, self._state, *args,
+                put(init_sigma), put(guidance), put(rescale), put(cfg), put.tree(sched), put(aidx),
+                put.tree(self._control_rows(take, steps)))
+        self._state = self._program("admit", b)(self._params(), self._state, *args,
                                                 *self._adapter_args())
+
+    def _control_rows(self, take: list[Handle], steps: list[int]) -> dict:
+        """The admitted images' ControlNet state (none without ControlNets): control images
+        resized as the ControlNet pipeline resizes them, scale tables (``scale`` x
+        :func:`pipelines.controlnet.control_keep` over each image's own steps, padded at the
+        front to ``max_steps`` like the schedules) and guess mode."""
+        if not self.nets:
+            return {}
+        k, n = len(self.nets), self.max_steps
+        if not take:  # warm-up: one empty row
+            return {"cimg": tuple(np.zeros((1, self.height, self.width, 3), np.float32)
+                                  for _ in self.nets),
+                    "cscale": np.zeros((1, k, n), np.float32), "cguess": np.zeros((1, k), bool)}
+        rows = [control_inputs(self.nets, [h.controls], self.height, self.width, st)
+                for h, st in zip(take, steps)]
+        return {"cimg": tuple(np.concatenate([r[0][j] for r in rows]) for j in range(k)),
+                "cscale": np.concatenate([np.pad(sc, ((0, 0), (0, 0), (n - sc.shape[2], 0)))
+                                          for _, sc, _ in rows]),
+                "cguess": np.concatenate([gs for _, _, gs in rows])}
 
     def step(self, plan: StepPlan):
         """Queue one step of ``plan``'s rows; returns the device array of each row's step count
@@ -421,7 +482,7 @@ class StepRunner:
         args = jax.device_put((plan.rows, plan.active, plan.index, plan.local, plan.short),
                               self._sharded)
         self._state, executed = self._program("step", plan.b, plan.g)(
-            self.pipe.params, self._state, *args, *self._adapter_args())
+            self._params(), self._state, *args, *self._adapter_args())
         return executed
 
     def decode(self, slots: list[int], preview: bool = False):
@@ -431,7 +492,7 @@ class StepRunner:
         n = len(slots)
         b = min(bucket_size(n, self.pipe.mesh.size), self.slots)
         idx = jax.device_put(np.array(slots + [slots[-1]] * (b - n), np.int32), self._sharded)
-        out = self._program("decode", b)(self.pipe.params, latents, idx)
+        out = self._program("decode", b)(self._params(), latents, idx)
         if self.tiled:
             out = self.pipe.decode_tiled(out, self.output_type != "np")
         return out
@@ -449,7 +510,7 @@ class StepRunner:
             args = jax.device_put((np.arange(b, dtype=np.int32), np.zeros(b, bool),
                                    np.zeros(b, np.int32), np.zeros(b, np.int32),
                                    np.zeros(b, bool)), self._sharded)
-            self._state, _ = self._program("step", b, g)(self.pipe.params, self._state, *args,
+            self._state, _ = self._program("step", b, g)(self._params(), self._state, *args,
                                                          *self._adapter_args())
         jax.block_until_ready(self._state)
         return self.num_compiled
@@ -527,18 +588,31 @@ class StepEngine:
     # ------------------------------------------------------------------ public API
     def submit(self, request: ImageRequest, steps: int | None = None,
                on_progress: Callable[[Handle], None] | None = None,
-               previews: Iterable[int] = ()) -> Handle:
+               previews: Iterable[int] = (), controls: Sequence[ControlImage] | None = None
+               ) -> Handle:
         """Queue one image (``steps`` None: the pipeline's default). It joins a free slot at
         a coming tick, in the policy's order. ``on_progress(handle)`` is called from the
         ticking thread once the device has run each of its steps (``handle.step`` is then that
         step), and at ticks where it stays queued but its ``queue_position`` changed.
         ``previews``: steps (1 to ``steps``) after which its denoised estimate is VAE-decoded on
         the device, in the tick that runs that step; ``handle.preview`` / ``preview_step`` hold
-        it when ``on_progress`` reports that step."""
+        it when ``on_progress`` reports that step. ``controls``: with an engine over a
+        :class:`pipelines.ControlNetPipeline` (and only then), one
+        :class:`pipelines.requests.ControlImage` per ControlNet: the image's control image,
+        scale, window (fractions of its own steps) and guess mode."""
         steps = self.pipe.default_steps if steps is None else steps
         self.pipe.check_request(steps, self.height, self.width, self.output_type)
         check([steps_problem(steps, self.max_steps, "this engine's max_steps")])
         request.validate()
+        if self.runner.nets:
+            if controls is None:
+                raise ValueError("controls is required: this engine runs ControlNets; give one "
+                                 f"ControlImage per ControlNet ({len(self.runner.nets)})")
+            controls = list(controls) if isinstance(controls, (list, tuple)) else controls
+            self.pipe.check_controls(controls)
+        elif controls is not None:
+            raise ValueError("controls: this engine has no ControlNets; make it over a "
+                             "ControlNetPipeline to give control images")
         if self.pipe.adapter_index([request]) is None and request.adapter is not None:
             raise ValueError(f"adapter={request.adapter!r} is not added; no adapters are added")
         if not self.cfg and cfg_on(request.guidance_scale):
@@ -551,7 +625,8 @@ class StepEngine:
             raise ValueError(f"previews={sorted(previews, key=str)}: {bad} not in 1..{steps} "
                              "(the steps after which to decode a preview)")
         return self.scheduler.submit(Handle(request=request, steps=int(steps),
-                                            on_progress=on_progress, previews=previews))
+                                            on_progress=on_progress, previews=previews,
+                                            controls=controls))
 
     def cancel(self, handle: Handle) -> None:
         """Cancel an image: a queued one leaves the queue, a running one frees its slot at the

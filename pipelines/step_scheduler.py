@@ -62,12 +62,13 @@ class Handle:
     done (PIL image, or float32 (H, W, 3) in [0, 1] with ``output_type="np"``); ``seed``: the
     seed used (drawn at admission when the request has none); ``preview`` / ``preview_step``:
     the latest decoded denoised estimate asked for with ``submit(previews=...)`` and the step it
-    was taken after."""
+    was taken after; ``controls``: its ControlNet conditioning, as submitted."""
 
     request: ImageRequest
     steps: int
     on_progress: Callable[["Handle"], None] | None = None
     previews: frozenset = frozenset()
+    controls: Any = None  # one ControlImage per ControlNet (an engine over a ControlNetPipeline)
     id: int = 0
     status: str = "queued"
     step: int = 0

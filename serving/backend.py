@@ -137,10 +137,23 @@ class Backend(abc.ABC):
     streams_steps: bool
 
     def __init__(self, pipe, settings: ServeSettings, meters: Meters, device_lock: asyncio.Lock,
-                 replica: dict, report: Callable[[], None]):
+                 replica: dict, report: Callable[[], None], controlnets: dict | None = None):
         self.pipe, self.settings, self.meters = pipe, settings, meters
         self.replica, self._report = replica, report
         self._device_lock = device_lock
+        self._controlnets = dict(controlnets or {})  # name -> (module, params), loaded
+        self._control_pipes: dict[tuple, object] = {}  # names -> ControlNetPipeline
+
+    def control_pipe(self, names: tuple[str, ...]):
+        """The ControlNet pipeline over ``pipe`` for the loaded ControlNets ``names`` (in that
+        order), made on first use; it shares their arrays and the model's weights."""
+        pipe = self._control_pipes.get(names)
+        if pipe is None:
+            from pipelines import ControlNetPipeline
+
+            pipe = self._control_pipes[names] = ControlNetPipeline.from_pipe(
+                self.pipe, controlnet=[self._controlnets[n] for n in names])
+        return pipe
 
     @abc.abstractmethod
     def warmup(self, job: GenerationRequest) -> str | None:

@@ -31,7 +31,6 @@ import numpy as np
 from ray import serve
 
 from pipelines.requests import (
-    ControlImage,
     ControlKey,
     ControlRequest,
     EditKey,
@@ -54,11 +53,9 @@ class BatchBackend(Backend):
     streams_steps = False
 
     def __init__(self, *parts, controlnets: dict | None = None):
-        super().__init__(*parts)
+        super().__init__(*parts, controlnets=controlnets)
         self._batchers: dict[tuple, object] = {}
         self._edit_pipes: dict[str, object] = {}  # kind -> pipeline sharing self.pipe's weights
-        self._controlnets = dict(controlnets or {})  # name -> (module, params), loaded
-        self._control_pipes: dict[tuple, object] = {}  # names -> ControlNetPipeline
         self._compiled: set[tuple] = set()  # (height, width, steps, cfg, padded batch) run so far
         self._batch_ids = itertools.count(1)
 
@@ -128,15 +125,6 @@ class BatchBackend(Backend):
             pipe = self._edit_pipes[kind] = cls.from_pipe(self.pipe)
         return pipe
 
-    def _control_pipe(self, names: tuple[str, ...]):
-        pipe = self._control_pipes.get(names)
-        if pipe is None:
-            from pipelines import ControlNetPipeline
-
-            pipe = self._control_pipes[names] = ControlNetPipeline.from_pipe(
-                self.pipe, controlnet=[self._controlnets[n] for n in names])
-        return pipe
-
     def _items(self, job: GenerationRequest) -> list:
         """What one device batch entry is: an ImageRequest, or for an edit (ImageRequest,
         image, mask) with the image and mask as PIL images (resized by the pipeline as
@@ -145,8 +133,7 @@ class BatchBackend(Backend):
         from PIL import Image
 
         if isinstance(job, ControlRequest):
-            controls = [ControlImage(Image.fromarray(c.image), c.scale, c.start, c.end,
-                                     c.guess_mode) for _, c in job.controls]
+            controls = job.pipeline_controls()
             return [(item, controls) for item in job.images()]
         if not isinstance(job, EditRequest):
             return job.images()
@@ -158,7 +145,7 @@ class BatchBackend(Backend):
     def _device_batch(self, key: tuple, items: list):
         """Run one padded device batch of ``key``'s items (blocking)."""
         if isinstance(key, ControlKey):
-            return self._control_pipe(key.controlnets).generate(
+            return self.control_pipe(key.controlnets).generate(
                 [r for r, _ in items], [c for _, c in items], height=key.height,
                 width=key.width, num_inference_steps=key.steps)
         if isinstance(key, EditKey):

@@ -10,11 +10,12 @@ replica take turns on its devices (one FIFO device lock). A model evicted by the
 the requests it has started; its memory is freed when they end.
 Generation runs on the backend the serve arg ``engine`` picks (:mod:`serving.backend`):
 ``batch`` batches whole requests per shape key (:mod:`serving.batch_backend`), ``step`` runs
-step-level continuous batching (:mod:`serving.step_backend`). Edits (``edit(job)``, an
-:class:`pipelines.requests.EditRequest`: image-to-image and inpainting) and ControlNet requests
-(a :class:`pipelines.requests.ControlRequest` through ``generate``, naming ControlNets the model
-loaded with it: serve arg ``controlnets``) are request-batched on either engine, under the same
-device lock (FIFO: batches take turns), deadlines and stats.
+step-level continuous batching (:mod:`serving.step_backend`); ControlNet requests (a
+:class:`pipelines.requests.ControlRequest` through ``generate``, naming ControlNets the model
+loaded with it: serve arg ``controlnets``) run on the same engine as the rest. Edits
+(``edit(job)``, an :class:`pipelines.requests.EditRequest`: image-to-image and inpainting) are
+request-batched on either engine, under the same device lock (FIFO: batches take turns),
+deadlines and stats.
 
 The constructor loads the default (first) model and compiles every ``warmup_shapes`` program
 for it (engine=batch: at every padded batch size a batch can have; engine=step: one engine per
@@ -138,7 +139,7 @@ class LoadedModel:
             if self.pipe.refiner is not None:  # (a config file's refiner key)
                 raise ValueError(STEP_REFINER)
 
-            self.backend = StepBackend(*parts)
+            self.backend = StepBackend(*parts, controlnets=self.controlnets)
         self.warmup_s, self.warmed = 0.0, []
 
     def __del__(self):
@@ -212,10 +213,9 @@ class LoadedModel:
             raise InvalidJob(str(e)) from None
 
     def backend_for(self, job: GenerationRequest) -> Backend:
-        """The backend that runs ``job``: ControlNet requests are request-batched (their
-        ControlNets and shape per batch) on either engine, like edits; others run on the
-        serve arg ``engine``'s."""
-        return self.batches if isinstance(job, ControlRequest) else self.backend
+        """The backend that runs ``job``: the serve arg ``engine``'s (ControlNet requests too:
+        engine=step runs them on step engines of their ControlNets)."""
+        return self.backend
 
     def validate_edit(self, job: EditRequest) -> None:
         try:

@@ -4,6 +4,11 @@ One engine of ``engine_slots`` slots per image size, compiled at warm-up for ``w
 sizes; another size is compiled in a thread on its first request, without the device lock,
 while the others keep ticking. A request's images join free slots between denoising steps and
 leave as soon as their own steps are done, so a 2-step image does not wait for a 40-step one.
+ControlNet requests (:class:`pipelines.requests.ControlRequest`) run on engines of their own,
+one per set of ControlNets (in the request's order) and size, over a ``ControlNetPipeline``:
+each slot holds its image's control images, scales and window, so requests with other control
+images, scales, windows, step counts or guidance share steps; such an engine is compiled (in a
+thread, like a new size) on the first request that needs it.
 
 One asyncio task drives the engines: while any has work it runs a tick of each in a thread
 (under the replica's device lock) and resolves the futures of finished images; engines starting
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.requests import GenerationRequest
+from pipelines.requests import ControlRequest, GenerationRequest
 from serving.backend import Backend, past_deadline
 from serving.schemas import JobResult
 
@@ -48,65 +53,81 @@ class StepBackend(Backend):
     name = "step"
     streams_steps = True
 
-    def __init__(self, *parts):
-        super().__init__(*parts)
-        self._engines: dict[tuple[int, int], object] = {}  # (height, width) -> engine
-        self._warming: dict[tuple[int, int], asyncio.Future] = {}  # sizes being compiled
+    def __init__(self, *parts, controlnets: dict | None = None):
+        super().__init__(*parts, controlnets=controlnets)
+        # (height, width, ControlNet names) -> engine; names () for text-to-image
+        self._engines: dict[tuple[int, int, tuple], object] = {}
+        self._warming: dict[tuple[int, int, tuple], asyncio.Future] = {}  # being compiled
         self._images: dict[object, _Image] = {}  # engine handle -> image, until it ends
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ engines
-    def _new_engine(self, height: int, width: int):
-        """A step engine of a size (not compiled), ``engine_slots`` rounded up to a multiple
-        of the mesh size, admitting by ``step_policy``."""
+    @staticmethod
+    def _key(job: GenerationRequest) -> tuple[int, int, tuple]:
+        return (job.height, job.width,
+                job.controlnets if isinstance(job, ControlRequest) else ())
+
+    def _new_engine(self, key: tuple[int, int, tuple]):
+        """A step engine of a size (not compiled; over the ControlNet pipeline of its
+        ControlNets, if any), ``engine_slots`` rounded up to a multiple of the mesh size,
+        admitting by ``step_policy``."""
         from pipelines.step_engine import StepEngine
 
+        height, width, names = key
         m = self.pipe.mesh.size
-        return StepEngine(self.pipe, height, width, slots=-(-self.settings.slots // m) * m,
+        pipe = self.control_pipe(names) if names else self.pipe
+        return StepEngine(pipe, height, width, slots=-(-self.settings.slots // m) * m,
                           policy=self.settings.step_policy)
 
     def warmup(self, job: GenerationRequest) -> str | None:
         """One engine per size, whatever the steps: made and compiled on its size's first
         shape."""
-        if (job.height, job.width) in self._engines:
+        key = self._key(job)
+        if key in self._engines:
             return None
-        eng = self._engines[(job.height, job.width)] = self._new_engine(job.height, job.width)
+        eng = self._engines[key] = self._new_engine(key)
         eng.warmup()
         return f"{job.width}x{job.height}:step-engine"
+
+    @staticmethod
+    def _name(key: tuple[int, int, tuple]) -> str:
+        height, width, names = key
+        size = f"{width}x{height}"
+        return f"controlnet[{'+'.join(names)}]:{size}" if names else size
 
     @property
     def num_compiled(self) -> int:
         return sum(e.num_compiled for e in self._engines.values())
 
     def stats(self) -> dict:
-        return {"engines": {f"{w}x{h}": {"slots": e.slots, "policy": e.policy.name,
-                                         "active": e.active,
-                                         "queued": e.queued, **e.stats}
-                            for (h, w), e in self._engines.items()},
+        return {"engines": {self._name(key): {"slots": e.slots, "policy": e.policy.name,
+                                              "active": e.active, "queued": e.queued, **e.stats}
+                            for key, e in self._engines.items()},
                 "cancelled": sum(e.stats["cancelled"] for e in self._engines.values())}
 
-    async def _ready_engine(self, height: int, width: int):
-        """The step engine of a size; a size not warmed up is made and compiled in a thread
-        first, without the device lock, so the engines already serving keep ticking."""
-        eng = self._engines.get((height, width))
+    async def _ready_engine(self, key: tuple[int, int, tuple]):
+        """The step engine of a size and ControlNet set; one not warmed up is made and compiled
+        in a thread first, without the device lock, so the engines already serving keep
+        ticking."""
+        eng = self._engines.get(key)
         if eng is not None:
             return eng
-        task = self._warming.get((height, width))
+        task = self._warming.get(key)
         if task is None:
             def make():
-                new = self._new_engine(height, width)
+                new = self._new_engine(key)
                 new.warmup()
                 return new
 
-            task = self._warming[(height, width)] = asyncio.ensure_future(asyncio.to_thread(make))
+            task = self._warming[key] = asyncio.ensure_future(asyncio.to_thread(make))
         try:
             eng = await asyncio.shield(task)
         finally:
             if task.done():
-                self._warming.pop((height, width), None)
-        return self._engines.setdefault((height, width), eng)
+                self._warming.pop(key, None)
+        return self._engines.setdefault(key, eng)
 
     # ------------------------------------------------------------------ the driving task
     def _wake_engines(self) -> None:
@@ -188,11 +209,12 @@ class StepBackend(Backend):
     # ------------------------------------------------------------------ jobs
     async def _submit(self, job: GenerationRequest, on_progress=None, previews=()
                       ) -> list[_Image]:
-        eng = await self._ready_engine(job.height, job.width)
+        eng = await self._ready_engine(self._key(job))
         loop = asyncio.get_running_loop()
+        controls = job.pipeline_controls() if isinstance(job, ControlRequest) else None
         images = []
         for item in job.images():
-            h = eng.submit(item, job.steps, on_progress, previews)
+            h = eng.submit(item, job.steps, on_progress, previews, controls)
             self._images[h] = image = _Image(h, eng, loop.create_future())
             images.append(image)
         self._wake_engines()
@@ -211,7 +233,7 @@ class StepBackend(Backend):
         pixels = [np.asarray(h.image) for h in handles]
         # ids in the order requests finish
         batch = {"id": next(self._ids), "requests": 1, "images": len(pixels),
-                 "engine": "step", "shape": f"{job.width}x{job.height}:{job.steps}",
+                 "engine": "step", "shape": f"{self._name(self._key(job))}:{job.steps}",
                  "slots": images[0].engine.slots, "generate_s": finished - started}
         self.meters.served(batch, len(pixels))
         self.meters.queue_wait(started - arrived)

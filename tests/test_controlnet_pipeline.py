@@ -339,3 +339,41 @@ def test_runs_on_a_quantized_model(sdxl_dir, one, nets):
     assert not np.array_equal(ours, ref)
     mse = float(np.mean((ours.astype(np.float64) - ref) ** 2))
     assert 10 * np.log10(1.0 / max(mse, 1e-20)) >= 30.0
+
+
+def test_the_step_engine_runs_controlnets_like_the_pipeline(multi):
+    """A step engine over the ControlNet pipeline (engine=step's ControlNet requests): images
+    with their own control images, scales, windows, guess modes, step counts and guidance join
+    at different ticks and each equals ControlNetPipeline's image alone; a preview is decoded
+    mid-way; an engine refuses images without controls, and a plain engine images with them."""
+    from pipelines.step_engine import StepEngine
+
+    eng = StepEngine(multi, SIZE, SIZE, slots=2, output_type="np")
+    jobs = [  # (request, steps, per-ControlNet (image seed, scale, start, end, guess))
+        (ImageRequest("a red circle", seed=1, guidance_scale=4.0), 3,
+         [(40, 1.0, 0.0, 1.0, False), (41, 0.5, 0.3, 1.0, False)]),
+        (ImageRequest("a blue square", seed=2, guidance_scale=0.0), 2,
+         [(42, 1.5, 0.0, 0.5, False), (43, 0.0, 0.0, 1.0, False)]),
+        (ImageRequest("the cat!", seed=3, guidance_scale=5.0), 3,
+         [(44, 0.8, 0.0, 1.0, True), (45, 1.0, 0.5, 1.0, True)]),
+    ]
+    controls = [[ControlImage(_control(s), sc, a, b, gm) for s, sc, a, b, gm in c]
+                for _, _, c in jobs]
+    handles = [eng.submit(jobs[0][0], jobs[0][1], controls=controls[0], previews=[1])]
+    eng.tick()
+    handles += [eng.submit(r, n, controls=c) for (r, n, _), c in zip(jobs[1:], controls[1:])]
+    eng.run_until_idle()
+    assert all(h.status == "done" for h in handles)
+    assert handles[0].preview_step == 1 and handles[0].preview.shape == (SIZE, SIZE, 3)
+    for (req, steps, _), c, h in zip(jobs, controls, handles):
+        alone = multi.generate([req], [c], num_inference_steps=steps, height=SIZE, width=SIZE,
+                               output_type="np").images[0]
+        np.testing.assert_allclose(h.image, alone, atol=1e-5, err_msg=req.prompt)
+    assert np.abs(handles[0].image - handles[2].image).max() > 1e-2
+    assert eng.num_compiled == len(eng.runner.programs)
+    with pytest.raises(ValueError, match=r"controls is required: this engine runs ControlNets"):
+        eng.submit(jobs[0][0], 2)
+    with pytest.raises(ValueError, match=r"give one ControlImage per ControlNet \(2\)"):
+        eng.submit(jobs[0][0], 2, controls=controls[0][:1])
+    with pytest.raises(ValueError, match=r"controls: this engine has no ControlNets"):
+        StepEngine(multi.pipe, SIZE, SIZE, slots=2).submit(jobs[0][0], 2, controls=controls[0])

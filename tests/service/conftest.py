@@ -128,15 +128,26 @@ def sdxl_b(tmp_path_factory):
 
 
 @pytest.fixture(scope="package")
-def step_app(cluster, sdxl_dir, sdxl_b):
+def step_controlnet(tmp_path_factory):
+    """A tiny random ControlNet for ``sdxl_dir``'s UNet (control images 2x the latents, as the
+    tiny VAE's images), served by ``step_app`` as ``canny``."""
+    path = tmp_path_factory.mktemp("step-cn") / "canny"
+    tiny.make_controlnet(path, tiny.SDXL_UNET, seed=5, conditioning_embedding_out_channels=(8, 16))
+    return path
+
+
+@pytest.fixture(scope="package")
+def step_app(cluster, sdxl_dir, sdxl_b, step_controlnet):
     """An engine=step application (two slots per engine; the default model's engines warmed up
-    at SIZE and BIG), serving ``sdxl_dir`` as tiny-sdxl (the default) and ``sdxl_b`` as
-    ``MODEL_B`` (loaded by the first request that names it, on the same replica)."""
+    at SIZE and BIG), serving ``sdxl_dir`` as tiny-sdxl (the default, with ``step_controlnet``
+    as ControlNet ``canny``) and ``sdxl_b`` as ``MODEL_B`` (loaded by the first request that
+    names it, on the same replica)."""
     from ray import serve
 
     from serving.app import build_app
 
-    models = [{"name": "tiny-sdxl", "model": str(sdxl_dir), **STEP_MODEL},
+    models = [{"name": "tiny-sdxl", "model": str(sdxl_dir), **STEP_MODEL,
+               "controlnets": {"canny": str(step_controlnet)}},
               {"name": MODEL_B, "model": str(sdxl_b), **STEP_MODEL}]
     serve.run(build_app({**STEP_ARGS, "models": models}), name="step", route_prefix="/step")
     yield f"{cluster.url}/step"

@@ -275,7 +275,7 @@ def test_stats_name_each_engines_admission_policy(step_app, sdxl_dir):
     for policy in ("fifo", "srs"):
         settings = ServeSettings.from_args({"engine": "step", "step_policy": policy})
         backend = StepBackend(pipe, settings, None, None, {}, lambda: None)
-        assert backend._new_engine(32, 32).policy.name == policy
+        assert backend._new_engine((32, 32, ())).policy.name == policy
 
 
 @pytest.mark.slow
@@ -284,3 +284,53 @@ def test_a_size_not_warmed_up_compiles_and_serves(step_app):
     assert png(out["images"][0]["b64_json"]).shape == (48, 16, 3)
     assert set(requests.get(f"{step_app}/v1/stats", timeout=30).json()["replicas"].popitem()[1][
         "models"]["tiny-sdxl"]["engines"]) == {f"{SIZE}x{SIZE}", f"{BIG}x{BIG}", "16x48"}
+
+
+def test_controlnet_requests_run_on_a_step_engine_with_previews(step_app, sdxl_dir,
+                                                                 step_controlnet):
+    """engine=step runs ControlNet requests on a step engine of their ControlNet (its own
+    engine in /v1/stats): a streamed one gets its steps and partial images, and it and one sent
+    beside it (another control image, scale and window, with CFG) each equal the Python API's
+    ControlNetPipeline image alone."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from pipelines import ControlNetPipeline, TextToImagePipeline
+
+    controls = [np.random.default_rng(k).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+                for k in (60, 61)]
+
+    def b64(a):
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, "PNG")
+        return base64.b64encode(buf.getvalue()).decode()
+
+    bodies = [{"prompt": "a red circle", "seed": 21, "steps": 4, "guidance_scale": 0.0,
+               "control_images": [{"image": b64(controls[0]), "controlnet": "canny"}]},
+              {"prompt": "a blue square", "seed": 22, "steps": 4, "guidance_scale": 3.0,
+               "control_images": [{"image": b64(controls[1]), "controlnet": "canny",
+                                   "scale": 0.5, "start": 0.25}]}]
+    t, rec = _stream_in_thread(step_app, dict(bodies[0], partial_images=1))
+    other = _generate(step_app, **bodies[1])
+    _join(t, rec)
+    names = [(name, d.get("step")) for _, name, d in rec["events"]]
+    assert [k for _, k in _progress(rec)] == [1, 2, 3, 4], names
+    assert ("partial_image", 2) in names and names[-1][0] == "result", names
+    streamed = rec["events"][-1][2]
+    assert streamed["controlnets"] == other["controlnets"] == ["canny"]
+    (replica,) = requests.get(f"{step_app}/v1/stats", timeout=30).json()["replicas"].values()
+    engine = replica["models"]["tiny-sdxl"]["engines"][f"controlnet[canny]:{SIZE}x{SIZE}"]
+    assert engine["finished"] >= 2, engine
+    one = ControlNetPipeline.from_pipe(
+        TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None),
+        controlnet=str(step_controlnet))
+    for body, got in zip(bodies, (streamed, other)):
+        (c,) = body["control_images"]
+        ours = one(body["prompt"], image=Image.fromarray(controls[bodies.index(body)]),
+                   controlnet_conditioning_scale=c.get("scale", 1.0),
+                   control_guidance_start=c.get("start", 0.0), seed=body["seed"],
+                   num_inference_steps=4, guidance_scale=body["guidance_scale"]).images[0]
+        assert np.abs(png(got["images"][0]["b64_json"]).astype(int)
+                      - np.asarray(ours, int)).max() <= 1, body["prompt"]
