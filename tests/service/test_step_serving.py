@@ -286,6 +286,8 @@ def test_a_size_not_warmed_up_compiles_and_serves(step_app):
         "models"]["tiny-sdxl"]["engines"]) == {f"{SIZE}x{SIZE}", f"{BIG}x{BIG}", "16x48"}
 
 
+@pytest.mark.slow  # compiles a ControlNet step engine in the replica (~75 s); the engine's parity
+# with ControlNetPipeline is in the default suite (tests/test_controlnet_pipeline.py)
 def test_controlnet_requests_run_on_a_step_engine_with_previews(step_app, sdxl_dir,
                                                                  step_controlnet):
     """engine=step runs ControlNet requests on a step engine of their ControlNet (its own
