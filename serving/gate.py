@@ -147,12 +147,27 @@ class Gate:
         return None
 
 
+def media_type(content_type: str | bytes) -> str:
+    """A Content-Type header's media type: lowercased, without its parameters."""
+    if isinstance(content_type, bytes):
+        content_type = content_type.decode("latin-1")
+    return content_type.split(";")[0].strip().lower()
+
+
+def is_json_type(kind: str) -> bool:
+    """Whether a media type (:func:`media_type`) declares JSON: ``application/json`` or an
+    ``application/...+json`` type (RFC 6839). The one rule the gate and the routes read bodies
+    by."""
+    return kind == "application/json" or (kind.startswith("application/")
+                                          and kind.endswith("+json"))
+
+
 def _as_json(scope: dict, headers: dict, body: bytes) -> dict:
     """A POST body that is a JSON object is read as JSON whatever Content-Type declares
     (``curl -d`` sends ``application/x-www-form-urlencoded``; many clients send none)."""
-    declared = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-    if scope.get("method") != "POST" or declared == b"application/json" or declared.endswith(
-            b"+json") or declared.startswith(b"multipart/") or not body.lstrip().startswith(b"{"):
+    declared = media_type(headers.get(b"content-type", b""))
+    if scope.get("method") != "POST" or is_json_type(declared) or declared.startswith(
+            "multipart/") or not body.lstrip().startswith(b"{"):
         return scope
     rest = [(k, v) for k, v in scope.get("headers") or [] if k.lower() != b"content-type"]
     return {**scope, "headers": [*rest, (b"content-type", b"application/json")]}

@@ -22,6 +22,7 @@ from pipelines.requests import (ControlImage, ControlRequest, EditRequest, Gener
                                 decode_image, encode_image, image_info)
 from serving import validation
 from serving.errors import ApiError, invalid_all
+from serving.gate import is_json_type, media_type
 from serving.schemas import EditRequest as EditBody
 from serving.schemas import GenerateRequest, JobResult
 from serving.settings import ServeSettings
@@ -41,7 +42,7 @@ async def generate_body(request: Request) -> GenerateRequest:
     order, and ``controlnet`` / ``control_scale`` / ``control_start`` / ``control_end`` given
     once (for every control image) or once per control image. A 422 names every problem; a
     400 when the multipart body cannot be parsed."""
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    kind = media_type(request.headers.get("content-type", ""))
     found = []  # the form's own problems, as RequestValidationError entries
     if kind == "multipart/form-data":
         data, problems = await _form_body(request)
@@ -63,8 +64,7 @@ async def _json_body(request: Request, kind: str):
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",),
                                        "msg": "Field required", "input": None}])
-    if kind and kind != "application/json" and not (
-            kind.startswith("application/") and kind.endswith("+json")):
+    if kind and not is_json_type(kind):
         raise RequestValidationError([{  # the gate already read JSON objects as JSON
             "type": "model_type", "loc": ("body",),
             "msg": f"the body ({kind}) is not a JSON object: send the fields as JSON "

@@ -102,9 +102,12 @@ def test_openai_client(main_app):
 
 def test_curl_style_form_encoded_json_is_accepted(main_app):
     """``curl -d '{...}'`` declares application/x-www-form-urlencoded; a JSON object body is
-    read as JSON anyway (text/plain and no Content-Type too)."""
+    read as JSON anyway (text/plain, an odd ``+json`` type and no Content-Type too), and a JSON
+    type with parameters or of the ``application/...+json`` family is JSON (one rule, the gate's
+    and the route's: ``serving.gate.is_json_type``)."""
     body = json.dumps({"prompt": "a cat", "seed": 1234, "steps": 2, "guidance_scale": 0})
-    for ctype in ("application/x-www-form-urlencoded", "text/plain", None):
+    for ctype in ("application/x-www-form-urlencoded", "text/plain", None, "text/x-thing+json",
+                  "application/vnd.api+json", "Application/JSON; charset=utf-8"):
         headers = {"Accept": "image/png"} | ({"Content-Type": ctype} if ctype else {})
         r = requests.post(f"{main_app.url}/v1/generate", data=body.encode(), headers=headers,
                           timeout=120)
