@@ -54,7 +54,8 @@ from pipelines.requests import (ControlKey, EditKey, ImageRequest, ShapeKey, dec
 
 LINE_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "n", "image",
                "mask", "strength", "control_images")
-CONTROL_FIELDS = ("image", "controlnet", "scale", "start", "end")  # of a control_images entry
+CONTROL_FIELDS = ("image", "controlnet", "scale", "start", "end",  # of a control_images entry
+                  "guess_mode")
 METADATA = "metadata.jsonl"
 TMP_MARK = ".maxdiff-tmp"
 LOCK = ".maxdiff.lock"  # held (flock) by the run writing to the folder
@@ -98,10 +99,14 @@ class ControlSpec:
     scale: float = 1.0
     start: float = 0.0  # the fraction of the denoising steps it acts on: start to end
     end: float = 1.0
+    guess_mode: bool = False
 
     def record(self) -> dict:
+        """The metadata (and settings-hash) record; ``guess_mode`` only when on, so runs
+        without it keep the file names they had."""
         return dict(image=self.image, controlnet=self.controlnet, scale=self.scale,
-                    start=self.start, end=self.end)
+                    start=self.start, end=self.end, **({"guess_mode": True}
+                                                        if self.guess_mode else {}))
 
 
 def check_size(size: tuple[int, int], factor: int | None) -> None:
@@ -281,11 +286,13 @@ def _control_file(value: Any, base: Path | None) -> str:
 
 
 def cli_controls(specs: Iterable[str], names: dict[str, str], start: float | None,
-                 end: float | None) -> tuple[tuple[ControlSpec, ...], list[str]]:
+                 end: float | None, guess: bool = False
+                 ) -> tuple[tuple[ControlSpec, ...], list[str]]:
     """The command line's ``--control-image PATH[:MODEL[:SCALE]]`` entries (each read by
     ``--controlnet`` name ``MODEL`` or the ControlNet folder ``MODEL``; MODEL may be left out
     when one ``--controlnet`` is given) with the window ``--control-guidance-start`` /
-    ``--control-guidance-end``: (specs, problems naming the flag)."""
+    ``--control-guidance-end`` and ``--control-guess-mode``: (specs, problems naming the
+    flag)."""
     errors: list[str] = []
     start = 0.0 if start is None else start
     end = 1.0 if end is None else end
@@ -308,16 +315,18 @@ def cli_controls(specs: Iterable[str], names: dict[str, str], start: float | Non
                 bad = True
         if not bad and not window:
             out.append(ControlSpec(_control_file(path, None), _controlnet(model, names, None),
-                                   float(scale), float(start), float(end)))
+                                   float(scale), float(start), float(end), bool(guess)))
     return tuple(out), errors
 
 
 def jsonl_controls(value: Any, names: dict[str, str], base: Path | None,
-                   start: float | None, end: float | None) -> tuple[ControlSpec, ...]:
+                   start: float | None, end: float | None, guess: bool = False
+                   ) -> tuple[ControlSpec, ...]:
     """A JSONL line's ``control_images``: a list of objects with ``image`` (a path relative to
     the file's folder) and any of ``controlnet`` (a ``--controlnet`` name or a folder),
-    ``scale``, ``start``, ``end`` (default: the command line's window). ValueError naming
-    every problem (``control_images[1].scale: ...``)."""
+    ``scale``, ``start``, ``end`` (default: the command line's window) and ``guess_mode``
+    (default: ``--control-guess-mode``). ValueError naming every problem
+    (``control_images[1].scale: ...``)."""
     if not isinstance(value, list) or not value:
         raise ValueError("field 'control_images': must be a non-empty list of objects such as "
                          '{"image": "edges.png", "controlnet": "canny", "scale": 0.5}')
@@ -341,6 +350,11 @@ def jsonl_controls(value: Any, names: dict[str, str], base: Path | None,
         found = [p for p in [control_scale_problem(c["scale"]),
                              *control_window_problems(c["start"], c["end"])] if p]
         errors += [describe(within(p, "jsonl", where), "jsonl") for p in found]
+        c["guess_mode"] = entry.get("guess_mode", bool(guess))
+        if not isinstance(c["guess_mode"], bool):
+            errors.append(f"field '{where}.guess_mode': must be true or false, got "
+                          f"{c['guess_mode']!r}")
+            found.append(c["guess_mode"])
         paths = {}
         for key, fn in (("image", lambda: _control_file(entry["image"], base)),
                         ("controlnet", lambda: _controlnet(entry.get("controlnet"), names,
@@ -353,7 +367,7 @@ def jsonl_controls(value: Any, names: dict[str, str], base: Path | None,
                 errors.append(f"field '{where}.{key}': {e}")
         if not unknown and not found and len(paths) == 2:
             out.append(ControlSpec(paths["image"], paths["controlnet"], float(c["scale"]),
-                                   float(c["start"]), float(c["end"])))
+                                   float(c["start"]), float(c["end"]), c["guess_mode"]))
     if errors:
         raise ValueError("\n".join(errors))
     return tuple(out)
@@ -408,7 +422,7 @@ def _jsonl_line(text: str, where: str, index: int, factor: int | None,
     if "control_images" in obj:
         try:
             values["controls"] = jsonl_controls(obj["control_images"], **(control or dict(
-                names={}, start=None, end=None)), base=base)
+                names={}, start=None, end=None, guess=False)), base=base)
         except ValueError as e:
             errors += [f"{where}: {msg}" for msg in str(e).split("\n")]
         if "image" in obj or "mask" in obj or "strength" in obj:
@@ -437,8 +451,8 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
                  mask: str | None = None, strength: float | None = None,
                  size: tuple[int, int] | None = None, steps: int | None = None,
                  control_images: Iterable[str] = (), controlnets: Iterable[str] = (),
-                 control_start: float | None = None, control_end: float | None = None
-                 ) -> list[PromptLine]:
+                 control_start: float | None = None, control_end: float | None = None,
+                 control_guess_mode: bool = False) -> list[PromptLine]:
     """All prompts of a run: the command-line ones first, then the file's.
 
     A ``.jsonl``/``.ndjson`` file (or one whose first entry starts with ``{``) holds one JSON
@@ -452,8 +466,9 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
     ControlNet: ``control_images`` (the CLI's ``--control-image PATH[:MODEL[:SCALE]]``, each
     read by a ControlNet named in ``controlnets``, the CLI's ``--controlnet NAME=PATH``, or
     given by its folder) apply to every line that has no ``control_images`` and no ``image``
-    of its own, with the window ``control_start`` to ``control_end`` (also the default of a
-    line's entries); a ControlNet line's size defaults to its first control image's.
+    of its own, with the window ``control_start`` to ``control_end`` and guess mode
+    ``control_guess_mode`` (also the defaults of a line's entries); a ControlNet line's size
+    defaults to its first control image's.
     Both skip blank lines and lines starting with ``#``. ``file="-"`` reads stdin (or
     ``file_text``). Sizes must be multiples of ``factor``; steps at most ``steps_limit`` =
     (limit, scheduler name). Raises :class:`InputError` listing every bad line.
@@ -475,7 +490,8 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
     control_images = list(control_images)
     control: dict[str, Any] = {}
     if control_images:
-        specs, problems = cli_controls(control_images, names, control_start, control_end)
+        specs, problems = cli_controls(control_images, names, control_start, control_end,
+                                       control_guess_mode)
         errors += problems
         if image is not None:
             errors.append("--control-image with --image: ControlNet image-to-image is not "
@@ -486,7 +502,8 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
         errors += [describe(p, "cli") for p in control_window_problems(
             0.0 if control_start is None else control_start,
             1.0 if control_end is None else control_end)]
-    jsonl_control = dict(names=names, start=control_start, end=control_end)
+    jsonl_control = dict(names=names, start=control_start, end=control_end,
+                         guess=control_guess_mode)
     for i, p in enumerate(prompts, 1):
         if not p.strip():
             errors.append(f"prompt argument {i}: the prompt is empty")
@@ -528,10 +545,10 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
             p = strength_problem(edit_strength(line), line.steps or steps)
             if p is not None:
                 errors.append(f"{line.where}: {describe(p)}")
-    if (control_start is not None or control_end is not None) and lines and not any(
-            line.controls for line in lines) and not errors:
-        flag = "--control-guidance-start" if control_start is not None else \
-            "--control-guidance-end"
+    if (control_start is not None or control_end is not None or control_guess_mode) and lines \
+            and not any(line.controls for line in lines) and not errors:
+        flag = ("--control-guidance-start" if control_start is not None else
+                "--control-guidance-end" if control_end is not None else "--control-guess-mode")
         errors.append(f"{flag}: only used with control images (--control-image, or a JSONL "
                       "line's control_images)")
     if errors:
@@ -613,6 +630,7 @@ class ImageJob:
         controlnet = None
         if self.line.controls:  # "FOLDER:SCALE[START-END]; ..."
             controlnet = "; ".join(f"{c.controlnet}:{c.scale:g}[{c.start:g}-{c.end:g}]"
+                                   f"{' guess' if c.guess_mode else ''}"
                                    for c in self.line.controls)
         return image_info(**self.record(), controlnet=controlnet)
 

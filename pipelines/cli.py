@@ -53,8 +53,8 @@ examples:
 prompt files: one prompt per line, or (.jsonl) one JSON object per line with "prompt" and any
 of "negative_prompt", "seed", "steps", "guidance", "size" ("WxH"), "n" (images of that line),
 "image", "mask", "strength" (an edit), "control_images" (ControlNet: a list of {"image",
-"controlnet" (a --controlnet name or folder), "scale", "start", "end"}); paths relative to the
-JSONL file's folder:
+"controlnet" (a --controlnet name or folder), "scale", "start", "end", "guess_mode"}); paths
+relative to the JSONL file's folder:
   {"prompt": "a red fox", "seed": 7, "n": 2}
   {"prompt": "a lighthouse", "negative_prompt": "blurry", "size": "1024x768", "steps": 20}
   {"prompt": "a red hat", "image": "fox.png", "mask": "hat-mask.png", "strength": 0.9}
@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the ControlNets act from this fraction of the steps (default 0)")
     gen.add_argument("--control-guidance-end", type=float, metavar="B",
                      help="... to this one (default 1; 0 <= A < B <= 1)")
+    gen.add_argument("--control-guess-mode", action="store_true",
+                     help="diffusers' guess mode for the control images (A1111's \"ControlNet "
+                          "is more important\"; a JSONL entry's guess_mode overrides it)")
     gen.add_argument("--out", default="out", metavar="DIR", help="output folder (default out/)")
     gen.add_argument("--format", choices=sorted(FORMATS), default="png")
     gen.add_argument("--quiet", action="store_true", help="no progress bar, plain log lines only")
@@ -419,7 +422,8 @@ def cmd_generate(args) -> int:
                                  steps=cfg.steps if cfg else None,
                                  control_images=args.control_image, controlnets=args.controlnet,
                                  control_start=args.control_guidance_start,
-                                 control_end=args.control_guidance_end)
+                                 control_end=args.control_guidance_end,
+                                 control_guess_mode=args.control_guess_mode)
         except InputError as e:
             errors += e.errors
         if errors:
@@ -495,7 +499,7 @@ def cmd_generate(args) -> int:
                     for c in j.line.controls:
                         if c.image not in files:
                             files[c.image] = load_control_image(c.image)
-                controls = [[ControlImage(files[c.image], c.scale, c.start, c.end)
+                controls = [[ControlImage(files[c.image], c.scale, c.start, c.end, c.guess_mode)
                              for c in j.line.controls] for j in pad_to(group, bucket)]
                 result = control_pipes[batch_shape.controlnets].generate(
                     items, controls, height=h, width=w, num_inference_steps=steps)

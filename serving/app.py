@@ -229,7 +229,7 @@ class Ingress:
         reproduce the image) and timings (queue, device, encode). The body is JSON, or
         ``multipart/form-data`` with the same fields and the control images as
         ``control_image`` files (``controlnet`` / ``control_scale`` / ``control_start`` /
-        ``control_end`` once, or once per file)."""
+        ``control_end`` / ``control_guess_mode`` once, or once per file)."""
         t0 = time.perf_counter()
         model = self.catalog.pick(body.model)
         deadline = validation.deadline(request, self.s)

@@ -32,14 +32,15 @@ DOOR = "native"  # how pipelines.limits names fields for this dialect
 
 # multipart/form-data: the form fields that set each control image's entry of control_images
 FORM_CONTROL = {"controlnet": "controlnet", "control_scale": "scale",
-                "control_start": "start", "control_end": "end"}
+                "control_start": "start", "control_end": "end", "control_guess_mode": "guess_mode"}
 
 
 async def generate_body(request: Request) -> GenerateRequest:
     """The body of a ``/v1/generate`` request, as FastAPI would read it for a JSON body (the same
     422s), or from ``multipart/form-data``: every JSON field as a form field (text, read as
     its type: ``steps=20``, ``stream=true``), each ``control_image`` file one control image in
-    order, and ``controlnet`` / ``control_scale`` / ``control_start`` / ``control_end`` given
+    order, and ``controlnet`` / ``control_scale`` / ``control_start`` / ``control_end`` /
+    ``control_guess_mode`` given
     once (for every control image) or once per control image. A 422 names every problem; a
     400 when the multipart body cannot be parsed."""
     kind = media_type(request.headers.get("content-type", ""))
@@ -104,7 +105,8 @@ async def _form_body(request: Request) -> tuple[dict, list]:
             per_image[key].append(value)
         elif key == "control_images":
             errors.append((key, "in a form, give each control image as a control_image file "
-                           "(and controlnet / control_scale / control_start / control_end)",
+                           "(and controlnet / control_scale / control_start / control_end / "
+                           "control_guess_mode)",
                            None))
         elif key in data:
             errors.append((key, "is given more than once", None))
@@ -240,7 +242,8 @@ async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wante
         h, w = images[0].shape[:2]
         size = (w - w % multiple, h - h % multiple)
     job = generation_job(s, info, body, wanted, size, errors)  # a 422 naming every problem
-    controls = tuple((name, ControlImage(img, float(e.scale), float(e.start), float(e.end)))
+    controls = tuple((name, ControlImage(img, float(e.scale), float(e.start), float(e.end),
+                                         e.guess_mode))
                      for (name, _), img, e in zip(raw, images, body.control_images))
     return ControlRequest(job.prompt, job.negative_prompt, job.seed, job.n, job.width,
                           job.height, job.steps, job.guidance_scale, job.adapter,
@@ -282,7 +285,8 @@ async def response(job: GenerationRequest, fmt: str, result: JobResult, info: di
     mode = {"mode": job.kind, "strength": f"{job.strength:g}"} if edit else {}
     if isinstance(job, ControlRequest):
         mode = {"mode": "controlnet", "controlnet": "; ".join(
-            f"{name}:{c.scale:g}[{c.start:g}-{c.end:g}]" for name, c in job.controls)}
+            f"{name}:{c.scale:g}[{c.start:g}-{c.end:g}]{' guess' if c.guess_mode else ''}"
+            for name, c in job.controls)}
     meta = [image_info(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=seed,
                        steps=job.steps, guidance=job.guidance_scale,
                        size=f"{job.width}x{job.height}", scheduler=info["scheduler"],

@@ -149,6 +149,10 @@ class ControlImageInput(BaseModel):
                          json_schema_extra={"minimum": 0, "maximum": 1})
     end: float = Field(1.0, description="... and stops at.",
                        json_schema_extra={"minimum": 0, "maximum": 1})
+    guess_mode: bool = Field(False, description="diffusers' guess mode (A1111's \"ControlNet "
+                             "is more important\"): the residuals ramp from 0.1 to 1 over the "
+                             "blocks and, with guidance, only the prompt-conditioned half gets "
+                             "them. Forced on for a ControlNet with global_pool_conditions.")
 
 
 class GenerateRequest(BaseModel):
@@ -181,9 +185,9 @@ class GenerateRequest(BaseModel):
         None, description="ControlNet text-to-image: one control image per ControlNet (several: "
         "their residuals are summed), each naming a ControlNet the server loaded. The size "
         "defaults to the first control image's (rounded down to the size multiple). Requests "
-        "with the same ControlNets, size, steps and CFG on/off share device batches, whatever "
-        "their control images and scales (on either engine: ControlNet requests are "
-        "request-batched).")
+        "with the same ControlNets, size, steps and CFG on/off share device batches (engine=step: "
+        "steps, whatever the size of their steps), whatever their control images, scales, "
+        "windows and guess modes.")
 
 
 def generate_openapi_body() -> tuple[dict, dict]:
@@ -212,7 +216,8 @@ def generate_openapi_body() -> tuple[dict, dict]:
         controlnet=each({"type": "string"}, "The ControlNet that reads each control image"),
         control_scale=each(bounded("scale"), "Conditioning scale"),
         control_start=each(bounded("start"), "Window start"),
-        control_end=each(bounded("end"), "Window end"))
+        control_end=each(bounded("end"), "Window end"),
+        control_guess_mode=each({"type": "boolean"}, "Guess mode"))
     components["GenerateForm"] = {
         "title": "GenerateForm", "type": "object", "required": ["prompt"], "properties": props,
         "additionalProperties": False,

@@ -46,7 +46,8 @@ def test_cli_and_jsonl_images_equal_the_python_api(sdxl_dir, files, tmp_path, ca
     jobs = files.dir / "jobs.jsonl"
     jobs.write_text(json.dumps({"prompt": "a blue square", "seed": 11, "size": "32x32",
                                 "control_images": [{"image": "b.png", "controlnet": "canny",
-                                                    "scale": 1.5, "start": 0.5}]}) + "\n")
+                                                    "scale": 1.5, "start": 0.5,
+                                                    "guess_mode": True}]}) + "\n")
     out = tmp_path / "out"
     args = ["generate", "a red circle", "--prompts", str(jobs), "--model", str(sdxl_dir),
             "--controlnet", f"canny={files.canny}", "--control-image", f"{files.a}:canny:0.5",
@@ -62,7 +63,8 @@ def test_cli_and_jsonl_images_equal_the_python_api(sdxl_dir, files, tmp_path, ca
     assert meta["a red circle"]["control_images"] == [dict(
         image=str(files.a.resolve()), controlnet=canny, scale=0.5, start=0.0, end=1.0)]
     assert meta["a blue square"]["control_images"] == [dict(
-        image=str(files.b.resolve()), controlnet=canny, scale=1.5, start=0.5, end=1.0)]
+        image=str(files.b.resolve()), controlnet=canny, scale=1.5, start=0.5, end=1.0,
+        guess_mode=True)]
     assert meta["a blue square"]["seed"] == 11
     info = read_image_info(out / meta["a red circle"]["file"])
     assert (info["mode"], info["controlnet"]) == ("controlnet", f"{canny}:0.5[0-1]")
@@ -72,11 +74,11 @@ def test_cli_and_jsonl_images_equal_the_python_api(sdxl_dir, files, tmp_path, ca
     one = ControlNetPipeline.from_pipe(
         TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None),
         controlnet=str(files.canny))
-    rows = [("a red circle", files.a, 0.5, 0.0), ("a blue square", files.b, 1.5, 0.5)]
+    rows = [("a red circle", files.a, 0.5, 0.0, False), ("a blue square", files.b, 1.5, 0.5, True)]
     ours = one.generate(
-        [ImageRequest(p, seed=meta[p]["seed"], guidance_scale=0.0) for p, _, _, _ in rows],
-        [[ControlImage(Image.open(image).convert("RGB"), scale, start)]
-         for _, image, scale, start in rows],
+        [ImageRequest(p, seed=meta[p]["seed"], guidance_scale=0.0) for p, *_ in rows],
+        [[ControlImage(Image.open(image).convert("RGB"), scale, start, guess_mode=guess)]
+         for _, image, scale, start, guess in rows],
         height=SIZE, width=SIZE, num_inference_steps=STEPS).images
     for (prompt, *_), mine in zip(rows, ours):
         got = np.asarray(Image.open(out / meta[prompt]["file"]).convert("RGB"), int)
@@ -105,6 +107,7 @@ def test_bad_flags_exit_2_naming_the_flag_before_loading(sdxl_dir, files, tmp_pa
          "--control-guidance-end: must be a number in [0, 1]"),
         (["--control-guidance-start", "0.5"],
          "--control-guidance-start: only used with control images"),
+        (["--control-guess-mode"], "--control-guess-mode: only used with control images"),
         (["--control-image", f"{a}:canny", "--image", str(a)],
          "--control-image with --image: ControlNet image-to-image is not supported"),
         (["--controlnet", "canny"], "--controlnet canny: give NAME=PATH"),
@@ -130,6 +133,7 @@ def test_bad_jsonl_entries_name_the_line_and_field(files):
         {"control_images": "a.png"},
         {"control_images": [{"image": "a.png"}], "image": "a.png"},
         {"control_images": [{"image": "missing.png"}]},
+        {"control_images": [{"image": "a.png", "guess_mode": "yes"}]},
     ]
     text = "\n".join(json.dumps({"prompt": "x", **line}) for line in lines)
     with pytest.raises(batch.InputError) as e:
@@ -145,18 +149,19 @@ def test_bad_jsonl_entries_name_the_line_and_field(files):
             "field 'control_images[0].start': must be below the window's end (0.1)",
             "field 'control_images[0].image': is missing",
             "field 'control_images[0].weight': unknown; an entry has image, controlnet, "
-            "scale, start, end",
+            "scale, start, end, guess_mode",
             "field 'control_images': must be a non-empty list",
             "field 'control_images' with an image to edit: ControlNet image-to-image is not "
             "supported",
-            "field 'control_images[0].image': missing.png: cannot read it"], 1):
+            "field 'control_images[0].image': missing.png: cannot read it",
+            "field 'control_images[0].guess_mode': must be true or false, got 'yes'"], 1):
         assert f"{jobs}:{no}: {says}" in got, (no, got)
     # a line without a ControlNet name uses the only --controlnet; its size is the image's
     (line,) = batch.read_prompts(file=str(jobs), file_text=json.dumps(
         {"prompt": "x", "control_images": [{"image": "b.png"}]}), factor=8,
-        controlnets=[f"canny={files.canny}"], control_end=0.5)
+        controlnets=[f"canny={files.canny}"], control_end=0.5, control_guess_mode=True)
     assert line.controls == (batch.ControlSpec(str(files.b.resolve()),
-                                               str(files.canny.resolve()), 1.0, 0.0, 0.5),)
+                                               str(files.canny.resolve()), 1.0, 0.0, 0.5, True),)
     assert line.size == (40, 48)
 
 

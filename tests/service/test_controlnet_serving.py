@@ -68,7 +68,7 @@ def test_requests_batch_together_and_equal_the_python_api(cn_app, nets, sdxl_dir
     from pipelines import ControlNetPipeline, TextToImagePipeline
 
     images = [_control(k) for k in range(3)]
-    settings = [dict(scale=0.5), dict(scale=1.0), dict(scale=1.5, start=0.5)]
+    settings = [dict(scale=0.5), dict(scale=1.0, guess_mode=True), dict(scale=1.5, start=0.5)]
 
     def send(k):
         return _generate(cn_app, seed=10 + k, control_images=[
@@ -91,7 +91,8 @@ def test_requests_batch_together_and_equal_the_python_api(cn_app, nets, sdxl_dir
         s = settings[k]
         ours = one("a red circle", image=Image.open(io.BytesIO(images[k])).convert("RGB"),
                    controlnet_conditioning_scale=s["scale"],
-                   control_guidance_start=s.get("start", 0.0), seed=10 + k,
+                   control_guidance_start=s.get("start", 0.0),
+                   guess_mode=s.get("guess_mode", False), seed=10 + k,
                    num_inference_steps=STEPS, guidance_scale=0.0).images[0]
         got = png(b["images"][0]["b64_json"]).astype(int)
         assert np.abs(got - np.asarray(ours, int)).max() <= 1, k
@@ -134,10 +135,11 @@ def test_multipart_control_images_equal_the_json_ones(cn_app):
     as_json = _generate(cn_app, seed=3, control_images=[
         {"image": base64.b64encode(images[0]).decode(), "controlnet": "canny", "scale": 0.5},
         {"image": base64.b64encode(images[1]).decode(), "controlnet": "depth", "scale": 0.5,
-         "end": 0.5}])
+         "end": 0.5, "guess_mode": True}])
     assert as_json.status_code == 200, as_json.text
     form = {k: str(v) for k, v in body.items()} | {
-        "controlnet": ["canny", "depth"], "control_scale": "0.5", "control_end": ["1", "0.5"]}
+        "controlnet": ["canny", "depth"], "control_scale": "0.5", "control_end": ["1", "0.5"],
+        "control_guess_mode": ["false", "true"]}
     files = [("control_image", (f"c{k}.png", data, "image/png")) for k, data in enumerate(images)]
     r = requests.post(f"{cn_app}/v1/generate", data=form, files=files, timeout=300)
     assert r.status_code == 200, r.text
