@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import contextlib
 import itertools
 import time
@@ -67,12 +68,14 @@ class BatchBackend(Backend):
         return sorted({bucket_size(n, self.pipe.mesh.size) for n in sizes})
 
     def warmup(self, job: GenerationRequest) -> str:
+        """Run ``job``'s shape at every padded batch size (a ControlNet job: its ControlNets'
+        programs)."""
         for b in self.batch_sizes():
-            job = GenerationRequest("", None, 0, b, job.width, job.height, job.steps,
-                                    job.guidance_scale)
-            self.pipe.generate(job.images(), height=job.height, width=job.width,
-                               num_inference_steps=job.steps)
-            self._compiled.add((*job.key, b))
+            one = dataclasses.replace(job, n=b)
+            self._device_batch(one.key, self._items(one))
+            self._compiled.add((*one.key, b))
+        if isinstance(job, ControlRequest):
+            return str(job.key)
         return f"{job.width}x{job.height}:{job.steps}:{job.guidance_scale:g}"
 
     @property

@@ -46,11 +46,12 @@ import logging
 import os
 import time
 
+import numpy as np
 import ray
 from ray import serve
 
 from pipelines.limits import check, controlnet_problem, edit_adapter_problem
-from pipelines.requests import ControlRequest, EditRequest, GenerationRequest
+from pipelines.requests import ControlImage, ControlRequest, EditRequest, GenerationRequest
 from serving.backend import Backend, Expired, InvalidJob, Meters
 from serving.batch_backend import BatchBackend
 from serving.models import Catalog, Served
@@ -162,13 +163,21 @@ class LoadedModel:
         self.warmup_s = time.perf_counter() - t0
 
     def resolve(self, shape: WarmupShape) -> GenerationRequest | None:
+        """The job a warm-up shape stands for (None: no size known); with ControlNets, a
+        :class:`ControlRequest` with blank control images (a ControlNet this model did not
+        load is an error naming it)."""
         p = self.pipe
         w, h = shape.width or p.default_width, shape.height or p.default_height
         if w is None or h is None:
             return None
         steps = shape.steps or p.default_steps
         g = p.default_guidance if shape.guidance is None else shape.guidance
-        return GenerationRequest("", None, 0, 1, w, h, steps, g)
+        if not shape.controlnets:
+            return GenerationRequest("", None, 0, 1, w, h, steps, g)
+        check([controlnet_problem(name, self.controlnets) for name in shape.controlnets])
+        blank = ControlImage(np.zeros((h, w, 3), np.uint8))
+        return ControlRequest("", None, 0, 1, w, h, steps, g,
+                              controls=tuple((name, blank) for name in shape.controlnets))
 
     def info(self) -> dict:
         """Defaults and limits the ingress validates against."""

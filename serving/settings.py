@@ -35,12 +35,16 @@ class WarmupShape(StrictConfig):
     height: int | None = Field(None, json_schema_extra={"minimum": 1})
     steps: int | None = Field(None, ge=1)
     guidance: float | None = Field(None, ge=0)  # > 1: classifier-free guidance on
+    # ControlNets (names the model loaded, in a request's order): their programs (engine=batch)
+    # or step engine (engine=step) for this shape; (): text-to-image
+    controlnets: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, spec: Any) -> "WarmupShape":
-        """``"WxH:steps:guidance"`` (later parts optional; guidance may be ``cfg``/``nocfg``),
-        ``"default"``, or a mapping with ``size`` (or ``width``, ``height``), ``steps``,
-        ``guidance`` (or ``cfg``)."""
+        """``"WxH:steps:guidance:controlnets"`` (later parts optional; guidance may be
+        ``cfg``/``nocfg``; ControlNet names joined by ``+``), ``"default"``, or a mapping with
+        ``size`` (or ``width``, ``height``), ``steps``, ``guidance`` (or ``cfg``),
+        ``controlnets`` (a list, or names joined by ``+``)."""
         if isinstance(spec, WarmupShape):
             return spec
         if isinstance(spec, dict):
@@ -50,28 +54,43 @@ class WarmupShape(StrictConfig):
             d.pop("size", None)
             if "cfg" in d:
                 d["guidance"] = _cfg_word(str(d.pop("cfg")).lower())
+            if isinstance(d.get("controlnets"), str):
+                d["controlnets"] = _names(d["controlnets"])
             return validate(cls, d, f"warmup shape {spec}")
         if not isinstance(spec, str):
             raise ValueError(f"warmup shape {spec!r}: give 'WxH:steps:guidance' or a mapping")
         if spec.strip().lower() == "default":
             return cls()
         parts = spec.strip().split(":")
-        if len(parts) > 3 or not parts[0]:
-            raise ValueError(f"warmup shape {spec!r}: use 'WxH', 'WxH:steps' or "
-                             "'WxH:steps:guidance' (e.g. '1024x1024:4:0')")
+        if len(parts) > 4 or not parts[0]:
+            raise ValueError(f"warmup shape {spec!r}: use 'WxH', 'WxH:steps', "
+                             "'WxH:steps:guidance' (e.g. '1024x1024:4:0') or "
+                             "'WxH:steps:guidance:controlnets' (e.g. '1024x1024:30:cfg:canny')")
         w, h = _size(parts[0], spec)
         d: dict[str, Any] = {"width": w, "height": h}
         if len(parts) > 1 and parts[1]:
             d["steps"] = yaml_scalar(parts[1])
-        if len(parts) > 2:
+        if len(parts) > 2 and parts[2]:
             word = parts[2].strip().lower()
             d["guidance"] = _cfg_word(word) if word in _CFG_WORDS else yaml_scalar(word)
+        if len(parts) > 3:
+            d["controlnets"] = _names(parts[3])
         return validate(cls, d, f"warmup shape {spec!r}")
 
     def __str__(self) -> str:
         size = "default size" if self.width is None else f"{self.width}x{self.height}"
         guidance = "default" if self.guidance is None else self.guidance
-        return f"{size}:{self.steps or 'default'}:{guidance}"
+        nets = f":{'+'.join(self.controlnets)}" if self.controlnets else ""
+        return f"{size}:{self.steps or 'default'}:{guidance}{nets}"
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """``"canny+depth"`` -> ("canny", "depth"); an empty name is an error."""
+    names = tuple(n.strip() for n in text.split("+"))
+    if not all(names):
+        raise ValueError(f"controlnets {text!r}: give ControlNet names joined by '+' "
+                         "(e.g. canny+depth)")
+    return names
 
 
 _CFG_WORDS = {"cfg": 5.0, "on": 5.0, "true": 5.0, "nocfg": 0.0, "off": 0.0, "false": 0.0}
@@ -447,6 +466,15 @@ class ServeSettings(StrictConfig):
         if self.engine == "step" and (self.run_overrides.get("refiner") or any(
                 m.run_overrides.get("refiner") for m in self.models)):
             raise ValueError(STEP_REFINER)
+        # warm-up shapes are the default (first) model's: their ControlNets must be its own
+        loaded = [c.name for c in (self.models[0].controlnets if self.models
+                                   else self.controlnets)]
+        for shape in self.warmup_shapes:
+            unknown = [n for n in shape.controlnets if n not in loaded]
+            if unknown:
+                raise ValueError(f"warmup shape {shape}: ControlNet {unknown[0]!r} is not loaded "
+                                 f"by the default model; its ControlNets: "
+                                 f"{', '.join(loaded) or 'none (serve arg controlnets)'}")
         return self
 
     @classmethod

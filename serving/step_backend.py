@@ -89,7 +89,7 @@ class StepBackend(Backend):
             return None
         eng = self._engines[key] = self._new_engine(key)
         eng.warmup()
-        return f"{job.width}x{job.height}:step-engine"
+        return f"{self._name(key)}:step-engine"
 
     @staticmethod
     def _name(key: tuple[int, int, tuple]) -> str:

@@ -24,7 +24,8 @@ serve = pytest.importorskip("ray.serve")
 
 CN = dict(conditioning_embedding_out_channels=(8, 16))  # control image 2x the latents
 ARGS = dict(MAIN_ARGS, model_name="tiny-cn", num_cpus=0, max_queued_requests=-1,
-            batch_wait_timeout_s=2.0, warmup_batch_sizes=[1], max_cost=1.0)
+            batch_wait_timeout_s=2.0, warmup_batch_sizes=[1], max_cost=1.0,
+            warmup_shapes=[*MAIN_ARGS["warmup_shapes"], f"{SIZE}x{SIZE}:{STEPS}:0:canny"])
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def nets(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cn_app(cluster, sdxl_dir, nets):
     """The tiny model with both ControlNets loaded (engine=batch; its warm-up: text-to-image
-    at one batch size only)."""
+    and ``canny`` at one batch size only)."""
     from serving.app import build_app
 
     serve.run(build_app({"model": str(sdxl_dir), **ARGS,
@@ -99,6 +100,10 @@ def test_requests_batch_together_and_equal_the_python_api(cn_app, nets, sdxl_dir
     shapes = {x["shape"] for rep in requests.get(f"{cn_app}/v1/stats").json()[
         "replicas"].values() for x in rep["batches"]}
     assert f"controlnet[canny]:{SIZE}x{SIZE}:{STEPS}:nocfg" in shapes, shapes
+    # the warm-up shape with a ControlNet compiled its program before the replica was ready
+    (warmed,) = {tuple(rep["warmed"]) for rep in requests.get(f"{cn_app}/v1/stats").json()[
+        "replicas"].values()}
+    assert f"controlnet[canny]:{SIZE}x{SIZE}:{STEPS}:nocfg" in warmed, warmed
 
 
 def test_unknown_controlnets_and_bad_values_are_422(cn_app):

@@ -28,6 +28,29 @@ def test_settings_from_cli_strings():
                                         WarmupShape())
 
 
+def test_warmup_shapes_with_controlnets():
+    """A warm-up shape may name the default model's ControlNets (``WxH:steps:guidance:names``
+    or a mapping); one it does not load is refused before anything deploys, naming it."""
+    from serving.schemas import ServeSettings, WarmupShape
+
+    s = ServeSettings.from_args({
+        "controlnets": "canny=/cn/canny,depth=/cn/depth",
+        "warmup_shapes": ["1024x1024:30:cfg:canny", "1024x1024:30::canny+depth",
+                          {"size": "512x512", "controlnets": ["depth"]}]})
+    assert s.warmup_shapes == (
+        WarmupShape(width=1024, height=1024, steps=30, guidance=5.0, controlnets=("canny",)),
+        WarmupShape(width=1024, height=1024, steps=30, controlnets=("canny", "depth")),
+        WarmupShape(width=512, height=512, controlnets=("depth",)))
+    with pytest.raises(ValueError, match=r"warmup shape 64x64:4:default:pose: ControlNet 'pose' "
+                                         r"is not loaded by the default model; its ControlNets: "
+                                         r"canny"):
+        ServeSettings.from_args({"controlnets": "canny=/cn/canny",
+                                 "warmup_shapes": "64x64:4::pose"})
+    with pytest.raises(ValueError, match=r"controlnets 'canny\+': give ControlNet names"):
+        ServeSettings.from_args({"controlnets": "canny=/cn/canny",
+                                 "warmup_shapes": "64x64:4:0:canny+"})
+
+
 def test_settings_adapters():
     from serving.schemas import AdapterSpec, ServeSettings
 

@@ -336,3 +336,26 @@ def test_controlnet_requests_run_on_a_step_engine_with_previews(step_app, sdxl_d
                    num_inference_steps=4, guidance_scale=body["guidance_scale"]).images[0]
         assert np.abs(png(got["images"][0]["b64_json"]).astype(int)
                       - np.asarray(ours, int)).max() <= 1, body["prompt"]
+
+
+@pytest.mark.slow  # compiles a one-slot ControlNet step engine (no Ray: the backend alone)
+def test_a_controlnet_warmup_shape_compiles_its_step_engine(sdxl_dir, step_controlnet):
+    """engine=step's warm-up of a shape with ControlNets (serve arg warmup_shapes
+    ``WxH:steps:guidance:names``) makes and compiles that ControlNet set's step engine."""
+    from pipelines import ControlNetPipeline, TextToImagePipeline
+    from pipelines.requests import ControlImage, ControlRequest
+    from serving.settings import ServeSettings
+    from serving.step_backend import StepBackend
+
+    pipe = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
+    cn = ControlNetPipeline.from_pipe(pipe, controlnet=str(step_controlnet))
+    settings = ServeSettings.from_args({"engine": "step", "engine_slots": 1})
+    backend = StepBackend(pipe, settings, None, None, {}, lambda: None,
+                          controlnets={"canny": (cn.controlnets[0], cn.controlnet_params[0])})
+    blank = ControlImage(np.zeros((SIZE, SIZE, 3), np.uint8))
+    job = ControlRequest("", None, 0, 1, SIZE, SIZE, 4, 0.0, controls=(("canny", blank),))
+    assert backend.warmup(job) == f"controlnet[canny]:{SIZE}x{SIZE}:step-engine"
+    (engine,) = backend._engines.values()
+    assert engine.num_compiled == engine.max_programs == 4  # step (1, 0), (1, 1), admit, decode
+    assert backend.warmup(job) is None  # once per size and ControlNet set
+    assert list(backend.stats()["engines"]) == [f"controlnet[canny]:{SIZE}x{SIZE}"]
