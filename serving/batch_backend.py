@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import contextlib
+import dataclasses
 import itertools
 import time
 
