@@ -4,6 +4,7 @@ reaches exactly the state of a run never stopped; a state file of another run is
 from __future__ import annotations
 
 import json
+import signal
 
 import numpy as np
 import pytest
@@ -47,7 +48,9 @@ def _state(path):
 @pytest.mark.slow  # five short training runs, about 50 s
 def test_a_stopped_run_continues_to_the_same_state(tmp_path):
     a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    handler = signal.getsignal(signal.SIGTERM)
     _run(tmp_path, "a", "--state", str(a), "--stop-at", "5")  # steps 1-5 in one go
+    assert signal.getsignal(signal.SIGTERM) is handler  # the run's own handler is gone
     _run(tmp_path, "b", "--state", str(b), "--stop-at", "2")
     assert json.loads(bytes(_state(b)["meta"]))["step"] == 2
     _run(tmp_path, "b", "--state", str(b), "--stop-at", "5")  # 3-5, continued

@@ -30,6 +30,7 @@ import json
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -425,7 +426,6 @@ def main(argv=None) -> None:
     if a.state_every < 1 or (a.stop_at is not None and a.stop_at < 1):
         ap.error("--state-every and --stop-at must be >= 1")
     cfg = TrainConfig.load(a.config, a.set)
-    signal.signal(signal.SIGTERM, _interrupt)
     out = Path(a.out)
     t0 = time.time()
     # keep a private copy of the vocabulary: --out may be the folder it came from
@@ -444,15 +444,20 @@ def main(argv=None) -> None:
     else:
         vae_cfg, vae_params = train_vae(cfg)
     t1 = time.time()
+    # SIGTERM stops the run as Ctrl-C does (its state is kept); the caller's handler is put back
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         stats = train_unet(cfg, vae_cfg, vae_params, tmp, out, sched_cfg,
                            snapshots=Path(a.snapshots) if a.snapshots else None,
                            state=Path(a.state) if a.state else None,
                            state_every=a.state_every, stop_at=a.stop_at)
     except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(tmp)
-        raise SystemExit(130)
-    shutil.rmtree(tmp)
     total = time.time() - t0
     print(json.dumps({"out": str(out), "vae_s": round(t1 - t0), "unet_s": round(stats["seconds"]),
                       "unet_steps": stats["steps"], "total_s": round(total),
