@@ -70,3 +70,31 @@ def test_a_stopped_run_continues_to_the_same_state(tmp_path):
     (weights,) = (tmp_path / "b" / "unet").glob("*.safetensors")
     with safe_open(weights, "np") as f:
         assert f.metadata()["maxdiff_train_step"] == "6"
+
+
+@pytest.mark.slow  # a training process of its own (~20 s)
+def test_sigterm_stops_a_run_between_steps_and_keeps_its_state(tmp_path):
+    """SIGTERM (what kill and process managers send) stops the UNet phase after the step it is
+    on, writes the state and exits 130; the handler sets a flag the loop reads, so a signal that
+    lands in a callback where Python ignores exceptions (it once did: a JAX garbage-collector
+    callback) still stops it."""
+    import subprocess
+    import sys
+    import time
+
+    cfg = tmp_path / "long.yaml"
+    cfg.write_text(yaml.safe_dump(dict(TINY, unet_train=dict(TINY["unet_train"], steps=100000))))
+    state = tmp_path / "s.npz"
+    proc = subprocess.Popen([sys.executable, "-m", "maxdiff.training.train", "--config", str(cfg),
+                             "--out", str(tmp_path / "m"), "--vae-from", str(EMBEDDED),
+                             "--state", str(state), "--state-every", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not state.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert state.exists(), proc.communicate()[0][-3000:]
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-3000:]
+    step = json.loads(bytes(_state(state)["meta"]))["step"]
+    assert 5 <= step < 100000 and f"stopped at step {step} of 100000" in out, out[-2000:]

@@ -381,7 +381,10 @@ def train_unet(cfg: TrainConfig, vae_cfg: dict, vae_params: dict, vocab_dir: Pat
             if time.time() - t0 > limit:
                 log(f"stopping at step {done}: max_minutes={cfg.max_minutes} reached")
                 break
-    except KeyboardInterrupt as e:  # Ctrl-C (and SIGTERM, see main): keep what was done
+            if _STOP.is_set():  # SIGTERM / Ctrl-C (main's handler): stop between steps
+                interrupted = KeyboardInterrupt()
+                break
+    except KeyboardInterrupt as e:  # a second Ctrl-C, or no handler: keep what was done
         interrupted = e
     bar.close()
     if state is not None and done < p.steps:
@@ -395,8 +398,16 @@ def train_unet(cfg: TrainConfig, vae_cfg: dict, vae_params: dict, vocab_dir: Pat
     return {"steps": done, "seconds": time.time() - t0, "loss": avg}
 
 
+_STOP = threading.Event()  # set by SIGTERM / Ctrl-C while the UNet phase runs (main)
+
+
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM stops a run as Ctrl-C does (its state is kept)
+    """SIGTERM or Ctrl-C: the UNet loop stops after its current step and keeps its state (a
+    flag: an exception raised here could land where Python ignores it, such as a garbage
+    collector callback, and the run would go on); a second one stops at once."""
+    if _STOP.is_set():
+        raise KeyboardInterrupt
+    _STOP.set()
 
 
 def main(argv=None) -> None:
@@ -444,9 +455,12 @@ def main(argv=None) -> None:
     else:
         vae_cfg, vae_params = train_vae(cfg)
     t1 = time.time()
-    # SIGTERM stops the run as Ctrl-C does (its state is kept); the caller's handler is put back
+    # SIGTERM and Ctrl-C stop the run between steps (its state is kept); the caller's handlers
+    # are put back
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    _STOP.clear()
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)
+                } if main_thread else {}
     try:
         stats = train_unet(cfg, vae_cfg, vae_params, tmp, out, sched_cfg,
                            snapshots=Path(a.snapshots) if a.snapshots else None,
@@ -455,8 +469,8 @@ def main(argv=None) -> None:
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         shutil.rmtree(tmp)
     total = time.time() - t0
     print(json.dumps({"out": str(out), "vae_s": round(t1 - t0), "unet_s": round(stats["seconds"]),
