@@ -43,6 +43,7 @@ __all__ = [
     "refuse_pickle",
     "flax_to_torch_key",
     "load_params",
+    "init_shapes",
     "read_config",
     "resolve_dtype",
     "save_safetensors",
@@ -359,6 +360,33 @@ def _unflatten(flat: dict[tuple[str, ...], Any]) -> dict:
             node = node.setdefault(k, {})
         node[path[-1]] = v
     return tree
+
+
+# init_shapes' memo: (module, inputs) -> the tree; a handful of entries (one per architecture
+# and dtype a process loads), oldest dropped first past _SHAPES_KEPT
+_SHAPES: dict = {}
+_SHAPES_KEPT = 32
+
+
+def init_shapes(module, *inputs, **named) -> dict:
+    """``module.init``'s parameter tree with ``jax.ShapeDtypeStruct`` leaves (nothing computed):
+    the target :func:`load_params` fills. Tracing ``init`` costs about a second on CPU for an
+    SDXL-sized model, so the tree is kept per (module, input shapes): a Flax module is a frozen
+    dataclass of its configuration, so an equal module has the same tree (a second model of
+    the same architecture, a reloaded one). Unhashable arguments are traced every time."""
+    try:
+        key = (module, inputs, tuple(sorted(named.items())))
+        hash(key)
+    except TypeError:
+        key = None
+    tree = _SHAPES.get(key) if key is not None else None
+    if tree is None:
+        tree = jax.eval_shape(module.init, jax.random.key(0), *inputs, **named)["params"]
+        if key is not None:
+            while len(_SHAPES) >= _SHAPES_KEPT:
+                _SHAPES.pop(next(iter(_SHAPES)))
+            _SHAPES[key] = tree
+    return jax.tree.map(lambda leaf: leaf, tree)  # the caller's own containers
 
 
 def load_params(

@@ -333,7 +333,7 @@ def param_shapes(module: nn.Module) -> dict:
     """The parameter tree's shapes (``jax.ShapeDtypeStruct`` leaves) of a CLIP text encoder,
     without running init (as :func:`maxdiff.models.unet.param_shapes`)."""
     ids = jax.ShapeDtypeStruct((1, module.config.max_position_embeddings), jnp.int32)
-    return jax.eval_shape(module.init, jax.random.key(0), ids)["params"]
+    return checkpoint.init_shapes(module, ids)
 
 
 def load_text_encoder(

@@ -437,7 +437,7 @@ class UNet2DConditionModel(UNetEncoder):
 def param_shapes(model: UNetEncoder) -> dict:
     """The parameter tree's shapes (``jax.ShapeDtypeStruct`` leaves), without running init."""
     inputs = model.dummy_inputs()
-    return jax.eval_shape(model.init, jax.random.key(0), **inputs)["params"]
+    return checkpoint.init_shapes(model, **inputs)
 
 
 def unet_module(config: dict, dtype: Any = "float32", attention_kernel: str = "auto",

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiff import single_file
-from maxdiff.checkpoint import (CheckpointError, load_params, open_weights, read_config,
+from maxdiff.checkpoint import (CheckpointError, init_shapes, load_params, open_weights, read_config,
                                 resolve_dtype)
 from maxdiff.models.attention import DEFAULT_CHUNK, KERNELS, Attention
 from maxdiff.models.layers import Downsample2D, ResnetBlock2D, Upsample2D, conv, group_norm
@@ -414,7 +414,7 @@ def param_shapes(model: AutoencoderKL) -> dict:
     """The model's parameter tree as ``jax.ShapeDtypeStruct`` leaves (no computation)."""
     f = model.config.vae_scale_factor
     x = jax.ShapeDtypeStruct((1, f, f, model.config.in_channels), jnp.float32)
-    return jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+    return init_shapes(model, x)
 
 
 def load_vae(folder: str | Path, dtype: Any = "float32", *, variant: str | None = None,
