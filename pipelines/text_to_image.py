@@ -60,12 +60,16 @@ class PipelineOutput:
 
 
 def enable_compile_cache(path: str | os.PathLike | None = DEFAULT_COMPILE_CACHE) -> None:
-    """Turn on JAX's persistent compilation cache in ``path`` (None or "" turns nothing on)."""
+    """Turn on JAX's persistent compilation cache in ``path`` (None or "" turns nothing on).
+    Programs that compile in under a second are not written, unless JAX's own variable
+    ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise (the test suite sets 0: its
+    tiny models' programs compile in fractions of a second, hundreds of them)."""
     if not path:
         return
     Path(path).mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def _as_list(x, name: str) -> list[str] | None:

@@ -18,6 +18,12 @@ from pathlib import Path
 SHIPPED_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 _ADDED = os.environ.get("MAXDIFF_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
 os.environ["XLA_FLAGS"] = f"{SHIPPED_XLA_FLAGS} {_ADDED}".strip()
+# Every program goes to the run's compilation cache (below), however fast it compiled: at -O0
+# most of the tiny models' programs compile in under the second the pipelines' default asks
+# for (pipelines.text_to_image.enable_compile_cache), so they compiled again in every process
+# and every run. JAX reads this variable when it is imported, here and in every process the
+# tests start, and enable_compile_cache leaves it alone.
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 
 def shipped_env(pythonpath, **extra: str) -> dict:
@@ -80,13 +86,13 @@ def pytest_collection_modifyitems(config, items):
 # once per module and process. It lives outside the clone (MAXDIFF_TEST_CACHE, default
 # ~/.cache/maxdiff/test-jax), so a later run on the same machine starts warm; modules that test
 # the cache itself set their own. Entries are keyed by the program, jax version and device, so
-# a changed model or jax never reads a stale one (a fresh run adds about 20 MB).
+# a changed model or jax never reads a stale one.
 TEST_CACHE = Path(os.environ.get("MAXDIFF_TEST_CACHE",
                                  Path.home() / ".cache" / "maxdiff" / "test-jax"))
 TEST_CACHE.mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("MAXDIFF_COMPILE_CACHE", str(TEST_CACHE))
 jax.config.update("jax_compilation_cache_dir", os.environ["MAXDIFF_COMPILE_CACHE"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
 
 
 @pytest.fixture(scope="session")

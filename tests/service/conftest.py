@@ -40,7 +40,8 @@ def cluster(compile_cache):
     hosts = [c.add_node(num_cpus=1, resources={"maxdiff_host": 1}) for _ in range(2)]
     ray.init(address=c.address, log_to_driver=False,
              runtime_env={"env_vars": {"MAXDIFF_COMPILE_CACHE": str(cache),
-                                       "XLA_FLAGS": os.environ["XLA_FLAGS"]}})
+                                       "XLA_FLAGS": os.environ["XLA_FLAGS"],
+                                       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}})
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
