@@ -317,7 +317,7 @@ def test_data_parallel_equals_single_device(sdxl_dir, nets):
         out = {{}}
         for d in (4, 1):
             p = ControlNetPipeline.from_pretrained({str(sdxl_dir)!r}, controlnet={str(nets[0][0])!r},
-                                                   devices=d, compile_cache_dir=None)
+                                                   devices=d)
             assert p.mesh.size == d
             out[d] = p.generate(items, controls, num_inference_steps=2, output_type="np").images
         print(json.dumps(float(np.abs(out[4] - out[1]).max())))

@@ -227,7 +227,7 @@ def test_data_parallel_equals_single_device(sdxl_dir, tmp_path):
         assert jax.local_device_count() == 4, jax.devices()
         out = {{}}
         for d in (4, 1):
-            p = TextToImagePipeline.from_pretrained({str(sdxl_dir)!r}, devices=d, compile_cache_dir=None)
+            p = TextToImagePipeline.from_pretrained({str(sdxl_dir)!r}, devices=d)
             assert p.mesh.size == d
             r = p(["a red circle", "a blue square", "the dog"], seed=11, num_inference_steps=2,
                   guidance_scale=3.0, output_type="np")

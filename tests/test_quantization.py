@@ -357,7 +357,7 @@ def test_data_parallel_quantized(sdxl_dir):
             out = {{}}
             for d in (4, 1):
                 p = TextToImagePipeline.from_pretrained({str(sdxl_dir)!r}, devices=d,
-                                                        quantization=mode, compile_cache_dir=None)
+                                                        quantization=mode)
                 kernel = p.params["unet"]
                 for k in q.quantized_layers(kernel)[0].split("/"):
                     kernel = kernel[k]

@@ -248,8 +248,7 @@ def test_slots_sharded_over_4_devices_equal_one_device(sdxl_dir):
         assert jax.local_device_count() == 4, jax.devices()
         out = {{}}
         for d in (4, 1):
-            p = TextToImagePipeline.from_pretrained({str(sdxl_dir)!r}, devices=d,
-                                                    compile_cache_dir=None)
+            p = TextToImagePipeline.from_pretrained({str(sdxl_dir)!r}, devices=d)
             eng = StepEngine(p, 32, 32, slots=4, output_type="np")
             assert eng.batch_sizes == ([4] if d == 4 else [1, 2, 4])
             hs = [eng.submit(ImageRequest("a red circle", seed=1, guidance_scale=3.0), 3)]

@@ -313,14 +313,17 @@ def make_sdxl_lora(model: str | Path, out: str | Path, rank: int = 4, seed: int 
 
 
 def run_on_host_devices(script: str, n: int = 4):
-    """Run ``script`` (Python source) in a fresh process whose CPU backend has ``n`` devices;
-    returns the JSON value of the last line it prints."""
+    """Run ``script`` (Python source) in a fresh process whose CPU backend has ``n`` devices, at
+    the suite's XLA flags (conftest.py: -O0, as the rest of the suite) with the run's
+    compilation cache (``MAXDIFF_COMPILE_CACHE``, the pipelines' default); returns the JSON value
+    of the last line it prints."""
     import json
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
+    env = dict(os.environ, XLA_FLAGS=flags.strip())
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
