@@ -311,7 +311,8 @@ def floor_rule(result: dict, keys: Sequence[str] = ("shape_color", "background",
 
 
 def generate(pipe, prompts, seeds, steps: int, guidance: float, chunk: int = 128) -> np.ndarray:
-    """uint8 (N, 64, 64, 3) images, in batches of ``chunk``."""
+    """uint8 (N, 64, 64, 3) images, in batches of ``chunk`` (a shorter last batch is padded to
+    the same program: :func:`pipelines.requests.bucket_size`)."""
     from pipelines.requests import ImageRequest
 
     items = [ImageRequest(prompt=p, seed=s, guidance_scale=guidance) for p, s in zip(prompts, seeds)]
@@ -334,7 +335,7 @@ def load_pipeline(model: str | None = None, sampler: str | None = None):
     if sampler:
         base = checkpoint.read_config(f"{path}/scheduler", "scheduler_config.json")
         sched = {**base, **SAMPLERS[sampler]}
-    return TextToImagePipeline.from_pretrained(path, scheduler=sched, compile_cache_dir=None)
+    return TextToImagePipeline.from_pretrained(path, scheduler=sched)  # the default compile cache
 
 
 def evaluate(pipe, steps: int, guidance: float, split: str = "test", n: int | None = None) -> dict:
