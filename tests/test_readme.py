@@ -277,15 +277,23 @@ def run_python(code: str, cwd: Path, timeout: int = 600) -> subprocess.Completed
 
 # ---------------------------------------------------------------------------------- runners
 def test_make_demo():
-    ran = []
+    """``make demo`` writes the embedded model's 64x64 images and a contact sheet to out/demo and
+    says where (the one run of the demo in the default suite)."""
+    from PIL import Image
+
+    ran, start = [], time.time() - 1
     for line in the("make").splitlines():
         cmd = line.split("#")[0].strip()
         if not cmd or cmd in NOT_RUN_LINES:
             continue
         res = run_bash(cmd, ROOT)
-        assert "contact sheet:" in res.stdout
         ran.append(cmd)
     assert ran == ["make demo"]
+    out = ROOT / "out" / "demo"
+    assert "contact sheet: out/demo/contact_sheet.png" in res.stdout, res.stdout
+    fresh = [p for p in out.glob("*.png") if p.stat().st_mtime >= start]  # not an earlier run's
+    assert out / "contact_sheet.png" in fresh and len(fresh) >= 6, sorted(fresh)
+    assert Image.open(min(p for p in fresh if p.name != "contact_sheet.png")).size == (64, 64)
 
 
 def test_python_examples(paths):
