@@ -63,7 +63,7 @@ def enable_compile_cache(path: str | os.PathLike | None = DEFAULT_COMPILE_CACHE)
     """Turn on JAX's persistent compilation cache in ``path`` (None or "" turns nothing on).
     Programs that compile in under a second are not written, unless JAX's own variable
     ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise (the test suite sets 0: its
-    tiny models' programs compile in fractions of a second, hundreds of them)."""
+    tiny models' programs often compile in a fraction of a second)."""
     if not path:
         return
     Path(path).mkdir(parents=True, exist_ok=True)

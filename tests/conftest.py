@@ -19,7 +19,7 @@ SHIPPED_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 _ADDED = os.environ.get("MAXDIFF_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
 os.environ["XLA_FLAGS"] = f"{SHIPPED_XLA_FLAGS} {_ADDED}".strip()
 # Every program goes to the run's compilation cache (below), however fast it compiled: at -O0
-# most of the tiny models' programs compile in under the second the pipelines' default asks
+# many of the tiny models' programs compile in under the second the pipelines' default asks
 # for (pipelines.text_to_image.enable_compile_cache), so they compiled again in every process
 # and every run. JAX reads this variable when it is imported, here and in every process the
 # tests start, and enable_compile_cache leaves it alone.

@@ -41,7 +41,8 @@ def cluster(compile_cache):
     ray.init(address=c.address, log_to_driver=False,
              runtime_env={"env_vars": {"MAXDIFF_COMPILE_CACHE": str(cache),
                                        "XLA_FLAGS": os.environ["XLA_FLAGS"],
-                                       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}})
+                                       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS":
+                                           os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]}})
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     try:
