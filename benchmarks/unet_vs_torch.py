@@ -32,7 +32,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=512, help="image size in pixels (latents /8)")
     ap.add_argument("--layers", type=int, nargs=3, default=[1, 2, 2])
-    ap.add_argument("--kernel", default="auto", choices=["auto", "chunked", "xla", "dot_product"])
+    ap.add_argument("--kernel", default="auto", choices=["auto", "chunked", "xla", "dot_product", "splash"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()

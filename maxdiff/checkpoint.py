@@ -23,6 +23,8 @@ Flax leaf         PyTorch leaf        layout change
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import struct
@@ -48,6 +50,7 @@ __all__ = [
     "resolve_dtype",
     "save_safetensors",
     "LazyTensor",
+    "shapes_only",
 ]
 
 
@@ -253,8 +256,39 @@ def check_links(root: str | os.PathLike) -> None:
                     "copy the file into the folder instead")
 
 
+class ShapesOnly:
+    """The weights of a model loaded :func:`shapes_only`: no file, no tensor; :func:`load_params`
+    gives each parameter as a ``jax.ShapeDtypeStruct`` of its shape and dtype."""
+
+    index: dict = {}
+
+    def keys(self) -> list[str]:
+        return []
+
+    def describe(self) -> str:
+        return "(shapes only)"
+
+
+_SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("maxdiff_shapes_only",
+                                                                    default=False)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Loaders called inside read configs only: :func:`open_weights` opens no file and the
+    parameters come back as ``jax.ShapeDtypeStruct`` leaves (through ``put``), so a model's
+    programs can be compiled, for devices this machine may not have, without its weights
+    (:mod:`pipelines.aot`)."""
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
+
+
 def open_weights(path: str | os.PathLike, variant: str | None = None) -> WeightSource:
-    """Find and open the safetensors weights of one component.
+    """Find and open the safetensors weights of one component (inside :func:`shapes_only`:
+    a :class:`ShapesOnly` source, whatever the folder holds).
 
     ``path`` is a single ``.safetensors`` file or a component folder holding
     ``diffusion_pytorch_model[.{variant}].safetensors`` / ``model[.{variant}].safetensors``
@@ -262,6 +296,8 @@ def open_weights(path: str | os.PathLike, variant: str | None = None) -> WeightS
     ``variant=None`` the plain files are preferred and an fp16 variant is used
     when it is the only one present.
     """
+    if _SHAPES_ONLY.get():
+        return ShapesOnly()
     p = Path(path)
     if p.is_file():
         refuse_pickle(p)
@@ -409,6 +445,12 @@ def load_params(
     ``dtype`` and passed to ``put`` (default ``jax.device_put``) one at a time.
     """
     target = resolve_dtype(dtype)
+    if isinstance(source, ShapesOnly):
+        put = put or (lambda a: a)
+        return _unflatten({
+            path: put(jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype("float32") if (
+                keep_float32 is not None and keep_float32(path)) else target))
+            for path, leaf in _flatten(shapes).items()})
     put = put or jax.device_put
     # a single file's model (maxdiff.single_file.MappedSource) says where each key lives
     rename = getattr(source, "rename", None)

@@ -3,10 +3,16 @@
 One mesh axis, ``data``: the batch is split over it, parameters are replicated on every
 device. (An ``fsdp`` axis that shards parameters can be added for models that do not fit
 one chip.)
+
+A mesh may also be made of devices this process cannot run on: a TPU topology described by
+``jax.experimental.topologies`` on a CPU host (:func:`topology_mesh`). Programs for it compile
+but never run; :func:`place` then gives ``jax.ShapeDtypeStruct`` leaves with the sharding
+instead of arrays (:mod:`pipelines.aot`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -34,6 +40,46 @@ def make_mesh(devices: int | Sequence[Any] | None = None) -> Mesh:
     return Mesh(np.array(chosen), (DATA,))
 
 
+def topology_mesh(name: str, platform: str = "tpu") -> Mesh:
+    """A ``data`` mesh over every chip of a topology (``"v5e:2x2"``, ``"v6e:2x2"``,
+    ``"v5p:2x2x1"``), compile-only on a machine without those chips (libtpu must be
+    installed: ``pip install 'maxdiff[tpu]'``)."""
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform=platform, topology_name=name)
+    except Exception as e:  # libtpu missing, or a name it does not know
+        raise ValueError(f"topology {name!r} ({platform}): {e}") from None
+    return Mesh(np.array(topo.devices), (DATA,))
+
+
+@functools.lru_cache(maxsize=None)
+def _runs_here(platform: str) -> bool:
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:
+        return False
+
+
+def compile_only(mesh: Mesh) -> bool:
+    """Whether this process cannot run programs on ``mesh``'s devices (a described topology)."""
+    return not _runs_here(mesh.devices.flat[0].platform)
+
+
+def place(tree: Any, sharding: NamedSharding) -> Any:
+    """``jax.device_put(tree, sharding)``, or, for a compile-only mesh, the same tree of
+    ``jax.ShapeDtypeStruct`` leaves (shape, dtype, ``sharding``)."""
+    if not compile_only(sharding.mesh):
+        return jax.device_put(tree, sharding)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), _dtype(a), sharding=sharding),
+                        tree)
+
+
+def _dtype(a) -> np.dtype:
+    dt = getattr(a, "dtype", None)
+    return np.dtype(dt) if dt is not None else np.asarray(a).dtype
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
@@ -46,4 +92,4 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
 def put_replicated(mesh: Mesh):
     """A ``put`` for :func:`maxdiff.checkpoint.load_params`: each tensor on every device."""
     sharding = replicated(mesh)
-    return lambda a: jax.device_put(a, sharding)
+    return lambda a: place(a, sharding)

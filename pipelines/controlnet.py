@@ -153,7 +153,7 @@ class ControlNetPipeline(_EditPipeline):
         for spec in _as_pairs(controlnet):
             if isinstance(spec, tuple):
                 model, cn_params = spec
-                cn_params = jax.device_put(cn_params, rep)
+                cn_params = meshlib.place(cn_params, rep)
                 name = "ControlNet"
             else:
                 model, cn_params = load_controlnet(  # a single file: the UNet's config
@@ -272,9 +272,9 @@ class ControlNetPipeline(_EditPipeline):
             g = guidance[:, None, None, None]
             r = rescale[:, None, None, None]
             if cfg:  # rows [unconditional, conditional]; guess mode: no residuals for the first
-                images = [jnp.concatenate([im, im]) for im in images]
-                scales = jnp.concatenate([jnp.where(guess[..., None], 0.0, scales), scales])
-                guess = jnp.concatenate([guess, guess])
+                images = [program_lib.cfg_rows(im, im) for im in images]
+                scales = program_lib.cfg_rows(jnp.where(guess[..., None], 0.0, scales), scales)
+                guess = program_lib.cfg_rows(guess, guess)
 
             def model(xin, t, i):
                 down, mid = control_residuals(nets, cps, xin, t, emb, pooled, time_ids, images,
@@ -421,7 +421,7 @@ class ControlNetPipeline(_EditPipeline):
                 put(time_ids), put(neg_time_ids), [put(im) for im in images], put(scales),
                 put(guess))
         state = self.scheduler.set_timesteps(steps, (bucket, lh, lw, self.latent_channels))
-        state = jax.device_put(state, meshlib.replicated(self.mesh))
+        state = meshlib.place(state, meshlib.replicated(self.mesh))
         as_uint8 = output_type != "np"
         tiled = self.uses_vae_tiling(height, width)
         program = self._program((bucket, lh, lw, steps, cfg, latents is not None, as_uint8,

@@ -45,7 +45,6 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -257,7 +256,7 @@ class _EditPipeline:
         key = (id(self.scheduler), *key)
         fn = self._programs.get(key)
         if fn is None:
-            fn = self._programs[key] = jax.jit(self._build(*key[1:]))
+            fn = self._programs[key] = program_lib.jit(self.mesh, self._build(*key[1:]))
         return fn
 
     def uses_vae_tiling(self, height: int, width: int) -> bool:
@@ -485,8 +484,8 @@ class _EditPipeline:
                 put(time_ids), put(neg_time_ids))
         rep = meshlib.replicated(self.mesh)
         state = self.scheduler.set_timesteps(steps, (bucket, lh, lw, self.latent_channels))
-        state = jax.device_put(state, rep)
-        scalars = jax.device_put((np.int32(t_start), np.bool_(inpaint and strength == 1.0)), rep)
+        state = meshlib.place(state, rep)
+        scalars = meshlib.place((np.int32(t_start), np.bool_(inpaint and strength == 1.0)), rep)
         as_uint8 = output_type != "np"
         t1 = time.perf_counter()
         tiled = self.uses_vae_tiling(height, width)

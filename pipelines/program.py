@@ -15,16 +15,92 @@ image joined at.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiff import mesh as meshlib
+from maxdiff import mesh as meshlib, target
 
-__all__ = ["image_keys", "normal", "step_noise", "pad_rows", "BatchPut", "host_images", "guide",
-           "denoise", "cutoff_timestep", "end_step", "start_step_at"]
+__all__ = ["jit", "image_keys", "normal", "step_noise", "pad_rows", "BatchPut", "host_images",
+           "cfg_rows", "cfg_halves", "guide", "guide_pair", "denoise", "cutoff_timestep",
+           "end_step", "start_step_at"]
+
+
+def jit(mesh, fn, **kwargs):
+    """``jax.jit(fn, **kwargs)`` with ``fn`` traced under ``mesh``, so the kernels and
+    algorithms chosen inside are those of the mesh's devices (:mod:`maxdiff.target`), whatever
+    machine compiles it. Every pipeline program is made here. For a compile-only mesh (a TPU
+    topology on a CPU host, :func:`maxdiff.mesh.topology_mesh`) the result compiles when
+    called instead of running (:class:`CompileOnly`)."""
+    fn = jax.jit(target.traced_under(mesh, fn), **kwargs)
+    return CompileOnly(fn, mesh.size) if meshlib.compile_only(mesh) else fn
+
+
+_COMPILED: contextvars.ContextVar[list | None] = contextvars.ContextVar("maxdiff_compiled",
+                                                                       default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collects every program a :class:`CompileOnly` compiles inside: a list of dicts with the
+    ``compiled`` program (``cost_analysis()``, ``memory_analysis()``, ``as_text()``) and
+    ``kernel_flops`` / ``kernel_bytes``, the Pallas kernels' work XLA does not count."""
+    compiled: list = []
+    token = _COMPILED.set(compiled)
+    try:
+        yield compiled
+    finally:
+        _COMPILED.reset(token)
+
+
+class CompileOnly:
+    """A pipeline program for devices this process cannot run on. Called with placed
+    arguments (``jax.ShapeDtypeStruct`` leaves from :func:`maxdiff.mesh.place`), it lowers and
+    compiles the program for those shapes and shardings (once per signature), records it
+    (:func:`recording`) and returns its outputs as ``jax.ShapeDtypeStruct`` leaves, so the
+    pipeline's host code runs to its end and the caller sees what the program would cost."""
+
+    def __init__(self, jitted, shards: int):
+        self.jitted = jitted
+        self.shards = shards  # devices the batch is split over (kernel costs are global)
+        self._compiled: dict = {}
+
+    def __call__(self, *args):
+        from maxdiff.models.attention import counting_kernel_costs
+
+        leaves, tree = jax.tree.flatten(args)
+        key = (tree, tuple((np.shape(a), str(getattr(a, "dtype", "")),
+                            getattr(a, "sharding", None)) for a in leaves))
+        entry = self._compiled.get(key)
+        if entry is None:
+            with counting_kernel_costs() as costs:
+                lowered = self.jitted.lower(*args)
+            # a compile-only executable cannot be loaded back: keep it out of the disk cache
+            cache_on = jax.config.jax_enable_compilation_cache
+            jax.config.update("jax_enable_compilation_cache", False)
+            try:
+                compiled = lowered.compile()
+            finally:
+                jax.config.update("jax_enable_compilation_cache", cache_on)
+            out = jax.tree.map(
+                lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype,
+                                                            sharding=sharding),
+                lowered.out_info, compiled.output_shardings)
+            entry = self._compiled[key] = {
+                "compiled": compiled, "out": out, "shards": self.shards,
+                "kernel_flops": float(sum(c["flops"] for c in costs)),
+                "kernel_bytes": float(sum(c["bytes"] for c in costs))}
+        record = _COMPILED.get()
+        if record is not None:
+            record.append(entry)
+        return entry["out"]
+
+    def _cache_size(self) -> int:
+        return len(self._compiled)
 
 
 def image_keys(seeds: jax.Array, n: int = 2) -> tuple[jax.Array, ...]:
@@ -68,18 +144,22 @@ class BatchPut:
         if a is None:
             return None
         sharding = self.ids_rows if ids else self.rows
-        return jax.device_put(pad_rows(np.asarray(a), self.size, 1 if ids else 0), sharding)
+        return meshlib.place(pad_rows(np.asarray(a), self.size, 1 if ids else 0), sharding)
 
     def tree(self, tree):
         """A pytree of per-image arrays (a batch of scheduler states), each placed as a row."""
-        return jax.device_put(jax.tree.map(lambda a: pad_rows(np.asarray(a), self.size), tree),
-                              self.rows)
+        return meshlib.place(jax.tree.map(lambda a: pad_rows(np.asarray(a), self.size), tree),
+                             self.rows)
 
 
 def host_images(out, n: int, output_type: str) -> Sequence:
     """The first ``n`` images of a program's pixels on the host: PIL images for ``"pil"``, else
-    the array (uint8 or float32 [0, 1]) as the program made it. Waits for the device."""
-    images = np.asarray(jax.device_get(out))[:n]
+    the array (uint8 or float32 [0, 1]) as the program made it. Waits for the device. (A
+    compile-only program's output is a shape: its images are zeros.)"""
+    if isinstance(out, jax.ShapeDtypeStruct):
+        images = np.zeros(out.shape, out.dtype)[:n]
+    else:
+        images = np.asarray(jax.device_get(out))[:n]
     if output_type == "pil":
         from PIL import Image
 
@@ -87,13 +167,44 @@ def host_images(out, n: int, output_type: str) -> Sequence:
     return images
 
 
+def _per_device(fn, n_out: int):
+    """``fn`` over each device's rows of the traced mesh's ``data`` axis (``shard_map``), or
+    ``fn`` itself without one: a batch-wise rearrangement that moves no row off its device."""
+    shards = target.data_shards()
+    if shards == 1:
+        return fn
+    spec = jax.sharding.PartitionSpec(meshlib.DATA)
+    return jax.shard_map(fn, in_specs=spec, out_specs=(spec,) * n_out if n_out > 1 else spec,
+                         check_vma=False)
+
+
+def cfg_rows(uncond, cond):
+    """The rows of a classifier-free-guided model call: ``uncond`` then ``cond`` on each device
+    (its own images' rows only, so the data-parallel program needs no collective; on one
+    device, diffusers' ``[uncond; cond]``). :func:`cfg_halves` undoes it; the model sees each
+    row alone, so only this pair must agree on the order."""
+    if uncond is None:
+        return None
+    return _per_device(lambda a, b: jnp.concatenate([a, b]), 1)(uncond, cond)
+
+
+def cfg_halves(x):
+    """(uncond, cond) rows of a :func:`cfg_rows` batch."""
+    return _per_device(lambda a: tuple(jnp.split(a, 2)), 2)(x)
+
+
 def guide(out, cfg: bool, g, r):
-    """The UNet's output (float32) -> the guided prediction: ``uncond + g * (text - uncond)``,
-    then guidance rescale where ``r > 0`` (Lin et al. 2023, "Common Diffusion Noise Schedules
-    and Sample Steps are Flawed", eq. 15-16, with torch's unbiased std)."""
+    """The UNet's output (float32, :func:`cfg_rows` rows with ``cfg``) -> the guided
+    prediction (:func:`guide_pair`)."""
     if not cfg:
         return out
-    uncond, text = jnp.split(out, 2)
+    return guide_pair(*cfg_halves(out), g, r)
+
+
+def guide_pair(uncond, text, g, r):
+    """``uncond + g * (text - uncond)``, then guidance rescale where ``r > 0`` (Lin et al.
+    2023, "Common Diffusion Noise Schedules and Sample Steps are Flawed", eq. 15-16, with
+    torch's unbiased std)."""
     out = uncond + g * (text - uncond)
     std_text = jnp.std(text, axis=(1, 2, 3), keepdims=True, ddof=1)
     std_cfg = jnp.std(out, axis=(1, 2, 3), keepdims=True, ddof=1)
@@ -127,7 +238,7 @@ def denoise(sched, model, x, state, start, end, *, cfg: bool, g, r, step_keys, s
             xin = jnp.concatenate([xin, extra], axis=-1)
         t = sched.timestep_for_model(state, i)
         if cfg:
-            xin = jnp.concatenate([xin, xin])
+            xin = cfg_rows(xin, xin)
         out = guide(model(xin, t, i).astype(jnp.float32), cfg, g, r)
         noise = None
         if stochastic:

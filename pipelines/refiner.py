@@ -136,8 +136,8 @@ def generate(base, items: Sequence[ImageRequest], *, height: int | None = None,
         np.asarray(state.timesteps), base.scheduler.num_train_timesteps, float(denoising_end))
     args = [base.params, put(ids, ids=True), put(neg_ids, ids=True), put(zero_negative),
             put(np.asarray(seeds, np.uint32)), put(latents), put(guidance), put(rescale),
-            put(time_ids), put(neg_time_ids), jax.device_put(state, rep),
-            jax.device_put(np.int32(end), rep)]
+            put(time_ids), put(neg_time_ids), meshlib.place(state, rep),
+            meshlib.place(np.int32(end), rep)]
     refiner_steps = 0
     if refiner is not None:
         seeded = [dataclasses.replace(it, seed=s) for it, s in zip(items, seeds)]
@@ -150,8 +150,8 @@ def generate(base, items: Sequence[ImageRequest], *, height: int | None = None,
         refiner_steps = int(r_state.timesteps.shape[0]) - start
         check(split_steps_problems(end, refiner_steps, denoising_end))
         args += [refiner.params, put(r_ids, ids=True), put(r_neg_ids, ids=True), put(r_zero),
-                 put(r_time_ids), put(r_neg_time_ids), jax.device_put(r_state, rep),
-                 jax.device_put(np.int32(start), rep)]
+                 put(r_time_ids), put(r_neg_time_ids), meshlib.place(r_state, rep),
+                 meshlib.place(np.int32(start), rep)]
     else:
         check(split_steps_problems(end, 1, denoising_end))
     decoding = base if refiner is None else refiner

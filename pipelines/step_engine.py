@@ -125,7 +125,7 @@ from pipelines.controlnet import ControlNetPipeline, control_inputs, control_res
 from pipelines.limits import cfg_on, check, steps_problem
 from pipelines.requests import ControlImage, ImageRequest, bucket_size
 from pipelines.step_scheduler import Handle, Policy, SlotScheduler, StepPlan, step_shapes
-from pipelines.text_to_image import _to_pixels, conditioning, encode_prompts, guide
+from pipelines.text_to_image import _to_pixels, conditioning, encode_prompts
 
 __all__ = ["StepEngine", "StepRunner", "Handle"]
 
@@ -244,21 +244,22 @@ class StepRunner:
         if self.cfg:
             state.update(nemb=np.zeros_like(state["emb"]), npooled=np.zeros_like(state["pooled"]),
                          ntime_ids=np.zeros_like(state["time_ids"]))
-        return jax.device_put(state, self._sharded)
+        return meshlib.place(state, self._sharded)
 
     # ------------------------------------------------------------------ programs
     def _program(self, kind: str, *key):
         fn = self._programs.get((kind, *key))
         if fn is None:
             if kind == "step":
-                fn = jax.jit(self._build_step(key[1]),
-                             out_shardings=(self._state_sharding, self._sharded),
-                             donate_argnums=self._donate(1))
+                fn = program_lib.jit(self.pipe.mesh, self._build_step(key[1]),
+                                     out_shardings=(self._state_sharding, self._sharded),
+                                     donate_argnums=self._donate(1))
             elif kind == "admit":
-                fn = jax.jit(self._build_admit(), out_shardings=self._state_sharding,
-                             donate_argnums=self._donate(1))
+                fn = program_lib.jit(self.pipe.mesh, self._build_admit(),
+                                     out_shardings=self._state_sharding,
+                                     donate_argnums=self._donate(1))
             else:
-                fn = jax.jit(self._build_decode())
+                fn = program_lib.jit(self.pipe.mesh, self._build_decode())
             self._programs[(kind, *key)] = fn
         return fn
 
@@ -313,9 +314,9 @@ class StepRunner:
                    "keys": jax.random.key_data(step_keys), "g": g, "r": r, "cfg": cfg,
                    "aidx": aidx, **control}
             if cfg_engine:
-                (new["nemb"], new["emb"]) = jnp.split(emb, 2)
-                (new["npooled"], new["pooled"]) = jnp.split(pooled, 2)
-                (new["ntime_ids"], new["time_ids"]) = jnp.split(tids, 2)
+                (new["nemb"], new["emb"]) = program_lib.cfg_halves(emb)
+                (new["npooled"], new["pooled"]) = program_lib.cfg_halves(pooled)
+                (new["ntime_ids"], new["time_ids"]) = program_lib.cfg_halves(tids)
             else:
                 new.update(emb=emb, pooled=pooled, time_ids=tids)
             return jax.tree.map(lambda old, v: old.at[slot].set(v.astype(old.dtype), mode="drop"),
@@ -363,8 +364,8 @@ class StepRunner:
             out = out.astype(jnp.float32)
             if g:
                 text = out[g:]
-                guided = guide(jnp.concatenate([out[:g], text[:g]]), True,
-                               state["g"][:g, None, None, None], state["r"][:g, None, None, None])
+                guided = program_lib.guide_pair(out[:g], text[:g], state["g"][:g, None, None, None],
+                                                state["r"][:g, None, None, None])
                 out = jnp.concatenate([
                     jnp.where(state["cfg"][:g, None, None, None], guided, text[:g]), text[g:]])
             noise = None
@@ -479,7 +480,7 @@ class StepRunner:
     def step(self, plan: StepPlan):
         """Queue one step of ``plan``'s rows; returns the device array of each row's step count
         after it (0 for padding rows)."""
-        args = jax.device_put((plan.rows, plan.active, plan.index, plan.local, plan.short),
+        args = meshlib.place((plan.rows, plan.active, plan.index, plan.local, plan.short),
                               self._sharded)
         self._state, executed = self._program("step", plan.b, plan.g)(
             self._params(), self._state, *args, *self._adapter_args())
@@ -491,7 +492,7 @@ class StepRunner:
         latents = self._state["x0" if preview else "x"]
         n = len(slots)
         b = min(bucket_size(n, self.pipe.mesh.size), self.slots)
-        idx = jax.device_put(np.array(slots + [slots[-1]] * (b - n), np.int32), self._sharded)
+        idx = meshlib.place(np.array(slots + [slots[-1]] * (b - n), np.int32), self._sharded)
         out = self._program("decode", b)(self._params(), latents, idx)
         if self.tiled:
             out = self.pipe.decode_tiled(out, self.output_type != "np")
@@ -507,7 +508,7 @@ class StepRunner:
             self.admit([], [], b)
             self.decode([0] * b)
         for b, g in self.step_shapes:
-            args = jax.device_put((np.arange(b, dtype=np.int32), np.zeros(b, bool),
+            args = meshlib.place((np.arange(b, dtype=np.int32), np.zeros(b, bool),
                                    np.zeros(b, np.int32), np.zeros(b, np.int32),
                                    np.zeros(b, bool)), self._sharded)
             self._state, _ = self._program("step", b, g)(self._params(), self._state, *args,

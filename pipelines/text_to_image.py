@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiff import adapters as adapterlib, checkpoint, mesh as meshlib, single_file
+from maxdiff import adapters as adapterlib, checkpoint, mesh as meshlib, single_file, target
 from maxdiff import quantization as quantlib
 from maxdiff.models.clip import load_text_encoder
 from maxdiff.models.unet import load_unet, unet_module
@@ -37,7 +37,6 @@ from maxdiff.tokenizers import load_tokenizer, tokenize
 from maxdiff.models.vae_tiling import (check_tiling_setting, tile_decoder, tile_encoder,
                                        tiled_decode, tiled_encode, use_tiling)
 from pipelines import program as program_lib
-from pipelines.program import guide  # noqa: F401  (its home is program.py; step_engine's import)
 from pipelines.config import ModelDefaults, RunConfig, load_run_config
 from pipelines.limits import (AESTHETIC_SCORE, HIGH_NOISE_FRAC, MAX_SEED,
                               NEGATIVE_AESTHETIC_SCORE, Limits, cfg_on, check,
@@ -116,16 +115,17 @@ def conditioning(te1, te2, p, ids, neg_ids, zero_negative, time_ids, neg_time_id
                  ad=None, aidx=None):
     """(text states, pooled, time ids, per-row adapter index) for the UNet. With ``cfg`` the
     rows are [negative, positive] (a negative without a prompt is zeros where the model says
-    ``force_zeros_for_empty_prompt``: ``zero_negative``), as diffusers concatenates them."""
+    ``force_zeros_for_empty_prompt``: ``zero_negative``), as diffusers concatenates them, on
+    each device (:func:`pipelines.program.cfg_rows`)."""
     emb, pooled = encode_prompts(te1, te2, p, ids[0], ids[1], ad, aidx)
     if not cfg:
         return emb, pooled, time_ids, aidx
     nemb, npooled = encode_prompts(te1, te2, p, neg_ids[0], neg_ids[1], ad, aidx)
     nemb = jnp.where(zero_negative[:, None, None], 0.0, nemb)
     npooled = jnp.where(zero_negative[:, None], 0.0, npooled)
-    uidx = None if aidx is None else jnp.concatenate([aidx, aidx])  # uncond: the image's too
-    return (jnp.concatenate([nemb, emb]), jnp.concatenate([npooled, pooled]),
-            jnp.concatenate([neg_time_ids, time_ids]), uidx)
+    uidx = program_lib.cfg_rows(aidx, aidx)  # uncond: the image's too
+    return (program_lib.cfg_rows(nemb, emb), program_lib.cfg_rows(npooled, pooled),
+            program_lib.cfg_rows(neg_time_ids, time_ids), uidx)
 
 
 # diffusers pipeline class -> (model components, tokenizer folders): SDXL or SD 1.x / 2.x
@@ -260,7 +260,7 @@ class TextToImagePipeline:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike | None = None, dtype: str = "float32",
+    def from_pretrained(cls, path: str | os.PathLike | None = None, dtype: str = "auto",
                         unet: str | os.PathLike | None = None, scheduler: Any = None,
                         devices: int | Sequence[Any] | None = None, *,
                         attention_kernel: str = "auto", attention_chunk: int = 512,
@@ -279,6 +279,9 @@ class TextToImagePipeline:
         diffusers VAE folder, or a file (``sdxl_vae.safetensors``, original or diffusers keys).
         ``scheduler``: a diffusers scheduler config dict, a folder or json file, or a preset
         name such as ``"lightning-4step"`` (which also sets the default steps and guidance).
+        ``dtype``: ``"auto"`` (bfloat16 on TPUs and GPUs, float32 on CPUs: the mesh's devices
+        decide, :func:`maxdiff.target.default_dtype`), ``"float32"``, ``"bfloat16"`` or
+        ``"float16"``.
         ``devices``: None for all local devices, N for the first N. ``vae_tiling``:
         ``"auto"`` (encode and decode images of more than ``vae_tiling_threshold`` pixels tile
         by tile; default 2 x the VAE's ``sample_size²``, at least 2,097,152), True (tile
@@ -309,6 +312,8 @@ class TextToImagePipeline:
         enable_compile_cache(compile_cache_dir)
         mesh = meshlib.make_mesh(devices)
         put = meshlib.put_replicated(mesh)
+        if dtype == "auto":
+            dtype = target.default_dtype(target.mesh_platform(mesh))
 
         hint = "" if config is not None else (
             f"maxdiff's shipped {layout.family.title} configs do not describe this file; pass "
@@ -354,7 +359,7 @@ class TextToImagePipeline:
                                                source=src)
         te1, te1_params = encoders.get("text_encoder", (None, None))
         te2, te2_params = encoders.get("text_encoder_2", (None, None))
-        te1_params, te2_params = jax.device_put((te1_params, te2_params), meshlib.replicated(mesh))
+        te1_params, te2_params = meshlib.place((te1_params, te2_params), meshlib.replicated(mesh))
 
         measured = ModelDefaults.read(root)
         steps = measured.steps or 50
@@ -612,7 +617,7 @@ class TextToImagePipeline:
     def _program(self, key: tuple):
         fn = self._programs.get(key)
         if fn is None:
-            fn = jax.jit(self._build(*key))
+            fn = program_lib.jit(self.mesh, self._build(*key))
             self._programs[key] = fn
         return fn
 
@@ -623,7 +628,7 @@ class TextToImagePipeline:
         counts them. A key must name every static choice the program closes over."""
         fn = self._programs.get(key)
         if fn is None:
-            fn = self._programs[key] = jax.jit(build())
+            fn = self._programs[key] = program_lib.jit(self.mesh, build())
         return fn
 
     def _build(self, batch: int, lh: int, lw: int, steps: int, cfg: bool, given_latents: bool,
@@ -808,7 +813,7 @@ class TextToImagePipeline:
                 put(np.asarray(seeds, np.uint32)), put(latents), put(guidance), put(rescale),
                 put(time_ids), put(neg_time_ids))
         state = self.scheduler.set_timesteps(steps, (bucket, lh, lw, self.latent_channels))
-        state = jax.device_put(state, meshlib.replicated(self.mesh))
+        state = meshlib.place(state, meshlib.replicated(self.mesh))
         as_uint8 = output_type != "np"
         tiled = self.uses_vae_tiling(height, width)
         program = self._program((bucket, lh, lw, steps, cfg, latents is not None, as_uint8,

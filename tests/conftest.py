@@ -24,6 +24,13 @@ os.environ["XLA_FLAGS"] = f"{SHIPPED_XLA_FLAGS} {_ADDED}".strip()
 # and every run. JAX reads this variable when it is imported, here and in every process the
 # tests start, and enable_compile_cache leaves it alone.
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# The suite runs on the CPU. libtpu (the test extra, for compiling TPU programs without a chip:
+# tests/test_tpu.py) would otherwise be tried as a backend by every process, which prints
+# warnings; TPU topologies still compile with this set.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu takes a lock file that lets one process at a time load it; the suite's two workers (and
+# a benchmark compiling beside it) only compile with it, never touch a chip.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def shipped_env(pythonpath, **extra: str) -> dict:

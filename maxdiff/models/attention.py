@@ -15,24 +15,45 @@ scores and softmax in float32 whatever the input dtype, so they agree to ~1e-6):
   (``implementation="cudnn"``) on NVIDIA GPUs where the dtype (bf16 / fp16) and head size
   (a multiple of 8, at most 128) allow it, XLA's implementation otherwise (logged once per
   shape; the VAE's single 512-wide head is one such case). On TPU it is XLA's.
-- ``"auto"`` (default): on CPU ``chunked`` once the score matrix per head has at least
-  ``AUTO_CHUNKED_MIN`` entries (below that the loop's overhead outweighs it and ``xla`` wins),
-  ``dot_product`` on accelerators.
+- ``"splash"``: JAX's Pallas TPU splash attention (a flash-style kernel: the score matrix lives
+  block by block in VMEM and never reaches HBM), one image at a time, under ``shard_map`` over
+  the mesh's ``data`` axis so the data-parallel program stays free of collectives. Needs both
+  lengths to be multiples of 128 (else ``xla``). Off a TPU it runs in Pallas' interpreter
+  (slow; for tests).
+- ``"auto"`` (default), decided for the devices the program is compiled for
+  (:func:`maxdiff.target.platform`), not the machine that compiles it: on a TPU ``splash``
+  where it applies (``xla`` for short keys such as the 77 text tokens, where the score matrix
+  is small); on a GPU ``dot_product``; on a CPU ``chunked`` once the score matrix per head has
+  at least ``AUTO_CHUNKED_MIN`` entries (below that the loop's overhead outweighs it and
+  ``xla`` wins).
+
+Attention inside a Pallas kernel is invisible to XLA's cost analysis (a custom call counts no
+flops); :func:`counting_kernel_costs` collects the analytic flops and HBM bytes of each such
+call as it is traced, for the compile-only reports (``pipelines.aot``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import logging
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
+
+from maxdiff import target
+from maxdiff.mesh import DATA
 
 logger = logging.getLogger(__name__)
-KERNELS = ("auto", "chunked", "xla", "dot_product")
+KERNELS = ("auto", "chunked", "xla", "dot_product", "splash")
 DEFAULT_CHUNK = 512
 AUTO_CHUNKED_MIN = 32 * 1024  # Lq * Lk
+SPLASH_MULTIPLE = 128  # splash needs sequence lengths in whole 128-row blocks
+_KERNEL_COSTS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "maxdiff_kernel_costs", default=None)
 
 
 def _xla(q, k, v, scale):
@@ -83,7 +104,7 @@ def dot_product_implementation(backend: str, dtype: Any, head_dim: int) -> str |
 
 
 def _dot_product(q, k, v, scale):
-    backend = jax.default_backend()
+    backend = target.platform()
     impl = dot_product_implementation(backend, q.dtype, q.shape[-1])
     if impl is None and backend in ("gpu", "cuda"):
         key = (str(q.dtype), q.shape[-1])
@@ -94,12 +115,80 @@ def _dot_product(q, k, v, scale):
     return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=impl).astype(q.dtype)
 
 
+def splash_fits(lq: int, lk: int) -> bool:
+    """Whether splash attention takes these lengths (whole 128-row blocks)."""
+    return lq % SPLASH_MULTIPLE == 0 and lk % SPLASH_MULTIPLE == 0
+
+
+def _block(n: int) -> int:
+    return next(b for b in (512, 256, 128) if n % b == 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(lq: int, lk: int, heads: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as sk, splash_attention_mask as sm)
+
+    mask = sm.MultiHeadMask([sm.FullMask((lq, lk)) for _ in range(heads)])
+    bq, bk = _block(lq), _block(lk)
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk)
+    return sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
+                              interpret=interpret)
+
+
+@contextlib.contextmanager
+def counting_kernel_costs():
+    """Collects ``{"flops", "bytes"}`` per Pallas attention call traced inside (a list, filled
+    as programs are traced): XLA's cost analysis counts none of a custom call's work."""
+    costs: list = []
+    token = _KERNEL_COSTS.set(costs)
+    try:
+        yield costs
+    finally:
+        _KERNEL_COSTS.reset(token)
+
+
+def _count_splash(q, k):
+    costs = _KERNEL_COSTS.get()
+    if costs is None:
+        return
+    b, lq, h, d = q.shape
+    lk = k.shape[1]
+    size = jnp.dtype(q.dtype).itemsize
+    # QK^T and PV (2 flops a multiply-add each); q and o once, k and v once per query block
+    costs.append({"flops": 4 * b * h * lq * lk * d,
+                  "bytes": size * b * h * d * (2 * lq + 2 * lk * (lq // _block(lq)))})
+
+
+def _splash(q, k, v, scale):
+    b, lq, h, _ = q.shape
+    kernel = _splash_kernel(lq, k.shape[1], h, target.platform() != "tpu")
+    _count_splash(q, k)
+
+    def local(q, k, v):
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q * jnp.asarray(scale, q.dtype), k, v))
+        return jax.vmap(kernel)(q, k, v).transpose(0, 2, 1, 3)
+
+    shards = target.data_shards()
+    if shards > 1 and b % shards == 0:  # each device its own images: no collectives
+        spec = jax.sharding.PartitionSpec(DATA)
+        local = jax.shard_map(local, in_specs=spec, out_specs=spec, check_vma=False)
+    return local(q, k, v).astype(q.dtype)
+
+
 def resolve_kernel(kernel: str, lq: int = 1 << 30, lk: int = 1) -> str:
-    """``"auto"`` -> the measured-best kernel for the default backend and these lengths."""
+    """``"auto"`` -> the measured-best kernel for the platform being compiled for
+    (:func:`maxdiff.target.platform`) and these lengths; ``"splash"`` where it cannot take the
+    lengths -> ``"xla"``."""
     if kernel == "auto":
-        if jax.default_backend() != "cpu":
+        where = target.platform()
+        if where == "tpu":
+            return "splash" if splash_fits(lq, lk) and lk >= SPLASH_MULTIPLE else "xla"
+        if where == "gpu":
             return "dot_product"
         return "chunked" if lq * lk >= AUTO_CHUNKED_MIN else "xla"
+    if kernel == "splash" and not splash_fits(lq, lk):
+        return "xla"
     return kernel
 
 
@@ -114,6 +203,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "auto",
         return _chunked(q, k, v, scale, chunk_size)
     if kernel == "dot_product":
         return _dot_product(q, k, v, scale)
+    if kernel == "splash":
+        return _splash(q, k, v, scale)
     raise ValueError(f"attention kernel {kernel!r} is unknown; use one of {', '.join(KERNELS)}")
 
 

@@ -29,7 +29,8 @@
 
 Everything else (other kernel sizes, strides, accelerators, half precision) is XLA's
 ``conv_general_dilated``. ``MAXDIFF_CONV=xla`` turns the CPU algorithms off (for A/B
-measurements); the default ``auto`` uses them on CPU only.
+measurements); the default ``auto`` uses them only in programs compiled for a CPU (the platform
+of the mesh being traced under, :func:`maxdiff.target.platform`, not the compiling machine's).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from maxdiff import target
 
 WINOGRAD_MIN_CHANNELS = 256
 WINOGRAD_MIN_PIXELS = 1024  # h * w below which the loop overhead outweighs the gain (measured)
@@ -80,12 +83,12 @@ _PHASE_TAPS = np.einsum("yia,xjb->yxijab", _PHASE, _PHASE).reshape(2, 2, 4, 9)
 
 
 def fast_cpu_convs() -> bool:
-    """Whether the CPU algorithms are on: ``MAXDIFF_CONV`` is ``auto`` (default) and JAX's
-    default backend is the CPU."""
+    """Whether the CPU algorithms are on: ``MAXDIFF_CONV`` is ``auto`` (default) and the
+    program is compiled for a CPU (:func:`maxdiff.target.platform`)."""
     mode = os.environ.get("MAXDIFF_CONV", "auto").lower()
     if mode not in ("auto", "xla"):
         raise ValueError(f"MAXDIFF_CONV={mode!r}; use auto or xla")
-    return mode == "auto" and jax.default_backend() == "cpu"
+    return mode == "auto" and target.platform() == "cpu"
 
 
 def xla_conv(x: jax.Array, kernel: jax.Array, strides=(1, 1), padding=((1, 1), (1, 1))):

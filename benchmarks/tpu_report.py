@@ -1,0 +1,153 @@
+"""What the served programs cost on TPUs, from the TPU compiler on this CPU machine (no chip).
+
+    python -m benchmarks.tpu_report --topology v5e:2x2 v5e:2x4 --program lightning \\
+        --batch-per-chip 1 2 8 --out docs/results/tpu-2026-12-05
+
+For each topology, program and per-chip batch: the whole program (text encoders, every
+denoising step, VAE decode) compiled for the topology's chips through ``libtpu`` with the
+model's configs only (:mod:`pipelines.aot`), and one UNet call compiled alone (XLA's cost
+analysis counts a loop's body once, so a program's work is its own count plus ``calls - 1``
+UNet calls). Per chip: compiled or the compiler's error, HBM needed against the chip's, flops
+and HBM bytes per image (Pallas kernels' added analytically), flops per byte against the
+chip's ridge, the roofline time on the chip's published peaks, images/s per chip, and the
+collectives in the compiled HLO. These are the compiler's estimates, never measurements.
+
+Programs: ``lightning`` (SDXL-Lightning 4 steps, Euler trailing, no CFG: MaxDiffusion's
+published workload), ``base`` (20 Euler steps, CFG 8: MLPerf's SDXL setting). A full-size SDXL
+compile takes minutes on two cores; ``--config`` takes any diffusers folder of configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+PROGRAMS = {
+    # name: (scheduler preset or None for the model's own, steps, guidance)
+    "lightning": ("lightning-4step", 4, 0.0),
+    "base": (None, 20, 8.0),
+}
+# SDXL at 1024² (docs: design notes): UNet forward, VAE decode, both CLIP encoders, TFLOP
+SDXL_1024_TFLOP = {"unet": 6.75, "vae": 10.5, "clip": 0.11}
+
+
+def analytic_tflop(program: str, size: int, config: str) -> float | None:
+    """SDXL's analytic work per image at 1024² (None elsewhere): the yardstick the compiler's
+    count is held to."""
+    if config != "sdxl-base" or size != 1024:
+        return None
+    _, steps, guidance = PROGRAMS[program]
+    rows = 2 if guidance > 1 else 1
+    t = SDXL_1024_TFLOP
+    return steps * rows * t["unet"] + t["vae"] + rows * t["clip"]
+
+
+def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dtype: str,
+        config: str, log) -> dict:
+    from pipelines import aot, program as program_lib
+
+    preset, steps, guidance = PROGRAMS[program]
+    row = {"topology": topology, "program": program, "batch_per_chip": per_chip, "size": size,
+           "dtype": dtype, "steps": steps, "guidance": guidance, "config": config}
+    t0 = time.perf_counter()
+    pipe = aot.load(folder, topology, dtype, **({"scheduler": preset} if preset else {}))
+    chip = aot.chip_of(pipe.mesh)
+    chips = pipe.mesh.size
+    n = per_chip * chips
+    row.update(chip=chip.name, chips=chips, images=n)
+    with program_lib.recording() as whole:
+        pipe(["a photo of a cat"] * n, num_inference_steps=steps, guidance_scale=guidance,
+             height=size, width=size, seed=0)
+    row["compile_whole_s"] = time.perf_counter() - t0
+    log(f"  whole program compiled in {row['compile_whole_s']:.0f} s")
+    t1 = time.perf_counter()
+    cfg = guidance > 1
+    with program_lib.recording() as unet:
+        aot.unet_call(pipe, n * (2 if cfg else 1), size, size)
+    row["compile_unet_s"] = time.perf_counter() - t1
+    log(f"  one UNet call compiled in {row['compile_unet_s']:.0f} s")
+    w = aot.analyse(whole[-1], chip, per_chip)
+    u = aot.analyse(unet[-1], chip, per_chip)
+    calls = steps  # Euler: one UNet call a step
+    tflop = w["tflop"] + (calls - 1) * u["tflop"]
+    gbytes = w["gbytes"] + (calls - 1) * u["gbytes"]
+    seconds = max(tflop * 1e12 / chip.flops, gbytes * 1e9 / chip.hbm_bytes_per_s)
+    row.update(
+        compiled=True, hbm_gib=w["hbm_gib"], hbm_fraction=w["hbm_fraction"], fits=w["fits"],
+        weights_gib=w["arguments_gib"], temp_gib=w["temp_gib"],
+        collectives=w["collectives"], collective_ops=w["collective_ops"],
+        unet_collective_ops=u["collective_ops"],
+        tflop_per_image=tflop / per_chip, gbytes_per_image=gbytes / per_chip,
+        unet_call={k: u[k] for k in ("tflop", "gbytes", "kernel_tflop", "flops_per_byte",
+                                     "bound", "roofline_s")},
+        flops_per_byte=tflop * 1e12 / (gbytes * 1e9), ridge=chip.ridge,
+        bound="compute" if tflop * 1e12 / chip.flops >= gbytes * 1e9 / chip.hbm_bytes_per_s
+        else "memory",
+        roofline_s=seconds, images_per_s_per_chip=per_chip / seconds,
+        images_per_s=per_chip * chips / seconds,
+        analytic_tflop_per_image=analytic_tflop(program, size, config))
+    if row["analytic_tflop_per_image"]:
+        row["tflop_vs_analytic"] = row["tflop_per_image"] / row["analytic_tflop_per_image"]
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--topology", nargs="+", default=["v5e:2x2"],
+                    help="TPU topologies (v5e:2x2, v5e:2x4, v6e:2x2, v5p:2x2x1, ...)")
+    ap.add_argument("--program", nargs="+", default=["lightning"], choices=sorted(PROGRAMS))
+    ap.add_argument("--batch-per-chip", nargs="+", type=int, default=[2])
+    ap.add_argument("--size", type=int, default=1024, help="image side in pixels")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--config", default="sdxl-base",
+                    help="a shipped config name (maxdiff/assets/configs) or a diffusers folder")
+    ap.add_argument("--out", type=Path, default=Path("out/tpu_report"),
+                    help="folder for report.jsonl (one line per result) and report.log")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_file = open(args.out / "report.log", "a", encoding="utf-8")
+
+    def log(msg: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {msg}"
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    from pipelines import aot
+
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = aot.model_folder(args.config, Path(tmp) / "model")
+        for topology in args.topology:
+            for program in args.program:
+                for per_chip in args.batch_per_chip:
+                    log(f"{topology} {program} {args.size}² {per_chip}/chip {args.dtype}")
+                    try:
+                        row = one(folder, topology, program, per_chip, args.size, args.dtype,
+                                  args.config, log)
+                    except Exception as e:  # the compiler's error is a result too
+                        failed += 1
+                        row = {"topology": topology, "program": program,
+                               "batch_per_chip": per_chip, "size": args.size, "compiled": False,
+                               "error": f"{type(e).__name__}: {e}"[:4000]}
+                        log(traceback.format_exc())
+                    with open(args.out / "report.jsonl", "a", encoding="utf-8") as f:
+                        f.write(json.dumps(row, sort_keys=True) + "\n")
+                    if row.get("compiled"):
+                        log(f"  HBM {row['hbm_gib']:.2f} GiB/chip ({row['hbm_fraction']:.0%}), "
+                            f"{row['tflop_per_image']:.2f} TFLOP and "
+                            f"{row['gbytes_per_image']:.1f} GB per image, "
+                            f"{row['flops_per_byte']:.0f} flops/byte (ridge {row['ridge']:.0f}, "
+                            f"{row['bound']}-bound), {row['images_per_s_per_chip']:.2f} "
+                            f"images/s/chip, collectives {row['collective_ops']}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

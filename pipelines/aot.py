@@ -1,0 +1,159 @@
+"""Compile the pipelines' programs for chips this machine does not have, and read their cost.
+
+With ``libtpu`` installed (``pip install 'maxdiff[tpu]'``) JAX compiles for a TPU topology on a
+CPU host. :func:`load` reads a model's configs only (no weights: :func:`maxdiff.checkpoint.
+shapes_only`) onto a compile-only mesh of the topology's chips; the pipeline it returns, and any
+pipeline made from it (``from_pipe``, the step engine), compiles its programs when called
+instead of running them, and draws black images. Inside :func:`pipelines.program.recording`
+each call yields the compiled programs; :func:`analyse` turns one into the figures a platform
+engineer asks for: HBM per chip, flops and bytes per chip, the roofline time on the chip's
+published peaks, which bound, and the collectives in the compiled HLO.
+
+XLA's ``optimal_seconds`` is not used (it came back negative); Pallas kernels (splash
+attention) are custom calls whose work XLA does not count, so their analytic flops and bytes
+are added (:func:`maxdiff.models.attention.counting_kernel_costs`).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from maxdiff import checkpoint, mesh as meshlib
+
+GIB = 1 << 30
+# collective ops as they appear in compiled HLO text (async ones as -start / -done pairs)
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter",
+               "collective-broadcast", "ragged-all-to-all")
+_COLLECTIVE_RE = re.compile(r"= [^=]*?\b(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+
+
+@dataclass(frozen=True)
+class Chip:
+    """A chip's published peaks: dense bf16 flop/s, HBM bytes/s, HBM bytes."""
+
+    name: str
+    flops: float
+    hbm_bytes_per_s: float
+    hbm_bytes: float
+
+    @property
+    def ridge(self) -> float:
+        """Flops per HBM byte above which a program is compute-bound."""
+        return self.flops / self.hbm_bytes_per_s
+
+
+# Google Cloud's published per-chip figures (bf16 dense, HBM bandwidth and capacity)
+CHIPS = {
+    "TPU v5 lite": Chip("v5e", 197e12, 819e9, 16 * GIB),
+    "TPU v6 lite": Chip("v6e", 918e12, 1640e9, 32 * GIB),
+    "TPU v5": Chip("v5p", 459e12, 2765e9, 95 * GIB),
+    "TPU v5p": Chip("v5p", 459e12, 2765e9, 95 * GIB),
+}
+
+
+def chip_of(mesh) -> Chip:
+    kind = mesh.devices.flat[0].device_kind
+    if kind not in CHIPS:
+        raise ValueError(f"no published peaks for {kind!r}; known: {', '.join(CHIPS)}")
+    return CHIPS[kind]
+
+
+def model_folder(config: str | Path, out: str | Path) -> Path:
+    """A diffusers folder of configs only in ``out``: ``config`` (a shipped name under
+    ``maxdiff/assets/configs``, e.g. ``"sdxl-base"``, or a folder) with the embedded model's
+    tokenizers where it has none (they set no shape a program depends on beyond 77 tokens)."""
+    from pipelines.default_model import EMBEDDED
+
+    src = Path(config)
+    if not src.is_dir():
+        src = Path(checkpoint.__file__).parent / "assets" / "configs" / str(config)
+        if not src.is_dir():
+            raise ValueError(f"config {config!r}: neither a folder nor a shipped config")
+    out = Path(out)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    for name in ("tokenizer", "tokenizer_2"):
+        if not (out / name).is_dir():
+            shutil.copytree(EMBEDDED / name, out / name)
+    return out
+
+
+def load(path: str | Path, topology: str, dtype: str = "bfloat16", **kwargs: Any):
+    """A :class:`pipelines.TextToImagePipeline` of the model at ``path`` (configs only; weights,
+    if present, are not read) on a compile-only mesh of ``topology``'s chips (``"v5e:2x2"``):
+    its calls compile and record programs (:func:`pipelines.program.recording`)."""
+    from pipelines.text_to_image import TextToImagePipeline
+
+    mesh = meshlib.topology_mesh(topology)
+    with checkpoint.shapes_only():
+        return TextToImagePipeline.from_pretrained(
+            path, dtype, devices=list(mesh.devices.flat), compile_cache_dir=None, **kwargs)
+
+
+def collectives(hlo_text: str) -> dict[str, int]:
+    """How many of each collective op the compiled HLO holds (an async pair counts once)."""
+    counts: dict[str, int] = {}
+    for m in _COLLECTIVE_RE.finditer(hlo_text):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
+
+def analyse(entry: dict, chip: Chip, images_per_chip: float) -> dict:
+    """A recorded program (:func:`pipelines.program.recording`) -> per-chip figures: HBM it
+    needs, flops and HBM bytes (XLA's count plus the Pallas kernels'), roofline seconds on
+    ``chip``, the bound, images/s per chip at ``images_per_chip`` images a call, collectives."""
+    compiled = entry["compiled"]
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    mem = compiled.memory_analysis()
+    flops = float(cost.get("flops", 0.0)) + entry["kernel_flops"] / entry["shards"]
+    nbytes = float(cost.get("bytes accessed", 0.0)) + entry["kernel_bytes"] / entry["shards"]
+    hbm = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+           - mem.alias_size_in_bytes)
+    compute_s, memory_s = flops / chip.flops, nbytes / chip.hbm_bytes_per_s
+    seconds = max(compute_s, memory_s)
+    found = collectives(compiled.as_text())
+    return {
+        "hbm_gib": hbm / GIB, "hbm_fraction": hbm / chip.hbm_bytes,
+        "fits": hbm <= chip.hbm_bytes,
+        "arguments_gib": mem.argument_size_in_bytes / GIB, "temp_gib": mem.temp_size_in_bytes / GIB,
+        "tflop": flops / 1e12, "gbytes": nbytes / 1e9,
+        "kernel_tflop": entry["kernel_flops"] / entry["shards"] / 1e12,
+        "flops_per_byte": flops / nbytes if nbytes else float("inf"),
+        "ridge": chip.ridge, "bound": "compute" if compute_s >= memory_s else "memory",
+        "roofline_s": seconds,
+        "images_per_s_per_chip": images_per_chip / seconds if seconds else float("inf"),
+        "collectives": found, "collective_ops": sum(found.values()),
+    }
+
+
+def unet_call(pipe, rows: int, height: int, width: int):
+    """Compile one UNet call on ``rows`` rows (the batch, twice over with CFG) at this size:
+    the body of every program's denoising loop. XLA's cost analysis counts a loop's body once,
+    whatever its trip count, so a program's cost is its own plus ``calls - 1`` of these.
+    Records like any program (:func:`pipelines.program.recording`)."""
+    import jax
+
+    from pipelines import program as program_lib
+
+    f = pipe.vae_scale_factor
+    unet, cfg = pipe.unet, pipe.unet.config
+    rows_on = meshlib.batch_sharded(pipe.mesh)
+    dtype = jax.tree.leaves(pipe.params["unet"])[0].dtype
+    pooled = pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None else 0
+    n_ids = 5 if pipe.requires_aesthetics_score else 6
+
+    def arg(*shape, dt=dtype):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=rows_on)
+
+    def call(p, x, t, emb, pooled, time_ids):
+        return unet.apply({"params": p}, x, t, emb, pooled, time_ids)
+
+    fn = program_lib.jit(pipe.mesh, call)
+    return fn(pipe.params["unet"], arg(rows, height // f, width // f, cfg.in_channels,
+                                       dt="float32"),
+              arg(rows, dt="float32"), arg(rows, 77, cfg.cross_attention_dim),
+              arg(rows, pooled), arg(rows, n_ids, dt="float32"))
