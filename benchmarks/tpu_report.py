@@ -47,8 +47,17 @@ def analytic_tflop(program: str, size: int, config: str) -> float | None:
     return steps * rows * t["unet"] + t["vae"] + rows * t["clip"]
 
 
+def _save_hlo(hlo_dir: Path | None, name: str, entry: dict) -> None:
+    if hlo_dir is not None:
+        import gzip
+
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+        with gzip.open(hlo_dir / f"{name}.hlo.txt.gz", "wt", encoding="utf-8") as f:
+            f.write(entry["compiled"].as_text())
+
+
 def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dtype: str,
-        config: str, log) -> dict:
+        config: str, log, fit_only: bool = False, hlo_dir: Path | None = None) -> dict:
     from pipelines import aot, program as program_lib
 
     preset, steps, guidance = PROGRAMS[program]
@@ -65,12 +74,22 @@ def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dty
              height=size, width=size, seed=0)
     row["compile_whole_s"] = time.perf_counter() - t0
     log(f"  whole program compiled in {row['compile_whole_s']:.0f} s")
+    name = f"{topology.replace(':', '-')}-{program}-{size}-{per_chip}"
+    _save_hlo(hlo_dir, name + "-whole", whole[-1])
+    if fit_only:  # memory and collectives only: no second compile for the per-step cost
+        w = aot.analyse(whole[-1], chip, per_chip)
+        row.update(compiled=True, fit_only=True, hbm_gib=w["hbm_gib"],
+                   hbm_fraction=w["hbm_fraction"], fits=w["fits"],
+                   weights_gib=w["arguments_gib"], temp_gib=w["temp_gib"],
+                   collectives=w["collectives"], collective_ops=w["collective_ops"])
+        return row
     t1 = time.perf_counter()
     cfg = guidance > 1
     with program_lib.recording() as unet:
         aot.unet_call(pipe, n * (2 if cfg else 1), size, size)
     row["compile_unet_s"] = time.perf_counter() - t1
     log(f"  one UNet call compiled in {row['compile_unet_s']:.0f} s")
+    _save_hlo(hlo_dir, name + "-unet", unet[-1])
     w = aot.analyse(whole[-1], chip, per_chip)
     u = aot.analyse(unet[-1], chip, per_chip)
     calls = steps  # Euler: one UNet call a step
@@ -109,6 +128,10 @@ def main(argv=None) -> int:
                     help="a shipped config name (maxdiff/assets/configs) or a diffusers folder")
     ap.add_argument("--out", type=Path, default=Path("out/tpu_report"),
                     help="folder for report.jsonl (one line per result) and report.log")
+    ap.add_argument("--fit-only", action="store_true",
+                    help="compile the whole program only: HBM and collectives, no cost")
+    ap.add_argument("--hlo-dir", type=Path, default=None,
+                    help="also write each compiled program's HLO text here (gzip)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     log_file = open(args.out / "report.log", "a", encoding="utf-8")
@@ -130,7 +153,7 @@ def main(argv=None) -> int:
                     log(f"{topology} {program} {args.size}² {per_chip}/chip {args.dtype}")
                     try:
                         row = one(folder, topology, program, per_chip, args.size, args.dtype,
-                                  args.config, log)
+                                  args.config, log, args.fit_only, args.hlo_dir)
                     except Exception as e:  # the compiler's error is a result too
                         failed += 1
                         row = {"topology": topology, "program": program,
@@ -139,7 +162,11 @@ def main(argv=None) -> int:
                         log(traceback.format_exc())
                     with open(args.out / "report.jsonl", "a", encoding="utf-8") as f:
                         f.write(json.dumps(row, sort_keys=True) + "\n")
-                    if row.get("compiled"):
+                    if row.get("fit_only"):
+                        log(f"  HBM {row['hbm_gib']:.2f} GiB/chip ({row['hbm_fraction']:.0%}), "
+                            f"temp {row['temp_gib']:.2f} GiB, collectives "
+                            f"{row['collective_ops']}")
+                    elif row.get("compiled"):
                         log(f"  HBM {row['hbm_gib']:.2f} GiB/chip ({row['hbm_fraction']:.0%}), "
                             f"{row['tflop_per_image']:.2f} TFLOP and "
                             f"{row['gbytes_per_image']:.1f} GB per image, "

@@ -331,7 +331,7 @@ class _EditPipeline:
                 after_step=keep_unmasked if mode == "inpaint4" else None)
             if tiled:
                 return vae.apply({"params": p["vae"]}, latents, method=vae.unscale_latents)
-            img = vae.apply({"params": p["vae"]}, latents, method=vae.latents_to_image)
+            img = program_lib.decode(vae, p["vae"], latents)
             return _to_pixels(img, as_uint8)
 
         return program

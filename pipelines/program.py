@@ -26,7 +26,7 @@ import numpy as np
 from maxdiff import mesh as meshlib, target
 
 __all__ = ["jit", "image_keys", "normal", "step_noise", "pad_rows", "BatchPut", "host_images",
-           "cfg_rows", "cfg_halves", "guide", "guide_pair", "denoise", "cutoff_timestep",
+           "cfg_rows", "cfg_halves", "guide", "guide_pair", "denoise", "decode", "cutoff_timestep",
            "end_step", "start_step_at"]
 
 
@@ -258,6 +258,20 @@ def denoise(sched, model, x, state, start, end, *, cfg: bool, g, r, step_keys, s
         return x
     x, _ = jax.lax.fori_loop(start, end, lambda i, carry: step(i, *carry), (x, state))
     return x
+
+
+def decode(vae, params, latents):
+    """Latents (B, h, w, C) in the diffusion model's space -> the VAE decoder's images
+    (B, H, W, 3) in ~[-1, 1]. On accelerators each device decodes its images one at a time
+    (``lax.map`` under :func:`_per_device`): a 1024² image alone fills a chip, the VAE's weights
+    are small, and the decoder's full-resolution activations, which set a program's peak
+    memory, then no longer grow with the batch. On CPUs the batch is decoded at once."""
+    def run(z):
+        return vae.apply({"params": params}, z, method=vae.latents_to_image)
+
+    if not target.is_accelerator():
+        return run(latents)
+    return _per_device(lambda z: jax.lax.map(lambda one: run(one[None])[0], z), 1)(latents)
 
 
 def cutoff_timestep(num_train_timesteps: int, fraction: float) -> int:

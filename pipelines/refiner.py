@@ -85,7 +85,7 @@ def build(base, refiner, lh: int, lw: int, cfg: bool, out: str, tiled: bool):
             return x
         if tiled:  # decoded tile by tile afterwards (decode_tiled)
             return decoder.apply({"params": vae_params}, x, method=decoder.unscale_latents)
-        img = decoder.apply({"params": vae_params}, x, method=decoder.latents_to_image)
+        img = program_lib.decode(decoder, vae_params, x)
         return _to_pixels(img, out == "uint8")
 
     return program

@@ -415,7 +415,7 @@ class StepRunner:
             z = jnp.take(latents, idx, axis=0)
             if tiled:
                 return vae.apply({"params": params["vae"]}, z, method=vae.unscale_latents)
-            img = vae.apply({"params": params["vae"]}, z, method=vae.latents_to_image)
+            img = program_lib.decode(vae, params["vae"], z)
             return _to_pixels(img, as_uint8)
 
         return decode

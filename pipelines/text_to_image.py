@@ -661,7 +661,7 @@ class TextToImagePipeline:
                                           shape=(lh, lw, channels))
             if tiled:  # decoded tile by tile afterwards (decode_tiled)
                 return vae.apply({"params": p["vae"]}, latents, method=vae.unscale_latents)
-            img = vae.apply({"params": p["vae"]}, latents, method=vae.latents_to_image)
+            img = program_lib.decode(vae, p["vae"], latents)
             return _to_pixels(img, as_uint8)
 
         return program

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = sorted((ROOT / "deploy").glob("rayservice-*.yaml"))
 # args a deployment sets for its hardware and model; every other arg equals configs/serve.yaml's
 PLATFORM_ARGS = {"config", "model", "unet", "vae", "single_file_config", "resource",
-                 "resource_amount", "num_replicas", "autoscaling", "warmup_shapes", "price_per_hour"}
+                 "resource_amount", "num_replicas", "autoscaling", "warmup_shapes", "price_per_hour",
+                 "max_replicas_per_node"}
 ACCELERATOR = {"GPU": "nvidia.com/gpu", "TPU": "google.com/tpu"}
 
 
@@ -47,8 +48,7 @@ def test_serve_config_is_valid_and_is_the_shipped_one(manifest):
     assert set(want_args) - set(args) <= PLATFORM_ARGS - {"resource", "resource_amount"}
     differ = {k for k in set(args) & set(want_args) if args[k] != want_args[k]}
     assert differ <= PLATFORM_ARGS, f"{differ - PLATFORM_ARGS} differ from configs/serve.yaml"
-    settings = ServeSettings.from_args(args)  # maxdiff's own checks, every field
-    assert settings.max_replicas_per_node == 1  # one replica per host
+    ServeSettings.from_args(args)  # maxdiff's own checks, every field
 
 
 def test_pods_ask_for_what_the_replicas_need(manifest):
@@ -64,16 +64,19 @@ def test_pods_ask_for_what_the_replicas_need(manifest):
     pod = group["template"]["spec"]
     (container,) = pod["containers"]
     resources = container["resources"]
-    # a replica holds every accelerator of its host, and the pod asks Kubernetes for them
-    assert resources["requests"][ACCELERATOR[s.resource]] == str(int(s.resource_amount))
+    # the pod asks Kubernetes for whole replicas' accelerators, and Ray places that many on it
+    chips = int(resources["requests"][ACCELERATOR[s.resource]])
+    per_pod, rest = divmod(chips, int(s.resource_amount))
+    assert rest == 0 and per_pod >= 1
+    assert s.max_replicas_per_node == per_pod
     assert resources["limits"] == resources["requests"]
     hosts = group.get("numOfHosts", 1)
-    if s.autoscaling_config is None:  # a fixed count: one replica per host of every slice
-        assert s.num_replicas == hosts * group["replicas"]
+    if s.autoscaling_config is None:  # a fixed count: the replicas of every host of every slice
+        assert s.num_replicas == per_pod * hosts * group["replicas"]
         assert group["minReplicas"] == group["maxReplicas"] == group["replicas"]
     else:  # replicas follow the load within what the worker group may grow to
-        assert s.autoscaling_config["max_replicas"] == hosts * group["maxReplicas"]
-        assert s.autoscaling_config["min_replicas"] <= hosts * group["minReplicas"]
+        assert s.autoscaling_config["max_replicas"] == per_pod * hosts * group["maxReplicas"]
+        assert s.autoscaling_config["min_replicas"] <= per_pod * hosts * group["minReplicas"]
         assert cluster["enableInTreeAutoscaling"] is True
     # a pod being removed gives its replica time to drain
     assert pod["terminationGracePeriodSeconds"] > s.graceful_shutdown_s
@@ -96,3 +99,22 @@ def test_pods_ask_for_what_the_replicas_need(manifest):
         for x in topology:
             chips *= x
         assert chips == hosts * s.resource_amount
+
+
+@pytest.mark.parametrize("name, extra", [("gpu", "cuda"), ("tpu", "tpu")])
+def test_each_accelerator_has_a_dockerfile_on_its_manifests_ray(name, extra):
+    """deploy/Dockerfile.{gpu,tpu} start from the Ray image of the manifest's rayVersion, are
+    tagged as the manifest's pods' image, and install the accelerator's extra, which exists."""
+    import tomllib
+
+    doc = yaml.safe_load((ROOT / "deploy" / f"rayservice-{name}.yaml").read_text())
+    docker = (ROOT / "deploy" / f"Dockerfile.{name}").read_text()
+    version = doc["spec"]["rayClusterConfig"]["rayVersion"]
+    assert f"rayproject/ray:{version}-" in docker
+    images = {c["image"] for group in [doc["spec"]["rayClusterConfig"]["headGroupSpec"],
+                                       *doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]]
+              for c in group["template"]["spec"]["containers"]}
+    assert len(images) == 1 and f"-t {images.pop()} ." in docker
+    assert f"[serve,{extra}]" in docker
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras[extra] == [{"cuda": "jax[cuda13]>=0.4.35", "tpu": "jax[tpu]>=0.4.35"}[extra]]
