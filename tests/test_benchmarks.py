@@ -212,3 +212,22 @@ def test_quantization_thresholds_are_stated_and_judged():
     assert s["per_image_db"][0] == math.inf and s["per_image_db"][1] == pytest.approx(40.0)
     assert (s["worst_db"], s["equal_images"]) == (pytest.approx(40.0), 1)
 
+
+
+def test_step_model_prices_calls_on_the_roofline_and_replays_both_engines():
+    """benchmarks/step_model.py: a call's time is the roofline of its rows; a lone request
+    takes its steps' calls plus a decode under either engine; under load, the step engine
+    never gives a 4-step request the wait of a 30-step batch ahead of it."""
+    from benchmarks import step_model as sm
+
+    c = sm.Costs(flops_per_row=7e12, weight_bytes=5e9, bytes_per_row=30e9, peak_flops=197e12,
+                 bandwidth=819e9, decode_s=0.15)
+    assert c.call(1) == pytest.approx((5e9 + 30e9) / 819e9)  # memory-bound
+    fast = sm.Costs(7e12, 5e9, 1e9, 197e12, 819e9, 0.15)
+    assert fast.call(4) == pytest.approx(4 * 7e12 / 197e12)  # compute-bound
+    alone = [(0.0, 30, True)]
+    want = 30 * c.call(2) + c.decode_s
+    assert sm.run_batch(alone, c, 8) == [pytest.approx(want)]
+    assert sm.run_step(alone, c, 8) == [pytest.approx(want)]
+    long_then_short = [(0.0, 30, False), (0.01, 4, False)]
+    assert sm.run_step(long_then_short, c, 8)[1] < sm.run_batch(long_then_short, c, 8)[1]
