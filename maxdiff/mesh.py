@@ -13,6 +13,7 @@ instead of arrays (:mod:`pipelines.aot`).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -40,16 +41,27 @@ def make_mesh(devices: int | Sequence[Any] | None = None) -> Mesh:
     return Mesh(np.array(chosen), (DATA,))
 
 
-def topology_mesh(name: str, platform: str = "tpu") -> Mesh:
-    """A ``data`` mesh over every chip of a topology (``"v5e:2x2"``, ``"v6e:2x2"``,
-    ``"v5p:2x2x1"``), compile-only on a machine without those chips (libtpu must be
-    installed: ``pip install 'maxdiff[tpu]'``)."""
+GPU_TARGETS = ("h100", "h200")  # maxdiff/assets/gpu/<name>.txtpb
+
+
+def topology_mesh(name: str) -> Mesh:
+    """A ``data`` mesh over every chip of a topology, compile-only on a machine without them:
+    a TPU topology (``"v5e:2x2"``, ``"v6e:2x2"``, ``"v5p:2x2x1"``; needs libtpu,
+    ``pip install 'maxdiff[tpu]'``) or N GPUs of one host (``"h100:8"``, ``"h200:1"``; needs
+    JAX's CUDA plugin, ``pip install 'maxdiff[cuda]'``, and ``JAX_PLATFORMS=cpu`` on a machine
+    without a GPU)."""
     from jax.experimental import topologies
 
+    kind, _, count = name.partition(":")
     try:
-        topo = topologies.get_topology_desc(platform=platform, topology_name=name)
-    except Exception as e:  # libtpu missing, or a name it does not know
-        raise ValueError(f"topology {name!r} ({platform}): {e}") from None
+        if kind.lower() in GPU_TARGETS:
+            config = Path(__file__).parent / "assets" / "gpu" / f"{kind.lower()}.txtpb"
+            topo = topologies.get_topology_desc(platform="cuda", target_config=config.read_text(),
+                                                topology=f"1x1x{int(count or 1)}")
+        else:
+            topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
+    except Exception as e:  # libtpu / the CUDA plugin missing, or a name it does not know
+        raise ValueError(f"topology {name!r}: {e}") from None
     return Mesh(np.array(topo.devices), (DATA,))
 
 

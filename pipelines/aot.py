@@ -1,8 +1,11 @@
 """Compile the pipelines' programs for chips this machine does not have, and read their cost.
 
 With ``libtpu`` installed (``pip install 'maxdiff[tpu]'``) JAX compiles for a TPU topology on a
-CPU host. :func:`load` reads a model's configs only (no weights: :func:`maxdiff.checkpoint.
-shapes_only`) onto a compile-only mesh of the topology's chips; the pipeline it returns, and any
+CPU host; with its CUDA plugin (``pip install 'maxdiff[cuda]'``, and ``JAX_PLATFORMS=cpu``) for
+NVIDIA H100 / H200 GPUs (:func:`maxdiff.mesh.topology_mesh`; XLA's GPU compiler gives no cost
+analysis without a device, so GPU programs report HBM and collectives only). :func:`load`
+reads a model's configs only (no weights: :func:`maxdiff.checkpoint.shapes_only`) onto a
+compile-only mesh of the topology's chips; the pipeline it returns, and any
 pipeline made from it (``from_pipe``, the step engine), compiles its programs when called
 instead of running them, and draws black images. Inside :func:`pipelines.program.recording`
 each call yields the compiled programs; :func:`analyse` turns one into the figures a platform
@@ -52,6 +55,9 @@ CHIPS = {
     "TPU v6 lite": Chip("v6e", 918e12, 1640e9, 32 * GIB),
     "TPU v5": Chip("v5p", 459e12, 2765e9, 95 * GIB),
     "TPU v5p": Chip("v5p", 459e12, 2765e9, 95 * GIB),
+    # NVIDIA's SXM figures: dense bf16 tensor-core flop/s, HBM bandwidth, HBM
+    "NVIDIA H100 80GB HBM3": Chip("h100", 989e12, 3350e9, 80e9),
+    "NVIDIA H200": Chip("h200", 989e12, 4800e9, 141e9),
 }
 
 
@@ -83,7 +89,8 @@ def model_folder(config: str | Path, out: str | Path) -> Path:
 
 def load(path: str | Path, topology: str, dtype: str = "bfloat16", **kwargs: Any):
     """A :class:`pipelines.TextToImagePipeline` of the model at ``path`` (configs only; weights,
-    if present, are not read) on a compile-only mesh of ``topology``'s chips (``"v5e:2x2"``):
+    if present, are not read) on a compile-only mesh of ``topology``'s chips (``"v5e:2x2"``,
+    ``"h200:1"``):
     its calls compile and record programs (:func:`pipelines.program.recording`)."""
     from pipelines.text_to_image import TextToImagePipeline
 
@@ -108,26 +115,33 @@ def analyse(entry: dict, chip: Chip, images_per_chip: float) -> dict:
     compiled = entry["compiled"]
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    mem = compiled.memory_analysis()
+    if cost is None:  # XLA's GPU compiler gives no cost analysis without a device
+        return fit(entry, chip)
     flops = float(cost.get("flops", 0.0)) + entry["kernel_flops"] / entry["shards"]
     nbytes = float(cost.get("bytes accessed", 0.0)) + entry["kernel_bytes"] / entry["shards"]
-    hbm = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-           - mem.alias_size_in_bytes)
     compute_s, memory_s = flops / chip.flops, nbytes / chip.hbm_bytes_per_s
     seconds = max(compute_s, memory_s)
-    found = collectives(compiled.as_text())
     return {
-        "hbm_gib": hbm / GIB, "hbm_fraction": hbm / chip.hbm_bytes,
-        "fits": hbm <= chip.hbm_bytes,
-        "arguments_gib": mem.argument_size_in_bytes / GIB, "temp_gib": mem.temp_size_in_bytes / GIB,
-        "tflop": flops / 1e12, "gbytes": nbytes / 1e9,
+        **fit(entry, chip), "tflop": flops / 1e12, "gbytes": nbytes / 1e9,
         "kernel_tflop": entry["kernel_flops"] / entry["shards"] / 1e12,
         "flops_per_byte": flops / nbytes if nbytes else float("inf"),
         "ridge": chip.ridge, "bound": "compute" if compute_s >= memory_s else "memory",
         "roofline_s": seconds,
         "images_per_s_per_chip": images_per_chip / seconds if seconds else float("inf"),
-        "collectives": found, "collective_ops": sum(found.values()),
     }
+
+
+def fit(entry: dict, chip: Chip) -> dict:
+    """A recorded program's HBM per chip and collectives (what every backend reports)."""
+    compiled = entry["compiled"]
+    mem = compiled.memory_analysis()
+    hbm = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+           - mem.alias_size_in_bytes)
+    found = collectives(compiled.as_text())
+    return {"hbm_gib": hbm / GIB, "hbm_fraction": hbm / chip.hbm_bytes,
+            "fits": hbm <= chip.hbm_bytes, "arguments_gib": mem.argument_size_in_bytes / GIB,
+            "temp_gib": mem.temp_size_in_bytes / GIB, "collectives": found,
+            "collective_ops": sum(found.values())}
 
 
 def unet_call(pipe, rows: int, height: int, width: int):

@@ -139,3 +139,15 @@ def test_the_step_engine_compiles_every_program(pipe):
         n = engine.warmup()
     assert n == len({id(e["compiled"]) for e in rec}) > 0
     assert any(SPLASH in e["compiled"].as_text() for e in rec)
+
+
+def test_a_topology_this_machine_cannot_describe_is_a_clear_error():
+    """A GPU target needs JAX's CUDA plugin (the cuda extra, not in the test extra); an unknown
+    TPU topology name is libtpu's error; both name the topology."""
+    import importlib.util
+
+    if importlib.util.find_spec("jax_cuda13_plugin") is None:
+        with pytest.raises(ValueError, match="topology 'h200:1'"):
+            meshlib.topology_mesh("h200:1")
+    with pytest.raises(ValueError, match="topology 'v5e:9x9'"):
+        meshlib.topology_mesh("v5e:9x9")
