@@ -115,6 +115,28 @@ def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dty
     return row
 
 
+def table(rows: list[dict]) -> str:
+    """report.jsonl rows as the markdown table docs/performance.md publishes."""
+    out = ["| chips | program, per-chip batch | HBM / chip | TFLOP / image (vs analytic) "
+           "| GB / image | flops / byte (ridge) | bound | roofline images/s per chip "
+           "| collectives |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        head = (f"| {r['topology']} ({r.get('chips', '?')} {r.get('chip', '')}) | {r['program']} "
+                f"{r['size']}², {r['batch_per_chip']}")
+        if not r.get("compiled"):
+            out.append(f"{head} | did not compile: {r['error'][:80]} | | | | | | |")
+            continue
+        hbm = f"{r['hbm_gib']:.1f} GiB ({r['hbm_fraction']:.0%})"
+        if r.get("fit_only"):
+            out.append(f"{head} | {hbm} | (fit only) | | | | | {r['collective_ops']} |")
+            continue
+        vs = (f" ({r['tflop_vs_analytic']:.2f}x)" if r.get("tflop_vs_analytic") else "")
+        out.append(f"{head} | {hbm} | {r['tflop_per_image']:.1f}{vs} | "
+                   f"{r['gbytes_per_image']:.0f} | {r['flops_per_byte']:.0f} ({r['ridge']:.0f}) | "
+                   f"{r['bound']} | {r['images_per_s_per_chip']:.2f} | {r['collective_ops']} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,7 +154,13 @@ def main(argv=None) -> int:
                     help="compile the whole program only: HBM and collectives, no cost")
     ap.add_argument("--hlo-dir", type=Path, default=None,
                     help="also write each compiled program's HLO text here (gzip)")
+    ap.add_argument("--table", action="store_true",
+                    help="print --out's report.jsonl as a markdown table and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        lines = (args.out / "report.jsonl").read_text().splitlines()
+        print(table([json.loads(line) for line in lines if line.strip()]))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     log_file = open(args.out / "report.log", "a", encoding="utf-8")
 
