@@ -69,7 +69,7 @@ class RunConfig(StrictConfig):
     guidance: float | None = Field(None, ge=0)
     height: int | None = Field(None, ge=1)
     width: int | None = Field(None, ge=1)
-    dtype: DType = "auto"  # auto: bfloat16 on TPUs and GPUs, float32 on CPUs
+    dtype: DType = "float32"  # "auto": bfloat16 on TPUs and GPUs, float32 on CPUs
     attention: Attention = "auto"
     attention_chunk: int = Field(512, ge=1)
     devices: int | None = Field(None, ge=1)  # mesh size: first N local devices; None for all
