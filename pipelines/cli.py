@@ -135,9 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scheduler", metavar="NAME",
                    help="preset (lightning-1step/2step/4step/8step) or a scheduler config "
                         "file/folder")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
-                   help="auto: bfloat16 on TPUs and GPUs, float32 on CPUs (default: the run "
-                        "config's, float32)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
     g.add_argument("--quantization", choices=QUANTIZATION_MODES,
                    help="the UNet's transformer linear layers in int8 (weights only, or weights "
                         "and activations) or fp8, through qwix (default none; no --lora with it)")

@@ -28,7 +28,7 @@ from pipelines.limits import HIGH_NOISE_FRAC
 MODEL_DEFAULTS_FILE = "maxdiff.json"
 NOT_RUN_CONFIGS = ("serve", "train-")  # configs/ also holds the service's and training's
 Attention = Literal["auto", "chunked", "xla", "dot_product", "splash"]
-DType = Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
+DType = Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 
 
 class LoraSpec(StrictConfig):
@@ -69,7 +69,7 @@ class RunConfig(StrictConfig):
     guidance: float | None = Field(None, ge=0)
     height: int | None = Field(None, ge=1)
     width: int | None = Field(None, ge=1)
-    dtype: DType = "float32"  # "auto": bfloat16 on TPUs and GPUs, float32 on CPUs
+    dtype: DType = "float32"
     attention: Attention = "auto"
     attention_chunk: int = Field(512, ge=1)
     devices: int | None = Field(None, ge=1)  # mesh size: first N local devices; None for all
