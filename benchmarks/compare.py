@@ -230,7 +230,7 @@ def flops(fn, *args) -> float:
 
 def maxdiff_text(ours):
     """maxdiff's text part, unjitted: ``(p1, p2, ids1, ids2) -> (prompt_embeds, pooled,
-    last1)``: what the pipeline's :func:`pipelines.text_to_image.encode_prompts` computes
+    last1)``: what the pipeline's :meth:`maxdiff.family.Family.encode` computes
     (penultimate states of both encoders concatenated, (B, 77, D1 + D2); encoder 2's
     ``text_embeds``, (B, P)) plus encoder 1's ``last_hidden_state``, so that XLA runs CLIP-L's
     last layer as PyTorch does (the pipeline itself does not need it, and XLA drops it there:

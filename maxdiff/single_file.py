@@ -24,7 +24,6 @@ writing can never disagree; the tests check the written files with diffusers' ow
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -35,6 +34,8 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from maxdiff import checkpoint
+from maxdiff.family import (FAMILIES, REFINER_BIGG, SD1_CLIP, SD2_OPENCLIP, SDXL_BIGG, SDXL_CLIP_L,
+                            Family, folder_family)
 from maxdiff.checkpoint import CheckpointError, LazyTensor, WeightSource
 
 __all__ = ["Op", "MappedSource", "Layout", "inspect", "component_source", "vae_source",
@@ -42,11 +43,6 @@ __all__ = ["Op", "MappedSource", "Layout", "inspect", "component_source", "vae_s
 
 UNET = "model.diffusion_model."
 VAE_PREFIXES = ("first_stage_model.", "vae.")
-SDXL_CLIP_L = "conditioner.embedders.0.transformer."
-SDXL_BIGG = "conditioner.embedders.1.model."
-REFINER_BIGG = "conditioner.embedders.0.model."
-SD1_CLIP = "cond_stage_model.transformer."
-SD2_OPENCLIP = "cond_stage_model.model."
 
 
 @dataclass(frozen=True)
@@ -315,36 +311,7 @@ class MappedSource(WeightSource):
         return f"{super().describe()} ({self.label})" if self.label else super().describe()
 
 
-# what each family holds, as (component, rename factory, scope prefix, ignored key endings)
 _TEXT_IGNORE = ("position_ids", "logit_scale", "attn_mask")
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    title: str
-    pipeline: str  # the diffusers pipeline class name
-    text: tuple[tuple[str, str, str], ...]  # (component, "clip" | "openclip", prefix)
-    supported: bool
-    # (tokenizer component, the embedded model's tokenizer folder with the same settings:
-    # CLIP's vocabulary, padded with <|endoftext|> ("tokenizer") or "!" ("tokenizer_2"))
-    tokenizers: tuple[tuple[str, str], ...] = (("tokenizer", "tokenizer"),)
-
-
-FAMILIES = {
-    "sdxl-base": Family("sdxl-base", "Stable Diffusion XL base", "StableDiffusionXLPipeline",
-                        (("text_encoder", "clip", SDXL_CLIP_L),
-                         ("text_encoder_2", "openclip", SDXL_BIGG)), True,
-                        (("tokenizer", "tokenizer"), ("tokenizer_2", "tokenizer_2"))),
-    "sdxl-refiner": Family("sdxl-refiner", "Stable Diffusion XL refiner",
-                           "StableDiffusionXLImg2ImgPipeline",
-                           (("text_encoder_2", "openclip", REFINER_BIGG),), False),
-    "sd1": Family("sd1", "Stable Diffusion 1.x", "StableDiffusionPipeline",
-                  (("text_encoder", "clip", SD1_CLIP),), True),
-    "sd2": Family("sd2", "Stable Diffusion 2.x", "StableDiffusionPipeline",
-                  (("text_encoder", "openclip", SD2_OPENCLIP),), True,
-                  (("tokenizer", "tokenizer_2"),)),
-}
 
 
 @dataclass(frozen=True)
@@ -536,21 +503,6 @@ def shipped_config(family: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- writing
-def folder_family(folder: str | os.PathLike) -> Family:
-    """The family of a diffusers folder: SDXL base, or SD 1.x (OpenAI's CLIP text encoder,
-    ``quick_gelu``) / 2.x (OpenCLIP's, ``gelu``) for a ``StableDiffusionPipeline``."""
-    folder = Path(folder)
-    index = json.loads((folder / "model_index.json").read_text())
-    name = index.get("_class_name")
-    if name == "StableDiffusionXLPipeline":
-        return FAMILIES["sdxl-base"]
-    if name == "StableDiffusionPipeline":
-        act = checkpoint.read_config(folder / "text_encoder").get("hidden_act")
-        return FAMILIES["sd1" if act == "quick_gelu" else "sd2"]
-    raise CheckpointError(f"{folder}: a {name}; single files hold StableDiffusionXLPipeline "
-                          "and StableDiffusionPipeline models")
-
-
 def export(folder: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
            variant: str | None = None, include_vae: bool = True) -> int:
     """Write a diffusers SDXL or SD 1.x / 2.x folder as one single file in the original layout
@@ -558,8 +510,11 @@ def export(folder: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
     one at a time; ``dtype`` (e.g. ``"float16"``) casts floating tensors. Returns the size."""
     folder = Path(folder)
     family = folder_family(folder)
+    if not family.single_file:
+        raise CheckpointError(f"{folder}: a {family.title} folder; single files hold SDXL base "
+                              "and SD 1.x / 2.x models")
     cast = checkpoint.resolve_dtype(dtype) if dtype is not None else None
-    configs = {name: checkpoint.read_config(folder / name) for name in family_models(family)
+    configs = {name: checkpoint.read_config(folder / name) for name in family.components
                if include_vae or name != "vae"}
     pieces = []
     for name, rename in renames(family, configs).items():
@@ -569,11 +524,6 @@ def export(folder: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
     tensors = {target: _lazy(op, parts, cast)
                for target, (op, parts) in grouped(pieces, folder).items()}
     return checkpoint.save_safetensors(tensors, out, {"format": "pt"})
-
-
-def family_models(family: Family) -> tuple[str, ...]:
-    """The diffusers components with weights in a family's single file."""
-    return ("unet", "vae", *(name for name, _, _ in family.text))
 
 
 def renames(family: Family, configs: Mapping[str, Mapping]) -> dict[str, Rename]:
@@ -650,7 +600,7 @@ def to_folder(path: str | os.PathLike, out: str | os.PathLike, config: str | os.
     import shutil
 
     layout = inspect(path)
-    if not layout.family.supported:
+    if not layout.family.single_file:
         raise CheckpointError(f"{path}: a {layout.family.title} file, which maxdiff does not "
                               "convert yet")
     root = Path(config) if config is not None else shipped_config(layout.family.name)
@@ -666,7 +616,7 @@ def to_folder(path: str | os.PathLike, out: str | os.PathLike, config: str | os.
         for name, same in layout.family.tokenizers:
             if not (tmp / name).is_dir():
                 shutil.copytree(embedded / same, tmp / name)
-        for name in family_models(layout.family):
+        for name in layout.family.components:
             cfg = checkpoint.read_config(root / name)
             if name == "vae" and vae is not None:
                 src = vae_source(vae, cfg)

@@ -158,7 +158,7 @@ def unet_call(pipe, rows: int, height: int, width: int):
     rows_on = meshlib.batch_sharded(pipe.mesh)
     dtype = jax.tree.leaves(pipe.params["unet"])[0].dtype
     pooled = pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None else 0
-    n_ids = 5 if pipe.requires_aesthetics_score else 6
+    n_ids = pipe.family.n_time_ids
 
     def arg(*shape, dt=dtype):
         return jax.ShapeDtypeStruct(shape, dt, sharding=rows_on)

@@ -367,26 +367,26 @@ def _vae_factor(model: Path) -> int | None:
     return 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else None
 
 
-def _control_pipelines(pipe, jobs) -> dict:
-    """One :class:`pipelines.ControlNetPipeline` over ``pipe`` per set of ControlNets the
-    ControlNet jobs use (each ControlNet loaded once, its arrays shared by the sets); a
+def _pipelines(pipe, jobs):
+    """The pipelines the jobs need (:class:`pipelines.dispatch.Pipelines`), with every
+    ControlNet the ControlNet jobs use loaded once (its arrays shared by the sets); a
     ControlNet that cannot be loaded, or is made for another model, is exit status 2."""
-    sets = list(dict.fromkeys(j.shape.controlnets for j in jobs
-                              if isinstance(j.shape, ControlKey)))
-    if not sets:
-        return {}
-    from pipelines.controlnet import ControlNetPipeline
+    from pipelines.dispatch import Pipelines
 
+    paths = dict.fromkeys(p for j in jobs if isinstance(j.shape, ControlKey)
+                          for p in j.shape.controlnets)
     loaded = {}
-    for path in dict.fromkeys(p for s in sets for p in s):
-        try:
-            one = ControlNetPipeline.from_pipe(pipe, controlnet=path)  # checks it fits
-        except (ValueError, OSError) as e:
-            raise InputError([f"ControlNet {path}: {e} (--control-image / --controlnet / "
-                              "control_images)"]) from None
-        loaded[path] = (one.controlnets[0], one.controlnet_params[0])
-    return {s: ControlNetPipeline.from_pipe(pipe, controlnet=[loaded[p] for p in s])
-            for s in sets}
+    if paths:
+        from pipelines.controlnet import ControlNetPipeline
+
+        for path in paths:
+            try:
+                one = ControlNetPipeline.from_pipe(pipe, controlnet=path)  # checks it fits
+            except (ValueError, OSError) as e:
+                raise InputError([f"ControlNet {path}: {e} (--control-image / --controlnet / "
+                                  "control_images)"]) from None
+            loaded[path] = (one.controlnets[0], one.controlnet_params[0])
+    return Pipelines(pipe, loaded)
 
 
 # ---------------------------------------------------------------------------------- generate
@@ -454,7 +454,7 @@ def cmd_generate(args) -> int:
         jobs = plan_jobs(lines, settings)
     done = out.done(records)
     todo = [j for j in jobs if j.id not in done]
-    control_pipes = _control_pipelines(pipe, todo)
+    pipes = _pipelines(pipe, todo)
     _log(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s on {pipe.mesh.size} device(s); "
          f"{len(lines)} prompt(s), {len(jobs)} image(s), {len(jobs) - len(todo)} already in "
          f"{out.path}, {len(todo)} to generate")
@@ -462,7 +462,6 @@ def cmd_generate(args) -> int:
     bar = tqdm(total=len(todo), unit="img", file=sys.stderr, disable=args.quiet,
                dynamic_ncols=True, smoothing=0.1)
     t_start, shape, written = time.perf_counter(), None, 0
-    edit_pipes: dict = {}
     try:
         for batch_shape, group, bucket in plan_batches(todo, lambda j: j.shape, args.batch_size,
                                                        pipe.mesh.size):
@@ -482,29 +481,19 @@ def cmd_generate(args) -> int:
                     _log(f"{desc}: {n} image(s), device batch {bucket} (first batch compiles)")
             items = pad_to([j.request() for j in group], bucket)  # one program per group
             if edit:
-                if batch_shape.kind not in edit_pipes:
-                    from pipelines.edit import ImageToImagePipeline, InpaintPipeline
-
-                    cls = InpaintPipeline if batch_shape.kind == "inpaint" else ImageToImagePipeline
-                    edit_pipes[batch_shape.kind] = cls.from_pipe(pipe)
-                inputs = [load_edit_inputs(j.line.image, j.line.mask)
+                extras = [load_edit_inputs(j.line.image, j.line.mask)
                           for j in pad_to(group, bucket)]
-                result = edit_pipes[batch_shape.kind].generate(
-                    items, [im for im, _ in inputs],
-                    [m for _, m in inputs] if batch_shape.kind == "inpaint" else None,
-                    strength=batch_shape.strength, height=h, width=w, num_inference_steps=steps)
             elif control:
                 files: dict[str, object] = {}  # each control image file read once a batch
                 for j in group:
                     for c in j.line.controls:
                         if c.image not in files:
                             files[c.image] = load_control_image(c.image)
-                controls = [[ControlImage(files[c.image], c.scale, c.start, c.end, c.guess_mode)
-                             for c in j.line.controls] for j in pad_to(group, bucket)]
-                result = control_pipes[batch_shape.controlnets].generate(
-                    items, controls, height=h, width=w, num_inference_steps=steps)
+                extras = [[ControlImage(files[c.image], c.scale, c.start, c.end, c.guess_mode)
+                           for c in j.line.controls] for j in pad_to(group, bucket)]
             else:
-                result = pipe.generate(items, height=h, width=w, num_inference_steps=steps)
+                extras = [None] * len(items)
+            result = pipes.generate(batch_shape, items, extras)
             batch_s = result.timings["prepare_s"] + result.timings["generate_s"]
             seconds = round(batch_s / len(group), 4)
             for job, image in zip(group, result.images):
@@ -548,7 +537,7 @@ def cmd_info(args) -> int:
         cfg = _run_config(args)
         t0 = time.perf_counter()
         pipe = TextToImagePipeline.from_config(cfg)
-        root, layout = model_root(Path(cfg.model), cfg.single_file_config)
+        root, layout, _ = model_root(Path(cfg.model), cfg.single_file_config)
     load_s = time.perf_counter() - t0
     comps = {}
     for name in [c for c in COMPONENTS if c in pipe.params]:  # SD 1.x / 2.x: one encoder
@@ -684,7 +673,7 @@ def _quantize_unet(src: Path, out: Path, mode: str, dtype) -> int:
     """``src`` (a diffusers unet/ folder) quantized to ``mode`` into ``out`` (its config
     already copied there): the weights file and the config key naming the mode."""
     from maxdiff import quantization as quantlib
-    from maxdiff.models.unet import load_unet
+    from maxdiff.loaders import load_unet
 
     with _usage_errors():
         config = _json_file(out / "config.json")

@@ -28,8 +28,9 @@ scales are all 0 at a step (outside every image's window) is skipped at that ste
 (``lax.cond``), not run and multiplied by 0. Guess mode with classifier-free guidance: the
 unconditional rows get no residuals (diffusers runs the ControlNet on the conditional half only
 and adds zeros to the other; here the unconditional rows' scale is 0, which gives the same
-zeros). Programs are cached per (padded batch, latent size, steps, CFG on/off, latents given,
-output kind, tiled VAE); :attr:`num_compiled` counts them.
+zeros). The program is the ControlNet task's (:mod:`pipelines.tasks.controlnet`), kept per
+(padded batch, latent size, steps, CFG on/off, output kind, tiled VAE) in the pipeline's own
+:attr:`programs`; :attr:`num_compiled` counts their compilations.
 
 Noise comes from each image's seed exactly as in :class:`pipelines.TextToImagePipeline`, so an
 image whose scales are all 0 is that pipeline's image for the same seed.
@@ -41,18 +42,19 @@ import os
 import time
 from typing import Any, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from maxdiff import adapters as adapterlib, mesh as meshlib
+from maxdiff import mesh as meshlib
 from maxdiff.models.controlnet import ControlNetModel, load_controlnet
-from pipelines import program as program_lib
-from pipelines.edit import _EditPipeline, _image_list, _is_image, _size, image_pixels
+from pipelines.composed import ComposedPipeline
+from pipelines.images import image_list, is_image, size_of
 from pipelines.limits import describe
-from pipelines.requests import ControlImage, ImageRequest, bucket_size
-from pipelines.text_to_image import (PipelineOutput, TextToImagePipeline, _to_pixels,
-                                     conditioning)
+from pipelines.program import PipelineOutput
+from pipelines.requests import ControlImage, ImageRequest
+from pipelines.runner import Job, checked_items, run
+from pipelines.text_to_image import TextToImagePipeline
+from pipelines.tasks.controlnet import (CONTROLNET, control_inputs, control_keep,
+                                        control_residuals)
 
 __all__ = ["ControlNetPipeline", "ControlImage", "control_inputs", "control_keep",
            "control_residuals"]
@@ -61,62 +63,6 @@ __all__ = ["ControlNetPipeline", "ControlImage", "control_inputs", "control_keep
 # text and time inputs)
 _SHARED = ("in_channels", "block_out_channels", "cross_attention_dim", "addition_time_embed_dim",
            "projection_class_embeddings_input_dim")
-
-
-def control_keep(calls: int, start: float, end: float) -> np.ndarray:
-    """diffusers' ``controlnet_keep`` for a run of ``calls`` model calls: float32 (calls,), 1
-    where step i runs the ControlNet (``i / calls >= start`` and ``(i + 1) / calls <= end``),
-    else 0. Computed on the host in float64, as diffusers does."""
-    return np.array([1.0 - float(i / calls < start or (i + 1) / calls > end)
-                     for i in range(calls)], np.float32)
-
-
-def control_residuals(nets, cps, x, t, emb, pooled, time_ids, images, scales, guess):
-    """The UNet's additional residuals from ControlNets ``nets`` (weights ``cps``) for one
-    model call on rows ``x`` (the UNet's inputs ``t``, ``emb``, ``pooled``, ``time_ids``):
-    ``images`` one (B, H, W, 3) control batch per ControlNet, ``scales`` (B, K) this call's
-    scale of each row for each ControlNet (0 outside its window), ``guess`` (B, K). Summed over
-    the ControlNets in order (diffusers' ``MultiControlNetModel``); a ControlNet whose scales
-    are all 0 at this call is skipped (``lax.cond``), not run and multiplied by 0. Returns
-    ``(down residuals, mid residual)``; what :class:`ControlNetPipeline`'s program and the step
-    engine (:mod:`pipelines.step_engine`) both feed the UNet."""
-    down = mid = None
-    for k, net in enumerate(nets):
-        def run(net=net, k=k):
-            return net.apply({"params": cps[k]}, x, t, emb, images[k], scales[:, k],
-                             text_embeds=pooled, time_ids=time_ids, guess_mode=guess[:, k])
-
-        shapes = jax.eval_shape(run)
-        d, m = jax.lax.cond(jnp.any(scales[:, k] != 0), run, lambda shapes=shapes: jax.tree.map(
-            lambda s: jnp.zeros(s.shape, s.dtype), shapes))
-        down = d if down is None else tuple(a + b for a, b in zip(down, d))
-        mid = m if mid is None else mid + m
-    return down, mid
-
-
-def control_inputs(nets, controls: Sequence[Sequence[ControlImage]], height: int, width: int,
-                   calls: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """The host side of :func:`control_residuals` for images of ``height`` x ``width`` and a
-    run of ``calls`` model calls: ``controls`` has one row per image, one
-    :class:`ControlImage` per ControlNet of ``nets``. Returns the control images (one float32
-    (n, H, W, 3) batch per ControlNet, resized as diffusers' control image processor does), the
-    scales (n, K, calls: scale times :func:`control_keep`) and guess mode (n, K: the
-    ControlImage's, or the ControlNet's ``global_pool_conditions``)."""
-    k = len(nets)
-    cache: dict[int, np.ndarray] = {}  # an image given for several rows is resized once
-
-    def pixels(img, name):
-        if id(img) not in cache:
-            cache[id(img)] = image_pixels(img, height, width, name)
-        return cache[id(img)]
-
-    images = [np.stack([pixels(row[j].image, f"image[{j}]" if k > 1 else "image")
-                        for row in controls]) for j in range(k)]
-    scales = np.array([[c.scale * control_keep(calls, c.start, c.end) for c in row]
-                       for row in controls], np.float32).reshape(len(controls), k, calls)
-    guess = np.array([[bool(c.guess_mode) or bool(net.config.global_pool_conditions)
-                       for c, net in zip(row, nets)] for row in controls]).reshape(-1, k)
-    return images, scales, guess
 
 
 def _as_pairs(controlnet) -> list:
@@ -133,7 +79,7 @@ def _as_pairs(controlnet) -> list:
                     f"{type(controlnet).__name__}")
 
 
-class ControlNetPipeline(_EditPipeline):
+class ControlNetPipeline(ComposedPipeline):
     """Text-to-image with ControlNets in JAX (diffusers' ``StableDiffusionXLControlNetPipeline``,
     or ``StableDiffusionControlNetPipeline`` for SD 1.x / 2.x; see the module's docstring). Build with
     :meth:`from_pipe` or :meth:`from_pretrained`; call with ``prompt`` and ``image`` (the control
@@ -200,7 +146,7 @@ class ControlNetPipeline(_EditPipeline):
         if controlnet is None and isinstance(pipe, ControlNetPipeline):
             controlnet = list(zip(pipe._nets, pipe._cn_params))
         new = cls(pipe, controlnet)
-        if isinstance(pipe, _EditPipeline):
+        if isinstance(pipe, ComposedPipeline):
             for name in cls.OWN_SETTINGS:
                 if name in vars(pipe):
                     setattr(new, name, vars(pipe)[name])
@@ -245,55 +191,10 @@ class ControlNetPipeline(_EditPipeline):
             found = c.problems(f"ControlNet {j}" if k > 1 else "")
             if found:
                 raise ValueError(where + "; ".join(describe(p) for p in found))
-            if not _is_image(c.image):
+            if not is_image(c.image):
                 name = f"image[{j}]" if k > 1 else "image"
                 raise ValueError(f"{where}{name} is a {type(c.image).__name__}; give a PIL "
                                  "image or a float array (H, W, 3) in [0, 1]")
-
-    # ------------------------------------------------------------------ the program
-    def _build(self, batch: int, lh: int, lw: int, steps: int, cfg: bool, given_latents: bool,
-               as_uint8: bool, tiled: bool):
-        te1, te2, unet, vae, sched = (self.text_encoder, self.text_encoder_2, self.unet, self.vae,
-                                      self.scheduler)
-        nets = self._nets
-        channels = self.latent_channels
-
-        def program(p, cps, ids, neg_ids, zero_negative, seeds, latents, guidance, rescale,
-                    time_ids, neg_time_ids, images, scales, guess, sched_state, ad=None,
-                    aidx=None):
-            # images: one (B, H, W, 3) per ControlNet; scales (B, K, calls): scale x keep;
-            # guess (B, K)
-            emb, pooled, time_ids, uidx = conditioning(te1, te2, p, ids, neg_ids, zero_negative,
-                                                       time_ids, neg_time_ids, cfg, ad, aidx)
-            init_keys, step_keys = program_lib.image_keys(seeds)
-            if latents is None:
-                latents = program_lib.normal(init_keys, (lh, lw, channels))
-            latents = latents.astype(jnp.float32) * sched.init_noise_sigma(sched_state)
-            g = guidance[:, None, None, None]
-            r = rescale[:, None, None, None]
-            if cfg:  # rows [unconditional, conditional]; guess mode: no residuals for the first
-                images = [program_lib.cfg_rows(im, im) for im in images]
-                scales = program_lib.cfg_rows(jnp.where(guess[..., None], 0.0, scales), scales)
-                guess = program_lib.cfg_rows(guess, guess)
-
-            def model(xin, t, i):
-                down, mid = control_residuals(nets, cps, xin, t, emb, pooled, time_ids, images,
-                                              scales[:, :, i], guess)
-                with adapterlib.applied((ad or {}).get("unet"), uidx):
-                    return unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids,
-                                      down_block_additional_residuals=down,
-                                      mid_block_additional_residual=mid)
-
-            calls = sched_state.timesteps.shape[0]
-            latents = program_lib.denoise(sched, model, latents, sched_state, 0, calls, cfg=cfg,
-                                          g=g, r=r, step_keys=step_keys,
-                                          shape=(lh, lw, channels))
-            if tiled:  # decoded tile by tile afterwards (decode_tiled)
-                return vae.apply({"params": p["vae"]}, latents, method=vae.unscale_latents)
-            img = program_lib.decode(vae, p["vae"], latents)
-            return _to_pixels(img, as_uint8)
-
-        return program
 
     # ------------------------------------------------------------------ calling
     def _per_net(self, value, name: str) -> list:
@@ -348,7 +249,7 @@ class ControlNetPipeline(_EditPipeline):
                                  "control images, one per ControlNet (each an image or a list "
                                  f"of one per prompt), got {got}")
             names, units = [f"image[{j}]" for j in range(k)], list(image)
-        per_prompt = {name: _image_list(u, name) for name, u in zip(names, units)}
+        per_prompt = {name: image_list(u, name) for name, u in zip(names, units)}
         scales = self._per_net(controlnet_conditioning_scale, "controlnet_conditioning_scale")
         starts = self._per_net(control_guidance_start, "control_guidance_start")
         ends = self._per_net(control_guidance_end, "control_guidance_end")
@@ -391,50 +292,13 @@ class ControlNetPipeline(_EditPipeline):
                              f"{len(controls)} given")
         for row, entries in enumerate(controls):
             self.check_controls(entries, f"item {row}: " if row else "")
-        steps = self.default_steps if num_inference_steps is None else num_inference_steps
-        f = self.vae_scale_factor
-        w0, h0 = _size(controls[0][0].image)
-        height = h0 - h0 % f if height is None else height
-        width = w0 - w0 % f if width is None else width
-        self.check_request(steps, height, width, output_type)
-        for row, it in enumerate(items):
-            it.validate(row)
-        lh, lw = height // f, width // f
-        if latents is not None:
-            latents = np.asarray(latents, np.float32)
-            want = (n, self.latent_channels, lh, lw)
-            if latents.shape != want:
-                raise ValueError(f"latents has shape {latents.shape}; for {n} image(s) of "
-                                 f"{width}x{height} it must be {want} (N, C, H/{f}, W/{f})")
-            latents = latents.transpose(0, 2, 3, 1)
-
+        items, steps, height, width = checked_items(
+            self, items, num_inference_steps, height, width, output_type,
+            size_from=size_of(controls[0][0].image))
+        latents = self.initial_latents(latents, n, height, width)
         images, scales, guess = control_inputs(self._nets, controls, height, width,
                                                self.scheduler.num_model_calls(steps))
-        (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
-         rescale) = self.pipe.host_inputs(items, height, width)
-        adapter_idx = self.pipe.adapter_index(items)
-
-        bucket = bucket_size(n, self.mesh.size)
-        put = program_lib.BatchPut(self.mesh, bucket)
-        args = (put(ids, ids=True), put(neg_ids, ids=True), put(zero_negative),
-                put(np.asarray(seeds, np.uint32)), put(latents), put(guidance), put(rescale),
-                put(time_ids), put(neg_time_ids), [put(im) for im in images], put(scales),
-                put(guess))
-        state = self.scheduler.set_timesteps(steps, (bucket, lh, lw, self.latent_channels))
-        state = meshlib.place(state, meshlib.replicated(self.mesh))
-        as_uint8 = output_type != "np"
-        tiled = self.uses_vae_tiling(height, width)
-        program = self._program((bucket, lh, lw, steps, cfg, latents is not None, as_uint8,
-                                 tiled))
-        t1 = time.perf_counter()
-        if adapter_idx is None:
-            out = program(self.params, self._cn_params, *args, state)
-        else:
-            out = program(self.params, self._cn_params, *args, state,
-                          self.adapter_tables.as_tree(), put(adapter_idx))
-        if tiled:
-            out = self.pipe.decode_tiled(out, as_uint8)
-        out_images = program_lib.host_images(out, n, output_type)
-        t2 = time.perf_counter()
-        return PipelineOutput(out_images, [int(s) for s in seeds],
-                              {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket})
+        return run(Job(CONTROLNET, self, items, height, width, steps, output_type, t0,
+                       rows={"latents": latents, "images": images, "scales": scales,
+                             "guess": guess},
+                       weights=self._cn_params))

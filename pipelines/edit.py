@@ -4,7 +4,8 @@
 ``InpaintPipeline`` its ``StableDiffusionXLInpaintPipeline``; both load like
 :class:`pipelines.TextToImagePipeline` (``from_pretrained``) or share an already loaded
 pipeline's weights (``from_pipe``). Calling one tokenizes and preprocesses the images on the
-host, then runs ONE jitted program:
+host, then runs ONE jitted program (the edit task, :mod:`pipelines.tasks.edit`, run by
+:mod:`pipelines.runner`):
 
     text encoders -> VAE encode (posterior sample) -> add noise at the strength's start step ->
     while-loop over the remaining scheduler steps (UNet, CFG; inpainting: the 4-channel latent
@@ -12,18 +13,18 @@ host, then runs ONE jitted program:
 
 The strength's start step (diffusers' ``t_start = steps - min(int(steps * strength), steps)``)
 and the "pure noise" switch of inpainting at ``strength == 1`` are traced inputs: a new
-strength, prompt, seed, guidance, image or mask never recompiles. Programs are cached per
-(kind, padded batch, latent height, latent width, steps, CFG on/off, which noises are given,
-output kind, tiled VAE); :attr:`num_compiled` counts them. With ``vae_tiling`` on for the size
-(``"auto"``: images of more than 2.1 megapixels for SDXL), the input images
-are encoded tile by tile before the program (diffusers' tiled encode, whose moments the
+strength, prompt, seed, guidance, image or mask never recompiles. Programs are kept per
+(mode, padded batch, latent size, steps, CFG on/off, output kind, tiled VAE) in the
+pipeline's own :attr:`programs`; :attr:`num_compiled` counts their compilations. With
+``vae_tiling`` on for the size (``"auto"``: images of more than 2.1 megapixels for SDXL), the
+input images are encoded tile by tile before the program (diffusers' tiled encode, whose moments the
 program samples from) and the output decoded tile by tile after it.
 
 The SDXL refiner (:mod:`pipelines.refiner`): image-to-image also starts from latents (a base's
 ``output_type="latent"``) instead of a picture, and ``denoising_start`` (diffusers' rule: the
 timesteps below ``round(T - denoising_start * T)``, no noise added) replaces the strength; the
 start latents, the start step and whether noise is added are program inputs and keys, and the
-loop is :func:`pipelines.program.denoise`, as for every pipeline.
+loop is :func:`pipelines.program.denoise`, as for every task.
 
 Noise: ``noise`` (the add-noise noise) and ``image_latents_noise`` (the standard normal draw of
 the VAE posterior sample; ``masked_image_latents_noise`` for the masked image of a 9-channel
@@ -45,18 +46,19 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
-from maxdiff import mesh as meshlib
 from pipelines import program as program_lib
+from pipelines.composed import ComposedPipeline
+from pipelines.images import (image_list, is_image, is_latents, noise_array, preprocess_image,
+                              preprocess_mask, size_of)
 from pipelines.limits import (AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE, STRENGTH, check,
                               denoising_fraction_problem, edit_adapter_problem,
                               split_steps_problems, strength_problem)
-from pipelines.requests import ImageRequest, bucket_size
-from maxdiff.models.vae_tiling import use_tiling
-from pipelines.text_to_image import (PipelineOutput, TextToImagePipeline, _to_pixels,
-                                     conditioning)
+from pipelines.program import PipelineOutput
+from pipelines.requests import ImageRequest
+from pipelines.runner import Job, checked_items, run
+from pipelines.tasks.edit import EDIT
 
 __all__ = ["ImageToImagePipeline", "InpaintPipeline", "start_step"]
 
@@ -68,275 +70,13 @@ def start_step(num_inference_steps: int, strength: float) -> int:
     return max(num_inference_steps - init, 0)
 
 
-# ---------------------------------------------------------------------- host preprocessing
-def _is_image(x) -> bool:
-    from PIL import Image
-
-    return isinstance(x, (Image.Image, np.ndarray))
-
-
-def _is_latents(x) -> bool:
-    """A (N, C, h, w) array (or torch tensor): a base's ``output_type="latent"``."""
-    return getattr(x, "ndim", 0) == 4 and not isinstance(x, list)
-
-
-def _image_list(x, name: str) -> list:
-    if _is_image(x):
-        return [x]
-    if isinstance(x, (list, tuple)) and x and all(_is_image(i) for i in x):
-        return list(x)
-    raise ValueError(f"{name} must be a PIL image, a float array (H, W, 3) in [0, 1], or a "
-                     f"non-empty list of them; got {type(x).__name__}")
-
-
-def _size(x) -> tuple[int, int]:
-    """(width, height) of a PIL image or an (H, W[, C]) array."""
-    if isinstance(x, np.ndarray):
-        return int(x.shape[1]), int(x.shape[0])
-    return x.size
-
-
-def _nearest(a: np.ndarray, height: int, width: int) -> np.ndarray:
-    """torch.nn.functional.interpolate(mode="nearest") on an (H, W, C) array."""
-    h, w = a.shape[:2]
-    if (h, w) == (height, width):
-        return a
-    rows = np.minimum(np.floor(np.arange(height) * np.float32(h / height)).astype(int), h - 1)
-    cols = np.minimum(np.floor(np.arange(width) * np.float32(w / width)).astype(int), w - 1)
-    return a[rows][:, cols]
-
-
-def _float_array(a: np.ndarray, name: str, channels: tuple[int, ...]) -> np.ndarray:
-    a = np.asarray(a)
-    if a.ndim == 2 and 1 in channels:
-        a = a[..., None]
-    if a.ndim != 3 or a.shape[-1] not in channels:
-        want = "(H, W, 3)" if channels == (3,) else "(H, W) or (H, W, 1)"
-        raise ValueError(f"{name} array has shape {a.shape}; give {want}")
-    if not np.issubdtype(a.dtype, np.floating):
-        raise ValueError(f"{name} array has dtype {a.dtype}; give floats in [0, 1] (or a PIL image)")
-    a = a.astype(np.float32)
-    if a.size and (not np.isfinite(a).all() or a.min() < 0 or a.max() > 1):
-        raise ValueError(f"{name} array has values in [{a.min()}, {a.max()}]; give floats in [0, 1]")
-    return a
-
-
-def image_pixels(img, height: int, width: int, name: str = "image") -> np.ndarray:
-    """diffusers' ``VaeImageProcessor.preprocess`` for one image without the normalisation (its
-    ``do_normalize=False``, as the ControlNet pipelines' control image processor): PIL images
-    are resized with Lanczos and converted to RGB, arrays resized with nearest neighbour, to
-    (height, width); returns float32 (H, W, 3) in [0, 1]."""
-    from PIL import Image
-
-    if isinstance(img, Image.Image):
-        if img.size != (width, height):
-            img = img.resize((width, height), resample=Image.LANCZOS)
-        return np.asarray(img.convert("RGB")).astype(np.float32) / 255.0
-    return _nearest(_float_array(img, name, (3,)), height, width)
-
-
-def preprocess_image(img, height: int, width: int, name: str = "image") -> np.ndarray:
-    """diffusers' ``VaeImageProcessor.preprocess`` for one image (:func:`image_pixels`),
-    normalised to [-1, 1]: float32 (H, W, 3)."""
-    return image_pixels(img, height, width, name) * 2.0 - 1.0
-
-
-def preprocess_mask(mask, height: int, width: int) -> np.ndarray:
-    """diffusers' mask processor: grayscale, resized to (height, width) (Lanczos for PIL,
-    nearest for arrays), binarised at 0.5. Returns float32 (H, W, 1) of 0 (keep) / 1 (repaint)."""
-    from PIL import Image
-
-    if isinstance(mask, Image.Image):
-        if mask.size != (width, height):
-            mask = mask.resize((width, height), resample=Image.LANCZOS)
-        a = np.asarray(mask.convert("L")).astype(np.float32)[..., None] / 255.0
-    else:
-        a = _nearest(_float_array(mask, "mask_image", (1,)), height, width)
-    return (a >= 0.5).astype(np.float32)
-
-
-def _noise_array(x, name: str, want: tuple[int, ...], f: int) -> np.ndarray | None:
-    if x is None:
-        return None
-    a = np.asarray(x, np.float32)
-    if a.shape != want:
-        raise ValueError(f"{name} has shape {a.shape}; it must be {want} (N, C, H/{f}, W/{f})")
-    return a.transpose(0, 2, 3, 1)
-
-
 # ---------------------------------------------------------------------- the pipelines
-class _EditPipeline:
-    """What image-to-image and inpainting share (and :class:`pipelines.controlnet.ControlNetPipeline`,
-    which composes on a text-to-image pipeline the same way): the text-to-image pipeline they
-    run on, the program, calling.
-
-    An edit pipeline holds its text-to-image pipeline (:attr:`pipe`) and reads the model from it
-    on every call: weights (``params``, fused LoRAs included), text encoders, tokenizers, UNet,
-    VAE, mesh, scheduler, defaults and adapters are the parent's live ones, so a LoRA loaded on
-    the parent after :meth:`from_pipe` is used by the next edit. Every other attribute (``name``,
-    ``default_steps``, ``limits``, ``load_lora_weights`` ...) is the parent's too; only
-    :data:`OWN_SETTINGS` (``scheduler``, ``vae_tiling``, ``vae_tiling_threshold``) may be set
-    on an edit pipeline, for it alone (its parent keeps its own). Compiled programs are the
-    edit pipeline's; the weights are an input of every program (a new LoRA never recompiles
-    nor goes stale) and a program is kept per scheduler object."""
+class _EditPipeline(ComposedPipeline):
+    """What image-to-image and inpainting share: the host side of the edit task
+    (:mod:`pipelines.tasks.edit`)."""
 
     kind = "img2img"
-    OWN_SETTINGS = ("scheduler", "vae_tiling", "vae_tiling_threshold")
 
-    def __init__(self, pipe: TextToImagePipeline):
-        if isinstance(pipe, _EditPipeline):
-            pipe = pipe.pipe
-        if not isinstance(pipe, TextToImagePipeline):
-            raise TypeError(f"an edit pipeline runs on a TextToImagePipeline, got "
-                            f"{type(pipe).__name__}")
-        object.__setattr__(self, "pipe", pipe)
-        object.__setattr__(self, "_programs", {})
-
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        """Load a model as :meth:`TextToImagePipeline.from_pretrained` (same arguments) and
-        edit with it."""
-        return cls(TextToImagePipeline.from_pretrained(*args, **kwargs))
-
-    @classmethod
-    def from_single_file(cls, *args, **kwargs):
-        """Load a single file as :meth:`TextToImagePipeline.from_single_file` (same arguments)."""
-        return cls(TextToImagePipeline.from_single_file(*args, **kwargs))
-
-    @classmethod
-    def from_config(cls, *args, **kwargs):
-        """Load a run config as :meth:`TextToImagePipeline.from_config` (same arguments)."""
-        return cls(TextToImagePipeline.from_config(*args, **kwargs))
-
-    @classmethod
-    def from_pipe(cls, pipe):
-        """A pipeline of this kind over ``pipe`` (a :class:`TextToImagePipeline`, or an edit
-        pipeline: its text-to-image pipeline and its own settings): the parent's live weights,
-        tokenizers, scheduler, defaults and adapters, nothing copied; compiled programs are
-        not shared."""
-        new = cls(pipe)
-        if isinstance(pipe, _EditPipeline):
-            for name in cls.OWN_SETTINGS:
-                if name in vars(pipe):
-                    setattr(new, name, vars(pipe)[name])
-        return new
-
-    def __getattr__(self, name: str):
-        # only called for names not found on the edit pipeline: the parent's, live
-        if name == "pipe":  # not set yet (e.g. during unpickling)
-            raise AttributeError(name)
-        return getattr(self.pipe, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        if name not in self.OWN_SETTINGS:
-            raise AttributeError(
-                f"{type(self).__name__}.{name} is its text-to-image pipeline's (shared, live); "
-                f"set it there (.pipe.{name} = ...), for every pipeline that shares it; only "
-                f"{', '.join(self.OWN_SETTINGS)} can be set for one edit pipeline alone")
-        object.__setattr__(self, name, value)
-
-    @property
-    def latent_channels(self) -> int:
-        """The VAE's latent channels (the UNet of an inpainting model takes 9)."""
-        return self.vae.config.latent_channels
-
-    @property
-    def unet_channels(self) -> int:
-        return self.unet.config.in_channels
-
-    @property
-    def num_compiled(self) -> int:
-        """How many programs this edit pipeline has compiled (one per distinct shape key)."""
-        return sum(fn._cache_size() for fn in self._programs.values())
-
-    def _program(self, key: tuple):
-        # the program closes over the scheduler (its config is static): one per scheduler object,
-        # so a new scheduler on the parent or here is never run with an old program. The cached
-        # program keeps its scheduler alive, so its id is never reused meanwhile
-        key = (id(self.scheduler), *key)
-        fn = self._programs.get(key)
-        if fn is None:
-            fn = self._programs[key] = program_lib.jit(self.mesh, self._build(*key[1:]))
-        return fn
-
-    def uses_vae_tiling(self, height: int, width: int) -> bool:
-        """Whether images of this size are encoded / decoded tile by tile (this pipeline's
-        ``vae_tiling``, which is the parent's unless set here)."""
-        return use_tiling(self.vae_tiling, self.vae.config, height, width,
-                          self.vae_tiling_threshold)
-
-    # ------------------------------------------------------------------ the program
-    def _build(self, mode: str, batch: int, lh: int, lw: int, steps: int, cfg: bool,
-               given_noise: bool, given_post: bool, given_masked_post: bool, as_uint8: bool,
-               tiled: bool = False, from_latents: bool = False, noised: bool = True):
-        # from_latents: ``images`` are latents (B, h, w, C) to start from (a base's output);
-        # noised: they get the noise of the start step (False: ``denoising_start``, where the
-        # latents are a base's, at that step's noise level already)
-        te1, te2, unet, vae, sched = (self.text_encoder, self.text_encoder_2, self.unet, self.vae,
-                                      self.scheduler)
-        channels = self.latent_channels
-        shape = (lh, lw, channels)
-
-        def to_latents(p, images, eps):
-            if tiled:  # images are the tiled encoder's moments (encode_tiled)
-                return vae.apply({"params": p["vae"]}, images, None, eps,
-                                 method=vae.moments_to_latents)
-            return vae.apply({"params": p["vae"]}, images, None, eps, method=vae.image_to_latents)
-
-        def program(p, ids, neg_ids, zero_negative, seeds, images, masks, masked_images, noise,
-                    post_noise, masked_post_noise, guidance, rescale, time_ids, neg_time_ids,
-                    sched_state, t_start, pure_noise):
-            emb, pooled, time_ids, _ = conditioning(te1, te2, p, ids, neg_ids, zero_negative,
-                                                    time_ids, neg_time_ids, cfg)
-            calls = sched_state.timesteps.shape[0]  # model calls: steps (PNDM: steps + 1)
-            k_noise, k_post, k_masked, k_steps = program_lib.image_keys(seeds, 4)
-
-            def draw(keys):
-                return program_lib.normal(keys, shape)
-            if noise is None:
-                noise = draw(k_noise)
-            if from_latents:
-                image_latents = images
-            else:
-                if post_noise is None:
-                    post_noise = draw(k_post)
-                image_latents = to_latents(p, images, post_noise)
-            latents = (sched.add_noise(sched_state, image_latents, noise, t_start) if noised
-                       else image_latents)
-            if mode != "img2img":  # diffusers' inpainting starts from pure noise at strength 1
-                latents = jnp.where(pure_noise, noise * sched.init_noise_sigma(sched_state),
-                                    latents)
-            extra = None
-            if mode == "inpaint9":
-                if masked_post_noise is None:
-                    masked_post_noise = draw(k_masked)
-                masked_latents = to_latents(p, masked_images, masked_post_noise)
-                extra = jnp.concatenate([masks, masked_latents], axis=-1)
-            g = guidance[:, None, None, None]
-            r = rescale[:, None, None, None]
-
-            def keep_unmasked(i, state, x):  # inpaint4: the unmasked part is the image,
-                # noised to the next step's level
-                nxt = jnp.minimum(i + 1, calls - 1)
-                proper = jnp.where(i < calls - 1,
-                                   sched.add_noise(state, image_latents, noise, nxt),
-                                   image_latents)
-                return (1 - masks) * proper + masks * x
-
-            latents = program_lib.denoise(
-                sched, lambda xin, t, i: unet.apply({"params": p["unet"]}, xin, t, emb, pooled,
-                                                    time_ids),
-                latents, sched_state, t_start, calls, cfg=cfg, g=g, r=r, step_keys=k_steps,
-                shape=shape, extra=extra,
-                after_step=keep_unmasked if mode == "inpaint4" else None)
-            if tiled:
-                return vae.apply({"params": p["vae"]}, latents, method=vae.unscale_latents)
-            img = program_lib.decode(vae, p["vae"], latents)
-            return _to_pixels(img, as_uint8)
-
-        return program
-
-    # ------------------------------------------------------------------ calling
     def _call(self, prompt, image, mask_image, *, strength, prompt_2, negative_prompt,
               negative_prompt_2, num_inference_steps, guidance_scale, guidance_rescale, height,
               width, num_images_per_prompt, seed, noise, image_latents_noise,
@@ -346,14 +86,14 @@ class _EditPipeline:
         if image is None:
             raise ValueError("image is required: the picture to start from")
         image_latents = None
-        if _is_latents(image):  # a base's output_type="latent": (N, C, H/f, W/f)
+        if is_latents(image):  # a base's output_type="latent": (N, C, H/f, W/f)
             image_latents, per_prompt = image, {}
         else:
-            per_prompt = {"image": _image_list(image, "image")}
+            per_prompt = {"image": image_list(image, "image")}
         if self.kind == "inpaint":
             if mask_image is None:
                 raise ValueError("mask_image is required: white (>= 0.5) marks what to repaint")
-            per_prompt["mask_image"] = _image_list(mask_image, "mask_image")
+            per_prompt["mask_image"] = image_list(mask_image, "mask_image")
         items, picked = self.pipe.prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             per_prompt=per_prompt, guidance_scale=guidance_scale,
@@ -411,101 +151,84 @@ class _EditPipeline:
         if inpaint and (masks is None or len(masks) != n):
             raise ValueError(f"give one mask_image per item: {n} item(s), "
                              f"{0 if masks is None else len(masks)} mask(s)")
-        steps = self.default_steps if num_inference_steps is None else num_inference_steps
-        strength = STRENGTH[self.kind] if strength is None else strength
-        for k, img in enumerate(images):
-            if from_latents:
-                break
-            if not _is_image(img):
-                raise ValueError(f"image {k} is a {type(img).__name__}; give a PIL image or a "
-                                 "float array (H, W, 3) in [0, 1]")
-            if inpaint:
-                if not _is_image(masks[k]):
-                    raise ValueError(f"mask_image {k} is a {type(masks[k]).__name__}; give a "
-                                     "PIL image or a float array (H, W) in [0, 1]")
-                (iw, ih), (mw, mh) = _size(img), _size(masks[k])
-                if (iw, ih) != (mw, mh):
-                    raise ValueError(f"mask_image is {mw}x{mh} but image is {iw}x{ih} "
-                                     f"(width x height); give a mask of the image's size")
         if not from_latents:
-            w0, h0 = _size(images[0])
-            height = h0 - h0 % f if height is None else height
-            width = w0 - w0 % f if width is None else width
-        self.check_request(steps, height, width, output_type)
+            self._check_images(images, masks)
+        items, steps, height, width = checked_items(
+            self, items, num_inference_steps, height, width, output_type,
+            size_from=None if from_latents else size_of(images[0]))
+        strength = STRENGTH[self.kind] if strength is None else strength
         if denoising_start is None:
             check([strength_problem(strength, steps)])
             t_start = start_step(steps, float(strength))
         else:
             t_start = self.start_step_at(steps, denoising_start)
-        for k, it in enumerate(items):
-            it.validate(k)
-        lh, lw = height // f, width // f
-        mode = ("inpaint9" if self.unet_channels > self.latent_channels else "inpaint4") \
-            if inpaint else "img2img"
-        if inpaint and mode == "inpaint9" and self.unet_channels != 2 * self.latent_channels + 1:
-            raise ValueError(f"this UNet takes {self.unet_channels} input channels; inpainting "
-                             f"needs {self.latent_channels} (latent blending) or "
-                             f"{2 * self.latent_channels + 1} (latents, mask, masked image)")
-        if mode == "img2img" and self.unet_channels != self.latent_channels:
-            raise ValueError(f"this UNet takes {self.unet_channels} input channels (an "
-                             "inpainting UNet); use InpaintPipeline")
-        want = (n, self.latent_channels, lh, lw)
-        noise = _noise_array(noise, "noise", want, f)
-        post = _noise_array(image_latents_noise, "image_latents_noise", want, f)
-        masked_post = _noise_array(masked_image_latents_noise, "masked_image_latents_noise",
-                                   want, f)
-        if mode != "inpaint9":
-            masked_post = None
+        mode = self._mode()
+        want = (n, self.latent_channels, height // f, width // f)
+        rows = {"noise": noise_array(noise, "noise", want, f),
+                "post_noise": noise_array(image_latents_noise, "image_latents_noise", want, f),
+                "masked_post_noise": noise_array(masked_image_latents_noise,
+                                                 "masked_image_latents_noise", want, f)
+                if mode == "inpaint9" else None}
+        rows.update(self._pixels(image_latents if from_latents else images, masks, mode,
+                                 height, width))
+        job = Job(EDIT, self, items, height, width, steps, output_type, t0, rows=rows,
+                  scalars={"t_start": np.int32(t_start),
+                           "pure_noise": np.bool_(inpaint and strength == 1.0)},
+                  key=(mode, from_latents, denoising_start is None),
+                  timings={"denoising_steps": self.scheduler.num_model_calls(steps) - t_start})
+        return run(job)
 
-        cache: dict[int, np.ndarray] = {}
+    def _check_images(self, images, masks) -> None:
+        for k, img in enumerate(images):
+            if not is_image(img):
+                raise ValueError(f"image {k} is a {type(img).__name__}; give a PIL image or a "
+                                 "float array (H, W, 3) in [0, 1]")
+            if self.kind == "inpaint":
+                if not is_image(masks[k]):
+                    raise ValueError(f"mask_image {k} is a {type(masks[k]).__name__}; give a "
+                                     "PIL image or a float array (H, W) in [0, 1]")
+                (iw, ih), (mw, mh) = size_of(img), size_of(masks[k])
+                if (iw, ih) != (mw, mh):
+                    raise ValueError(f"mask_image is {mw}x{mh} but image is {iw}x{ih} "
+                                     f"(width x height); give a mask of the image's size")
+
+    def _mode(self) -> str:
+        """``"img2img"``, ``"inpaint4"`` (latent blending) or ``"inpaint9"`` (a 9-channel
+        inpainting UNet); ValueError when the UNet does not fit this pipeline's kind."""
+        unet, latent = self.unet_channels, self.latent_channels
+        if self.kind != "inpaint":
+            if unet != latent:
+                raise ValueError(f"this UNet takes {unet} input channels (an inpainting UNet); "
+                                 "use InpaintPipeline")
+            return "img2img"
+        if unet == latent:
+            return "inpaint4"
+        if unet != 2 * latent + 1:
+            raise ValueError(f"this UNet takes {unet} input channels; inpainting needs {latent} "
+                             f"(latent blending) or {2 * latent + 1} (latents, mask, masked image)")
+        return "inpaint9"
+
+    def _pixels(self, images, masks, mode: str, height: int, width: int) -> dict:
+        """The task's image rows: ``images`` (pixels in [-1, 1], or the given start latents),
+        ``masks`` at latent resolution and ``masked_images`` (inpainting)."""
+        if isinstance(images, np.ndarray):  # start latents, checked
+            return {"images": images, "masks": None, "masked_images": None}
+        cache: dict[int, np.ndarray] = {}  # an image given for several items is prepared once
 
         def prep(obj, fn, *a):
             if id(obj) not in cache:
                 cache[id(obj)] = fn(obj, *a)
             return cache[id(obj)]
 
-        pix = image_latents if from_latents else np.stack(
-            [prep(img, preprocess_image, height, width) for img in images])
-        mask_lat = masked_pix = None
-        if inpaint:
+        f = self.vae_scale_factor
+        pix = np.stack([prep(img, preprocess_image, height, width) for img in images])
+        rows = {"images": pix, "masks": None, "masked_images": None}
+        if mode != "img2img":
             mask_px = np.stack([prep(m, preprocess_mask, height, width) for m in masks])
-            mask_lat = mask_px[:, ::f, ::f]  # torch's nearest downsampling by the factor f
+            rows["masks"] = mask_px[:, ::f, ::f]  # torch's nearest downsampling by the factor f
             if mode == "inpaint9":
-                masked_pix = pix * (mask_px < 0.5)
-
-        (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
-         rescale) = self.pipe.host_inputs(items, height, width)
-
-        bucket = bucket_size(n, self.mesh.size)
-        put = program_lib.BatchPut(self.mesh, bucket)
-        args = (put(ids, ids=True), put(neg_ids, ids=True), put(zero_negative),
-                put(np.asarray(seeds, np.uint32)), put(pix), put(mask_lat), put(masked_pix),
-                put(noise), put(post), put(masked_post), put(guidance), put(rescale),
-                put(time_ids), put(neg_time_ids))
-        rep = meshlib.replicated(self.mesh)
-        state = self.scheduler.set_timesteps(steps, (bucket, lh, lw, self.latent_channels))
-        state = meshlib.place(state, rep)
-        scalars = meshlib.place((np.int32(t_start), np.bool_(inpaint and strength == 1.0)), rep)
-        as_uint8 = output_type != "np"
-        t1 = time.perf_counter()
-        tiled = self.uses_vae_tiling(height, width)
-        if tiled:  # the images (and masked images) become their tiled encoder moments
-            args = list(args)
-            for k in (4, 6):
-                if args[k] is not None and not (k == 4 and from_latents):
-                    args[k] = self.pipe.encode_tiled(args[k])
-        program = self._program((mode, bucket, lh, lw, steps, cfg, noise is not None,
-                                 post is not None, masked_post is not None, as_uint8, tiled,
-                                 from_latents, denoising_start is None))
-        out = program(self.params, *args, state, *scalars)
-        if tiled:
-            out = self.pipe.decode_tiled(out, as_uint8)
-        out_images = program_lib.host_images(out, n, output_type)
-        t2 = time.perf_counter()
-        return PipelineOutput(out_images, [int(s) for s in seeds],
-                              {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket,
-                               "denoising_steps": self.scheduler.num_model_calls(steps)
-                                                  - t_start})
+                rows["masked_images"] = pix * (mask_px < 0.5)
+        return rows
 
     def start_step_at(self, steps: int, denoising_start: Any) -> int:
         """The first model call of ``steps`` that runs from ``denoising_start`` (diffusers'

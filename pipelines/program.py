@@ -1,10 +1,12 @@
-"""What every compiled program shares (text-to-image, image editing, the step engine), one copy
-each: how an image's seed becomes its noise, how a batch is padded and placed on the mesh, how
-the device's pixels become the caller's images, classifier-free guidance (:func:`guide`), the
-denoising loop over a range of scheduler steps (:func:`denoise`: text-to-image, editing,
-ControlNet, the SDXL refiner's two stages) and where diffusers' ``denoising_end`` /
+"""What every compiled program shares (every task, the step engine), one copy each: how
+programs are made and counted (:func:`jit`, :class:`Programs`), a batch's host inputs
+(:class:`HostInputs`) and how they are padded and placed on the mesh (:class:`BatchPut`), the
+text conditioning with classifier-free guidance rows (:func:`conditioning`, :func:`cfg_rows`),
+how an image's seed becomes its noise, the denoising loop over a range of scheduler steps
+(:func:`denoise`), the decode tail (:func:`finish` on the device, :func:`collect` on the host),
+the output (:class:`PipelineOutput`) and where diffusers' ``denoising_end`` /
 ``denoising_start`` cut a schedule (:func:`end_step`, :func:`start_step_at`). A change here
-changes all of them alike, so an image keeps its pixels whichever way it was made.
+changes every task alike, so an image keeps its pixels whichever way it was made.
 
 Noise: image ``i``'s seed makes one PRNG key, split into ``n`` keys (two for text-to-image and
 the step engine: initial noise, step noise; four for editing: add-noise noise, the image's
@@ -17,7 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Sequence
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +30,10 @@ import numpy as np
 
 from maxdiff import mesh as meshlib, target
 
-__all__ = ["jit", "image_keys", "normal", "step_noise", "pad_rows", "BatchPut", "host_images",
-           "cfg_rows", "cfg_halves", "guide", "guide_pair", "denoise", "decode", "cutoff_timestep",
-           "end_step", "start_step_at"]
+__all__ = ["jit", "Programs", "HostInputs", "PipelineOutput", "image_keys", "normal",
+           "step_noise", "pad_rows", "BatchPut", "host_images", "conditioning", "cfg_rows",
+           "cfg_halves", "guide", "guide_pair", "denoise", "decode", "to_pixels", "finish",
+           "collect", "cutoff_timestep", "end_step", "start_step_at"]
 
 
 def jit(mesh, fn, **kwargs):
@@ -99,8 +105,89 @@ class CompileOnly:
             record.append(entry)
         return entry["out"]
 
-    def _cache_size(self) -> int:
-        return len(self._compiled)
+
+class Program:
+    """A jitted program that knows how many times it was compiled: once per distinct
+    signature of its arguments (tree structure, shapes, dtypes, shardings), which is what makes
+    JAX trace and compile it again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.signatures: set = set()
+
+    def __call__(self, *args):
+        leaves, tree = jax.tree.flatten(args)
+        self.signatures.add((tree, tuple(
+            (np.shape(a), str(getattr(a, "dtype", type(a).__name__)),
+             getattr(a, "weak_type", False), getattr(a, "sharding", None)) for a in leaves)))
+        return self.fn(*args)
+
+
+class Programs:
+    """A pipeline's compiled programs under keys of its own (a key names every static choice
+    the program closes over: the task, the scheduler, batch, size, steps, CFG, output kind ...).
+    Iterating gives the keys in the order they were made; :attr:`num_compiled` counts the
+    compilations (a program called with new argument shapes, e.g. adapter tables, compiles
+    again)."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self._programs: dict[tuple, Program] = {}
+
+    def get(self, key: tuple, build: Callable[[], Callable], **jit_kwargs) -> Program:
+        """The program under ``key``, made from ``build()`` (a function of the program's
+        inputs) the first time."""
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = Program(jit(self.mesh, build(), **jit_kwargs))
+        return program
+
+    def __iter__(self):
+        return iter(self._programs)
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def __contains__(self, key) -> bool:
+        return key in self._programs
+
+    @property
+    def num_compiled(self) -> int:
+        return sum(len(p.signatures) for p in self._programs.values())
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class HostInputs:
+    """What every task's program takes for its images, made on the host: ``seeds`` (N,)
+    uint32; token ids ``ids`` / ``neg_ids`` (2, N, T) (row k: tokenizer k's; the images are
+    axis 1); ``zero_negative`` (N,): an omitted negative prompt that is zeros; ``time_ids`` /
+    ``neg_time_ids`` (N, n) micro-conditioning (n from the family); ``guidance`` (N,) (1 where
+    an image runs without CFG) and ``rescale`` (N,). ``cfg`` (static): whether the batch runs
+    classifier-free guidance (any image's guidance > 1)."""
+
+    seeds: Any
+    ids: Any
+    neg_ids: Any
+    zero_negative: Any
+    time_ids: Any
+    neg_time_ids: Any
+    guidance: Any
+    rescale: Any
+    cfg: bool = field(default=False, metadata={"static": True})
+
+
+@dataclass
+class PipelineOutput:
+    """``images``: PIL images, or float32 NumPy (N, H, W, 3) in [0, 1] for ``output_type="np"``
+    (latents (N, C, H/f, W/f) for ``"latent"``); ``seeds``: the seed of each image (pass it back
+    as ``seed=`` to reproduce that image); ``timings``: ``prepare_s`` (host work before the
+    program), ``generate_s`` (the program and the images' way back), ``batch`` (the padded
+    device batch) and what the task adds."""
+
+    images: Any
+    seeds: list[int]
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def image_keys(seeds: jax.Array, n: int = 2) -> tuple[jax.Array, ...]:
@@ -147,9 +234,14 @@ class BatchPut:
         return meshlib.place(pad_rows(np.asarray(a), self.size, 1 if ids else 0), sharding)
 
     def tree(self, tree):
-        """A pytree of per-image arrays (a batch of scheduler states), each placed as a row."""
-        return meshlib.place(jax.tree.map(lambda a: pad_rows(np.asarray(a), self.size), tree),
-                             self.rows)
+        """A pytree of per-image arrays (a batch of scheduler states, a task's rows; None
+        leaves stay None), each placed as a row; :class:`HostInputs` with their token ids."""
+        if isinstance(tree, HostInputs):
+            return dataclasses.replace(
+                tree, **{f.name: self(getattr(tree, f.name), ids=f.name in ("ids", "neg_ids"))
+                         for f in dataclasses.fields(tree) if f.name != "cfg"})
+        return jax.tree.map(lambda a: self.tree(a) if isinstance(a, HostInputs) else self(a),
+                            tree, is_leaf=lambda x: isinstance(x, HostInputs))
 
 
 def host_images(out, n: int, output_type: str) -> Sequence:
@@ -193,6 +285,25 @@ def cfg_halves(x):
     return _per_device(lambda a: tuple(jnp.split(a, 2)), 2)(x)
 
 
+def conditioning(family, encoders, params, inputs: HostInputs, ad=None, aidx=None):
+    """(:class:`maxdiff.family.Cond`, per-row adapter index) for the denoiser: the family's
+    text encoding of ``inputs``' prompts, and with ``inputs.cfg`` the rows [negative, positive]
+    on each device (:func:`cfg_rows`; a negative without a prompt is zeros where
+    ``zero_negative``), as diffusers concatenates them. ``encoders``: {component: module}."""
+    from maxdiff.family import Cond
+
+    emb, pooled = family.encode(encoders, params, inputs.ids, ad, aidx)
+    cond = Cond(emb, pooled, inputs.time_ids)
+    if not inputs.cfg:
+        return cond, aidx
+    nemb, npooled = family.encode(encoders, params, inputs.neg_ids, ad, aidx)
+    zero = inputs.zero_negative
+    uncond = Cond(jnp.where(zero[:, None, None], 0.0, nemb), jnp.where(zero[:, None], 0.0, npooled),
+                  inputs.neg_time_ids)
+    return (jax.tree.map(cfg_rows, uncond, cond),
+            cfg_rows(aidx, aidx))  # the unconditional rows use the image's adapter too
+
+
 def guide(out, cfg: bool, g, r):
     """The UNet's output (float32, :func:`cfg_rows` rows with ``cfg``) -> the guided
     prediction (:func:`guide_pair`)."""
@@ -216,8 +327,8 @@ def denoise(sched, model, x, state, start, end, *, cfg: bool, g, r, step_keys, s
     """Scheduler steps ``start`` .. ``end - 1`` (model calls) on latents ``x`` (B, h, w, C):
     scale the input, append ``extra`` channels (a 9-channel inpainting UNet's mask and masked
     image), double the batch for CFG, ``model(xin, t, i)`` (the UNet, with whatever it needs
-    at step ``i``), :func:`guide` with ``g`` / ``r`` (B, 1, 1, 1), step noise from
-    ``step_keys`` for stochastic samplers, the scheduler step, then
+    at step ``i``), :func:`guide` with each image's guidance ``g`` and rescale ``r`` (B,),
+    step noise from ``step_keys`` for stochastic samplers, the scheduler step, then
     ``after_step(i, state, x) -> x`` (inpainting's blend). Returns the latents.
 
     Python int bounds run a ``lax.scan`` over ``arange(start, end)``; traced bounds (an edit's
@@ -226,11 +337,9 @@ def denoise(sched, model, x, state, start, end, *, cfg: bool, g, r, step_keys, s
     from ``state`` (a fresh one at a later ``start`` takes first-order steps first, as
     diffusers' ``set_begin_index`` leaves it).
 
-    Text-to-image, image-to-image, inpainting and ControlNet had a copy of this loop each;
-    moving them here left their lowered programs byte-identical (sha256 of
-    ``jax.jit(f).lower(...).as_text()`` before and after, tiny SDXL: img2img with Euler and
-    Euler ancestral, 4-channel inpainting, text-to-image, one ControlNet)."""
+    """
     stochastic = sched.stochastic
+    g, r = g[:, None, None, None], r[:, None, None, None]
 
     def step(i, x, state):
         xin = sched.scale_model_input(state, x, i)
@@ -272,6 +381,53 @@ def decode(vae, params, latents):
     if not target.is_accelerator():
         return run(latents)
     return _per_device(lambda z: jax.lax.map(lambda one: run(one[None])[0], z), 1)(latents)
+
+
+def to_pixels(img, as_uint8: bool):
+    """Decoder output in ~[-1, 1] -> float32 [0, 1], or uint8."""
+    img = jnp.clip(img.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
+    return jnp.round(img * 255).astype(jnp.uint8) if as_uint8 else img
+
+
+OUTPUTS = ("uint8", "float", "latent", "unscaled")
+
+
+def out_kind(output_type: str, tiled: bool) -> str:
+    """What a program returns for ``output_type``: ``"latent"`` (the latents), ``"unscaled"``
+    (unscaled latents for the tiled decoder after the program), ``"float"`` ([0, 1] pixels,
+    ``"np"``) or ``"uint8"`` (pixels for PIL images)."""
+    if output_type == "latent":
+        return "latent"
+    return "unscaled" if tiled else "float" if output_type == "np" else "uint8"
+
+
+def finish(vae, params, latents, out: str):
+    """The decode tail of every program: the latents as ``out`` (:func:`out_kind`) asks."""
+    if out == "latent":
+        return latents
+    if out == "unscaled":
+        return vae.apply({"params": params}, latents, method=vae.unscale_latents)
+    return to_pixels(decode(vae, params, latents), out == "uint8")
+
+
+def collect(out, n: int, output_type: str, tiled_decoder=None) -> Any:
+    """The first ``n`` images of a program's output on the host (waits for the device):
+    latents (N, C, H/f, W/f) for ``"latent"``, else :func:`host_images`, decoded tile by tile
+    first by ``tiled_decoder(out, as_uint8)`` when the program returned unscaled latents."""
+    if output_type == "latent":
+        return np.asarray(jax.device_get(out))[:n].transpose(0, 3, 1, 2)
+    if tiled_decoder is not None:
+        out = tiled_decoder(out, output_type != "np")
+    return host_images(out, n, output_type)
+
+
+def output(images, seeds: Sequence[int], t0: float, t1: float, batch: int,
+           **timings) -> PipelineOutput:
+    """The :class:`PipelineOutput` of a run that started at ``t0`` and launched its program at
+    ``t1`` (``time.perf_counter()``), with the task's own ``timings``."""
+    return PipelineOutput(images, [int(s) for s in seeds],
+                          {"prepare_s": t1 - t0, "generate_s": time.perf_counter() - t1,
+                           "batch": batch, **timings})
 
 
 def cutoff_timestep(num_train_timesteps: int, fraction: float) -> int:

@@ -116,16 +116,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiff import adapters as adapterlib, mesh as meshlib
-from maxdiff.schedulers import DPMSolverMultistepScheduler, LCMScheduler
-from maxdiff.schedulers.common import SigmaState, at
-from maxdiff.schedulers.ddim import x0_and_eps
-from maxdiff.schedulers.euler import denoised_from_sigma
+from maxdiff.family import Cond
 from pipelines import program as program_lib
-from pipelines.controlnet import ControlNetPipeline, control_inputs, control_residuals
 from pipelines.limits import cfg_on, check, steps_problem
 from pipelines.requests import ControlImage, ImageRequest, bucket_size
 from pipelines.step_scheduler import Handle, Policy, SlotScheduler, StepPlan, step_shapes
-from pipelines.text_to_image import _to_pixels, conditioning, encode_prompts
+from pipelines.tasks.controlnet import control_inputs, control_residuals
 
 __all__ = ["StepEngine", "StepRunner", "Handle"]
 
@@ -147,31 +143,6 @@ class _Tick:
     previews: Any
 
 
-def _denoised(sched, state, out, x, i):
-    """The scheduler's estimate of the clean latents at step ``i`` (for previews)."""
-    if isinstance(sched, DPMSolverMultistepScheduler):
-        return sched.data_prediction(out, x, at(state.sigmas, i))
-    if isinstance(state, SigmaState):
-        return denoised_from_sigma(sched.prediction_type, out, x, at(state.sigmas, i))
-    x0, _ = x0_and_eps(sched.prediction_type, out, x, at(state.alphas_cumprod, i))
-    if isinstance(sched, LCMScheduler):
-        c_skip, c_out = sched.boundary_scalings(at(state.timesteps, i))
-        return c_out * x0 + c_skip * x
-    return x0
-
-
-def _final_order_variants(sched):
-    """DPM++ 2M decides statically (from the table length) whether its last step is first
-    order when ``lower_order_final and n < 15`` is what decides it. Then return the two
-    variants (last step first order, last step second order) to pick from per slot."""
-    if (isinstance(sched, DPMSolverMultistepScheduler) and sched.solver_order == 2
-            and sched.lower_order_final and not sched.euler_at_final
-            and sched.final_sigmas_type != "zero"):
-        return (dataclasses.replace(sched, euler_at_final=True),
-                dataclasses.replace(sched, lower_order_final=False))
-    return None
-
-
 class StepRunner:
     """The device side of a :class:`StepEngine`: every slot's device state and the compiled
     admit, step and decode programs (one per batch size in ``batch_sizes``, one step program per
@@ -191,12 +162,12 @@ class StepRunner:
         self.stochastic = self.sched.stochastic
         # ControlNets (a ControlNetPipeline): each slot also holds its control images, its
         # scale table (per ControlNet, padded at the front like the schedules) and guess mode
-        self.nets = pipe.controlnets if isinstance(pipe, ControlNetPipeline) else ()
+        self.nets = getattr(pipe, "controlnets", ())
         self.tiled = pipe.uses_vae_tiling(height, width)  # the pipeline's vae_tiling rule
         self._sharded = meshlib.batch_sharded(pipe.mesh)
         self._state = self._empty_state()
         self._state_sharding = jax.tree.map(lambda _: self._sharded, self._state)
-        self._programs: dict[tuple, Any] = {}
+        self._programs = program_lib.Programs(pipe.mesh)
 
     # ------------------------------------------------------------------ state
     @functools.lru_cache(maxsize=None)
@@ -219,11 +190,11 @@ class StepRunner:
         """Every slot's device state, zeros (the leading axis of every leaf is the slot)."""
         s, lat = self.slots, (self.slots, self.lh, self.lw, self.channels)
         p = self.pipe
-        ids = [jax.ShapeDtypeStruct((1, tok.model_max_length), jnp.int32)
-               for tok in (p.tokenizer, p.tokenizer_2 or p.tokenizer)]
+        tokens = (p.tokenizer or p.tokenizer_2).model_max_length
+        encoders = {name: getattr(p, name) for name in p.family.encoders}
         emb, pooled = jax.eval_shape(
-            lambda prm, i1, i2: encode_prompts(p.text_encoder, p.text_encoder_2, prm, i1, i2),
-            p.params, *ids)
+            lambda prm, ids: p.family.encode(encoders, prm, ids), p.params,
+            jax.ShapeDtypeStruct((2, 1, tokens), jnp.int32))
         sched, _ = self.schedule(1)
         state = {
             "x": np.zeros(lat, np.float32), "x0": np.zeros(lat, np.float32),
@@ -231,7 +202,7 @@ class StepRunner:
             "keys": np.zeros((s, *jax.random.key_data(jax.random.key(0)).shape), np.uint32),
             "emb": np.zeros((s, *emb.shape[1:]), np.float32),
             "pooled": np.zeros((s, *pooled.shape[1:]), np.float32),
-            "time_ids": np.zeros((s, 6), np.float32),
+            "time_ids": np.zeros((s, p.family.n_time_ids), np.float32),
             "g": np.ones(s, np.float32), "r": np.zeros(s, np.float32), "cfg": np.zeros(s, bool),
             "aidx": np.zeros(s, np.int32),
         }
@@ -248,20 +219,16 @@ class StepRunner:
 
     # ------------------------------------------------------------------ programs
     def _program(self, kind: str, *key):
-        fn = self._programs.get((kind, *key))
-        if fn is None:
-            if kind == "step":
-                fn = program_lib.jit(self.pipe.mesh, self._build_step(key[1]),
-                                     out_shardings=(self._state_sharding, self._sharded),
-                                     donate_argnums=self._donate(1))
-            elif kind == "admit":
-                fn = program_lib.jit(self.pipe.mesh, self._build_admit(),
-                                     out_shardings=self._state_sharding,
-                                     donate_argnums=self._donate(1))
-            else:
-                fn = program_lib.jit(self.pipe.mesh, self._build_decode())
-            self._programs[(kind, *key)] = fn
-        return fn
+        def build():
+            return {"step": lambda: self._build_step(key[1]), "admit": self._build_admit,
+                    "decode": self._build_decode}[kind]()
+
+        shard = {"step": dict(out_shardings=(self._state_sharding, self._sharded),
+                              donate_argnums=self._donate(1)),
+                 "admit": dict(out_shardings=self._state_sharding,
+                               donate_argnums=self._donate(1)),
+                 "decode": {}}[kind]
+        return self._programs.get((kind, *key), build, **shard)
 
     def _donate(self, i):
         # XLA:CPU cannot reuse donated buffers (it would only warn)
@@ -270,7 +237,7 @@ class StepRunner:
     @property
     def num_compiled(self) -> int:
         """Programs compiled so far."""
-        return sum(fn._cache_size() for fn in self._programs.values())
+        return self._programs.num_compiled
 
     @property
     def step_shapes(self) -> list[tuple[int, int]]:
@@ -296,29 +263,27 @@ class StepRunner:
 
     def _build_admit(self):
         p = self.pipe
-        te1, te2 = p.text_encoder, p.text_encoder_2
+        encoders = {name: getattr(p, name) for name in p.family.encoders}
         lh, lw, ch = self.lh, self.lw, self.channels
         cfg_engine = self.cfg
 
-        def admit(params, state, slot, ids, neg_ids, zero_negative, time_ids, neg_time_ids,
-                  seeds, init_sigma, g, r, cfg, sched, aidx, control, ad=None):
+        def admit(params, state, slot, inputs, init_sigma, cfg, sched, aidx, control, ad=None):
             # the pipeline's conditioning and noise, for a batch of new images; rows for slot
             # index == slots are padding and are dropped by the scatter
-            emb, pooled, tids, _ = conditioning(te1, te2, params, ids, neg_ids, zero_negative,
-                                                time_ids, neg_time_ids, cfg_engine, ad,
-                                                None if ad is None else aidx)
-            init_keys, step_keys = program_lib.image_keys(seeds)
+            cond, _ = program_lib.conditioning(p.family, encoders, params, inputs, ad,
+                                               None if ad is None else aidx)
+            init_keys, step_keys = program_lib.image_keys(inputs.seeds)
             x = program_lib.normal(init_keys, (lh, lw, ch))
             x = x.astype(jnp.float32) * init_sigma[:, None, None, None]
             new = {"x": x, "x0": jnp.zeros_like(x), "sched": sched,
-                   "keys": jax.random.key_data(step_keys), "g": g, "r": r, "cfg": cfg,
-                   "aidx": aidx, **control}
+                   "keys": jax.random.key_data(step_keys), "g": inputs.guidance,
+                   "r": inputs.rescale, "cfg": cfg, "aidx": aidx, **control}
             if cfg_engine:
-                (new["nemb"], new["emb"]) = program_lib.cfg_halves(emb)
-                (new["npooled"], new["pooled"]) = program_lib.cfg_halves(pooled)
-                (new["ntime_ids"], new["time_ids"]) = program_lib.cfg_halves(tids)
+                (new["nemb"], new["emb"]) = program_lib.cfg_halves(cond.context)
+                (new["npooled"], new["pooled"]) = program_lib.cfg_halves(cond.pooled)
+                (new["ntime_ids"], new["time_ids"]) = program_lib.cfg_halves(cond.time_ids)
             else:
-                new.update(emb=emb, pooled=pooled, time_ids=tids)
+                new.update(emb=cond.context, pooled=cond.pooled, time_ids=cond.time_ids)
             return jax.tree.map(lambda old, v: old.at[slot].set(v.astype(old.dtype), mode="drop"),
                                 state, new)
 
@@ -330,10 +295,10 @@ class StepRunner:
         unet, sched = p.unet, self.sched
         lh, lw, ch = self.lh, self.lw, self.channels
         stochastic = self.stochastic
-        variants = _final_order_variants(sched)
+        variants = sched.step_variants()
         nets = self.nets
 
-        def step(params, state, active, index, local, short, ad=None):
+        def step(params, state, active, index, local, variant, ad=None):
             s, x = state["sched"], state["x"]
             xin = jax.vmap(sched.scale_model_input)(s, x, index)
             t = jax.vmap(sched.timestep_for_model)(s, index)
@@ -353,14 +318,15 @@ class StepRunner:
                     scale = jnp.concatenate([jnp.where(guess[:g], 0.0, scale[:g]), scale])
                     guess = jnp.concatenate([guess[:g], guess])
                     images = tuple(jnp.concatenate([im[:g], im]) for im in images)
+            cond = Cond(emb, pooled, tids)
             down = mid = None
             if nets:
-                down, mid = control_residuals(nets, params["controlnets"], xin, t, emb, pooled,
-                                              tids, images, scale, guess)
+                down, mid = control_residuals(nets, params["controlnets"], xin, t, cond, images,
+                                              scale, guess)
             with adapterlib.applied((ad or {}).get("unet"), aidx):
-                out = unet.apply({"params": params["unet"]}, xin, t, emb, pooled, tids,
-                                 down_block_additional_residuals=down,
-                                 mid_block_additional_residual=mid)
+                out = p.family.denoise(unet, params["unet"], cond, xin, t,
+                                       down_block_additional_residuals=down,
+                                       mid_block_additional_residual=mid)
             out = out.astype(jnp.float32)
             if g:
                 text = out[g:]
@@ -377,16 +343,12 @@ class StepRunner:
                 return sc.step(st, o, xx, i, noise=nz)
 
             in_axes = (0, 0, 0, 0, 0 if stochastic else None)
-            if variants is None:
-                new_s, new_x = jax.vmap(functools.partial(one, sched), in_axes)(s, out, x, index,
-                                                                              noise)
-            else:  # DPM++ 2M, final step's order per slot (steps < 15: first order)
-                new_s, x_first = jax.vmap(functools.partial(one, variants[0]), in_axes)(
-                    s, out, x, index, noise)
-                _, x_second = jax.vmap(functools.partial(one, variants[1]), in_axes)(
-                    s, out, x, index, noise)
-                new_x = jnp.where(short[:, None, None, None], x_first, x_second)
-            x0 = jax.vmap(functools.partial(_denoised, sched))(s, out, x, index)
+            new_s, new_x = jax.vmap(functools.partial(one, (variants or (sched,))[0]), in_axes)(
+                s, out, x, index, noise)
+            for k, v in enumerate((variants or ())[1:], start=1):  # each row's own variant
+                _, x_k = jax.vmap(functools.partial(one, v), in_axes)(s, out, x, index, noise)
+                new_x = jnp.where((variant == k)[:, None, None, None], x_k, new_x)
+            x0 = jax.vmap(sched.denoised)(s, out, x, index)
 
             def keep(new, old):
                 m = active.reshape((-1,) + (1,) * (old.ndim - 1))
@@ -396,27 +358,24 @@ class StepRunner:
                          sched=jax.tree.map(keep, new_s, s))
             return state
 
-        def step_rows(params, state, rows, active, index, local, short, ad=None):
+        def step_rows(params, state, rows, active, index, local, variant, ad=None):
             # the slots in ``rows`` only (distinct; padding rows are inactive): gather, step,
             # scatter back, so a tick costs what its active images need. Also returns each
             # row's step count after this step (0 for padding): the host reads its progress
             # from what the device ran
             sub = jax.tree.map(lambda a: a[rows], state)
-            sub = step(params, sub, active, index, local, short, ad)
+            sub = step(params, sub, active, index, local, variant, ad)
             executed = jnp.where(active, local + 1, 0).astype(jnp.int32)
             return jax.tree.map(lambda a, v: a.at[rows].set(v), state, sub), executed
 
         return step_rows
 
     def _build_decode(self):
-        vae, as_uint8, tiled = self.pipe.vae, self.output_type != "np", self.tiled
+        vae = self.pipe.vae
+        out = program_lib.out_kind(self.output_type, self.tiled)
 
         def decode(params, latents, idx):
-            z = jnp.take(latents, idx, axis=0)
-            if tiled:
-                return vae.apply({"params": params["vae"]}, z, method=vae.unscale_latents)
-            img = program_lib.decode(vae, params["vae"], z)
-            return _to_pixels(img, as_uint8)
+            return program_lib.finish(vae, params["vae"], jnp.take(latents, idx, axis=0), out)
 
         return decode
 
@@ -437,9 +396,9 @@ class StepRunner:
         scheduler tables. Sets each handle's ``seed`` (drawn here when the request has none)."""
         p, n = self.pipe, len(take)
         items = [h.request for h in take] or [ImageRequest(prompt="", guidance_scale=0.0, seed=0)]
-        (seeds, _, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
-         rescale) = p.host_inputs(items, self.height, self.width)
-        for h, sd in zip(take, seeds):
+        inputs = dataclasses.replace(p.host_inputs(items, self.height, self.width),
+                                     cfg=self.cfg)  # the engine's rows, whatever the items ask
+        for h, sd in zip(take, inputs.seeds):
             h.seed = int(sd)
         cfg = np.array([cfg_on(it.guidance_scale) for it in items])
         steps = [h.steps for h in take] or [1]
@@ -451,10 +410,8 @@ class StepRunner:
         slot = np.array(free + [self.slots] * (b - n), np.int32)  # padding rows are dropped
 
         put = program_lib.BatchPut(p.mesh, b)
-        args = (put(slot), put(ids, ids=True), put(neg_ids, ids=True), put(zero_negative),
-                put(time_ids), put(neg_time_ids), put(np.asarray(seeds, np.uint32)),
-                put(init_sigma), put(guidance), put(rescale), put(cfg), put.tree(sched), put(aidx),
-                put.tree(self._control_rows(take, steps)))
+        args = (put(slot), put.tree(inputs), put(init_sigma), put(cfg), put.tree(sched),
+                put(aidx), put.tree(self._control_rows(take, steps)))
         self._state = self._program("admit", b)(self._params(), self._state, *args,
                                                 *self._adapter_args())
 
@@ -480,7 +437,7 @@ class StepRunner:
     def step(self, plan: StepPlan):
         """Queue one step of ``plan``'s rows; returns the device array of each row's step count
         after it (0 for padding rows)."""
-        args = meshlib.place((plan.rows, plan.active, plan.index, plan.local, plan.short),
+        args = meshlib.place((plan.rows, plan.active, plan.index, plan.local, plan.variant),
                               self._sharded)
         self._state, executed = self._program("step", plan.b, plan.g)(
             self._params(), self._state, *args, *self._adapter_args())
@@ -510,7 +467,7 @@ class StepRunner:
         for b, g in self.step_shapes:
             args = meshlib.place((np.arange(b, dtype=np.int32), np.zeros(b, bool),
                                    np.zeros(b, np.int32), np.zeros(b, np.int32),
-                                   np.zeros(b, bool)), self._sharded)
+                                   np.zeros(b, np.int32)), self._sharded)
             self._state, _ = self._program("step", b, g)(self._params(), self._state, *args,
                                                          *self._adapter_args())
         jax.block_until_ready(self._state)
@@ -557,7 +514,7 @@ class StepEngine:
             raise ValueError(f"lookahead={lookahead!r}; it must be an integer >= 0 (ticks left "
                              "queued on the device when tick() returns)")
         self.scheduler = SlotScheduler(slots, pipe.mesh.size, self.max_steps, cfg=bool(cfg),
-                                       policy=policy)
+                                       policy=policy, variant_of=pipe.scheduler.step_variant)
         self.slots, self.cfg, self.output_type = slots, bool(cfg), output_type
         self.lookahead = lookahead
         self.batch_sizes = self.scheduler.batch_sizes

@@ -161,9 +161,9 @@ def step_shapes(sizes: Sequence[int], cfg: bool) -> list[tuple[int, int]]:
 class StepPlan:
     """One step program call: ``b`` rows, the first ``g`` guided. ``rows``: the slot of each row
     (distinct; padding rows are free slots, inactive); ``active``, ``index`` (each row's table
-    index, ``max_steps - steps + dispatched``), ``local`` (its own step number) and ``short``
-    (fewer than 15 steps: DPM++ 2M's final order) are per row; ``handles``: the images stepped,
-    row order; ``guided``: how many of them have guidance > 1."""
+    index, ``max_steps - steps + dispatched``), ``local`` (its own step number) and ``variant``
+    (the sampler's step variant for a run of its length, ``variant_of(steps)``) are per row;
+    ``handles``: the images stepped, row order; ``guided``: how many of them have guidance > 1."""
 
     b: int
     g: int
@@ -171,7 +171,7 @@ class StepPlan:
     active: np.ndarray
     index: np.ndarray
     local: np.ndarray
-    short: np.ndarray
+    variant: np.ndarray
     handles: list[Handle]
     guided: int
 
@@ -179,18 +179,20 @@ class StepPlan:
 class SlotScheduler:
     """The queue and the ``slots`` slots of one engine, ordered by ``policy``. ``max_steps``:
     the per-slot tables' length (an image of ``k`` steps starts at index ``max_steps - k``);
-    ``mesh_size``: batch sizes are multiples of it.
+    ``mesh_size``: batch sizes are multiples of it; ``variant_of(steps)``: the sampler's step
+    variant for a run of ``steps`` (``Scheduler.step_variant``; default 0).
 
     :meth:`submit`, :meth:`cancel` and :meth:`queue_position` may be called from any thread;
     the rest from the ticking thread only."""
 
     def __init__(self, slots: int, mesh_size: int, max_steps: int, *, cfg: bool = True,
-                 policy: str | Policy = "fifo"):
+                 policy: str | Policy = "fifo", variant_of: Callable[[int], int] | None = None):
         if not isinstance(slots, int) or slots < 1 or slots % mesh_size:
             raise ValueError(f"slots={slots!r}; it must be a positive multiple of the mesh "
                              f"size {mesh_size}")
         self.slots, self.mesh_size, self.max_steps, self.cfg = slots, mesh_size, max_steps, cfg
         self.policy = make_policy(policy)
+        self.variant_of = variant_of or (lambda steps: 0)
         self.batch_sizes = batch_sizes(slots, mesh_size)
         self.lock = threading.Lock()
         self.queue: list[Handle] = []  # submission order
@@ -291,13 +293,13 @@ class SlotScheduler:
         g = min(bucket_size(len(guided), m), b) if guided else 0
         rows = busy + [k for k, h in enumerate(self.slot_handles) if h is None][:b - len(busy)]
         handles = [self.slot_handles[k] for k in busy]
-        index, local, short = (np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, bool))
+        index, local, variant = (np.zeros(b, np.int32) for _ in range(3))
         for r, h in enumerate(handles):
             local[r] = h.dispatched
             index[r] = self.max_steps - h.steps + h.dispatched
-            short[r] = h.steps < 15
+            variant[r] = self.variant_of(h.steps)
         return StepPlan(b, g, np.array(rows, np.int32), np.arange(b) < len(busy), index, local,
-                        short, handles, len(guided))
+                        variant, handles, len(guided))
 
     def stepped(self, plan: StepPlan) -> tuple[list[Handle], list[Handle]]:
         """``plan`` is queued on the device: count the step of each image; the ones that took

@@ -1,24 +1,24 @@
-"""The SDXL text-to-image pipeline: one compiled, data-parallel program per shape.
+"""Text-to-image (diffusers' ``StableDiffusionXLPipeline`` / ``StableDiffusionPipeline``), and
+the loaded model every other pipeline composes on.
 
-``TextToImagePipeline.from_pretrained(folder)`` reads a diffusers SDXL folder; calling the
-pipeline tokenizes on the host, then runs ONE jitted program over the device mesh:
+``TextToImagePipeline.from_pretrained(folder)`` reads a diffusers folder (or a single file) of
+a model family (:mod:`maxdiff.family`); calling the pipeline tokenizes on the host, then runs ONE
+jitted program over the device mesh (:mod:`pipelines.runner`):
 
     text encoders -> initial noise from per-image seeds -> lax.scan over scheduler steps
     (UNet, classifier-free guidance) -> VAE decode -> pixels
 
 Token ids, seeds, guidance and the scheduler's timesteps/sigmas are traced inputs, so a new
-prompt, seed or guidance never recompiles. Programs are cached per (padded batch, height,
-width, steps, CFG on/off, latents given, output kind); JAX's persistent compilation cache
-makes a restarted process start warm.
+prompt, seed or guidance never recompiles. Programs are kept per shape key
+(:attr:`TextToImagePipeline.programs`); JAX's persistent compilation cache makes a restarted
+process start warm.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,50 +26,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiff import adapters as adapterlib, checkpoint, mesh as meshlib, single_file, target
+from maxdiff import checkpoint
 from maxdiff import quantization as quantlib
-from maxdiff.models.clip import load_text_encoder
-from maxdiff.models.unet import load_unet, unet_module
-from maxdiff.models.vae import load_vae
-from maxdiff.schedulers import (get_preset, load_scheduler, max_inference_steps,
-                                read_scheduler_config)
-from maxdiff.tokenizers import load_tokenizer, tokenize
+from maxdiff.family import FAMILIES, Family
 from maxdiff.models.vae_tiling import (check_tiling_setting, tile_decoder, tile_encoder,
                                        tiled_decode, tiled_encode, use_tiling)
-from pipelines import program as program_lib
-from pipelines.config import ModelDefaults, RunConfig, load_run_config
+from maxdiff.schedulers import (max_inference_steps)
+from maxdiff.tokenizers import tokenize
+from pipelines import loading, program as program_lib, refiner as refiner_lib
+from pipelines.loading import DEFAULT_COMPILE_CACHE, enable_compile_cache, model_root
+from pipelines.adapting import LoraAdapters
+from pipelines.config import RunConfig, load_run_config
 from pipelines.limits import (AESTHETIC_SCORE, HIGH_NOISE_FRAC, MAX_SEED,
                               NEGATIVE_AESTHETIC_SCORE, Limits, cfg_on, check,
                               denoising_fraction_problem, n_problem, output_type_problem,
                               problems, seed_problem)
-from pipelines.requests import ImageRequest, bucket_size, image_seeds
+from pipelines.program import HostInputs, PipelineOutput
+from pipelines.requests import ImageRequest, image_seeds
+from pipelines.runner import TEXT, Job, checked_items, run
 
-DEFAULT_COMPILE_CACHE = Path(os.environ.get("MAXDIFF_COMPILE_CACHE",
-                                            Path.home() / ".cache" / "maxdiff" / "jax"))
-
-
-@dataclass
-class PipelineOutput:
-    """``images``: PIL images, or float32 NumPy (N, H, W, 3) in [0, 1] for ``output_type="np"``;
-    ``seeds``: the seed of each image (pass it back as ``seed=`` to reproduce that image)."""
-
-    images: Any
-    seeds: list[int]
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-def enable_compile_cache(path: str | os.PathLike | None = DEFAULT_COMPILE_CACHE) -> None:
-    """Turn on JAX's persistent compilation cache in ``path`` (None or "" turns nothing on).
-    Programs that compile in under a second are not written, unless JAX's own variable
-    ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise (the test suite sets 0: its
-    tiny models' programs often compile in a fraction of a second)."""
-    if not path:
-        return
-    Path(path).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
+__all__ = ["TextToImagePipeline", "PipelineOutput", "enable_compile_cache", "model_root"]
 
 def _as_list(x, name: str) -> list[str] | None:
     if x is None:
@@ -81,159 +57,35 @@ def _as_list(x, name: str) -> list[str] | None:
     raise ValueError(f"{name} must be a string or a list of strings, got {type(x).__name__}")
 
 
-def _to_pixels(img, as_uint8: bool):
-    """Decoder output in ~[-1, 1] -> float32 [0, 1], or uint8."""
-    img = jnp.clip(img.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
-    return jnp.round(img * 255).astype(jnp.uint8) if as_uint8 else img
-
-
 _abs_sum = jax.jit(lambda x: jnp.sum(jnp.abs(x.astype(jnp.float32))))
 
 
-def encode_prompts(te1, te2, p, ids1, ids2, ad=None, aidx=None):
-    """SDXL's two CLIP encoders: (penultimate states of both, concatenated; encoder 2's pooled
-    projection). SD 1.x / 2.x (``te2`` None): (the one encoder's last state after its final
-    layer norm, as diffusers' StableDiffusionPipeline; an empty (B, 0) pooled). The SDXL
-    refiner (``te1`` None): encoder 2's penultimate states and pooled projection (``ids1`` is
-    unused). ``ad``/``aidx``: per-image adapter tables and indices (or None)."""
-    ad = ad or {}
-    if te1 is None:
-        with adapterlib.applied(ad.get("text_encoder_2"), aidx):
-            o2 = te2.apply({"params": p["text_encoder_2"]}, ids2)
-        return o2.hidden_states[-2], o2.text_embeds
-    with adapterlib.applied(ad.get("text_encoder"), aidx):
-        o1 = te1.apply({"params": p["text_encoder"]}, ids1)
-    if te2 is None:
-        return o1.last_hidden_state, jnp.zeros((ids1.shape[0], 0), o1.last_hidden_state.dtype)
-    with adapterlib.applied(ad.get("text_encoder_2"), aidx):
-        o2 = te2.apply({"params": p["text_encoder_2"]}, ids2)
-    emb = jnp.concatenate([o1.hidden_states[-2], o2.hidden_states[-2]], axis=-1)
-    return emb, o2.text_embeds
-
-
-def conditioning(te1, te2, p, ids, neg_ids, zero_negative, time_ids, neg_time_ids, cfg: bool,
-                 ad=None, aidx=None):
-    """(text states, pooled, time ids, per-row adapter index) for the UNet. With ``cfg`` the
-    rows are [negative, positive] (a negative without a prompt is zeros where the model says
-    ``force_zeros_for_empty_prompt``: ``zero_negative``), as diffusers concatenates them, on
-    each device (:func:`pipelines.program.cfg_rows`)."""
-    emb, pooled = encode_prompts(te1, te2, p, ids[0], ids[1], ad, aidx)
-    if not cfg:
-        return emb, pooled, time_ids, aidx
-    nemb, npooled = encode_prompts(te1, te2, p, neg_ids[0], neg_ids[1], ad, aidx)
-    nemb = jnp.where(zero_negative[:, None, None], 0.0, nemb)
-    npooled = jnp.where(zero_negative[:, None], 0.0, npooled)
-    uidx = program_lib.cfg_rows(aidx, aidx)  # uncond: the image's too
-    return (program_lib.cfg_rows(nemb, emb), program_lib.cfg_rows(npooled, pooled),
-            program_lib.cfg_rows(neg_time_ids, time_ids), uidx)
-
-
-# diffusers pipeline class -> (model components, tokenizer folders): SDXL or SD 1.x / 2.x
-_KINDS = {f.pipeline: (single_file.family_models(f), tuple(name for name, _ in f.tokenizers))
-          for f in single_file.FAMILIES.values() if f.supported}
-# an SDXL image-to-image folder: the base's components, less those model_index.json marks
-# [null, null] (the refiner has neither text_encoder nor tokenizer)
-_IMG2IMG = "StableDiffusionXLImg2ImgPipeline"
-_KINDS[_IMG2IMG] = _KINDS["StableDiffusionXLPipeline"]
-
-
-def _kind(model_index: dict, where: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    name = model_index.get("_class_name")
-    if name not in _KINDS:
-        raise checkpoint.CheckpointError(
-            f"{where}: model_index.json names a {name}; maxdiff loads "
-            f"{' and '.join(_KINDS)} folders")
-    comps, tokenizers = _KINDS[name]
-    if name == _IMG2IMG:  # the refiner: text_encoder_2 and tokenizer_2 only
-
-        def present(c):
-            return c in ("unet", "vae") or model_index.get(c, [None])[0] is not None
-        comps, tokenizers = (tuple(filter(present, comps)), tuple(filter(present, tokenizers)))
-        if "text_encoder_2" not in comps or "tokenizer_2" not in tokenizers:
-            raise checkpoint.CheckpointError(
-                f"{where}: an SDXL image-to-image folder without text_encoder_2 / tokenizer_2; "
-                "maxdiff loads SDXL base and refiner folders")
-    return comps, tokenizers
-
-
-def model_root(path: Path, config: str | os.PathLike | None
-                ) -> tuple[Path, single_file.Layout | None]:
-    """The folder whose configs describe the model, and the single file's layout (None for a
-    diffusers folder). Errors name what is missing."""
-    if path.is_file():
-        layout = single_file.inspect(path)
-        if not layout.family.supported:
-            raise checkpoint.CheckpointError(
-                f"{path}: a {layout.family.title} single file; maxdiff's pipelines load SDXL "
-                "base and SD 1.x / 2.x single files and diffusers folders")
-        if layout.in_channels != 4:
-            raise checkpoint.CheckpointError(
-                f"{path}: an inpainting UNet ({layout.in_channels} input channels); maxdiff "
-                "inpaints with the base model (InpaintPipeline)")
-        root = Path(config) if config is not None else single_file.shipped_config(
-            layout.family.name)
-        described = json.loads((root / "model_index.json").read_text()).get("_class_name")
-        if described != layout.family.pipeline:
-            raise checkpoint.CheckpointError(
-                f"{path}: a {layout.family.title} file, but {root} describes a {described}; "
-                f"pass config= a {layout.family.pipeline} folder (or none)")
-        for comp in single_file.family_models(layout.family):
-            if not (root / comp / "config.json").is_file():
-                raise checkpoint.CheckpointError(
-                    f"{root}: config= needs {comp}/config.json (a diffusers "
-                    f"{layout.family.pipeline} folder describing the single file)")
-        return root, layout
-    if config is not None:
-        raise ValueError(f"config= describes a single-file checkpoint; {path} is a folder with "
-                         "its own configs")
-    index = path / "model_index.json"
-    if not index.is_file():
-        raise checkpoint.CheckpointError(
-            f"{path}: not a diffusers pipeline folder (no model_index.json) nor a single-file "
-            "checkpoint")
-    checkpoint.check_links(path)
-    comps, tokenizers = _kind(json.loads(index.read_text()), index)
-    for comp in (*comps, *tokenizers):
-        if not (path / comp).is_dir():
-            raise checkpoint.CheckpointError(
-                f"{path}: missing component folder {comp}/ (this pipeline needs "
-                f"{', '.join((*comps, *tokenizers))}, scheduler)")
-    return path, None
-
-
-def _tokenizer_folder(root: Path, name: str, layout: single_file.Layout | None) -> Path:
-    """``root/name``; configs without tokenizers (the shipped single-file configs) use the
-    embedded model's tokenizer with the same settings: CLIP's own 49,408-token vocabulary,
-    padded as the family pads (SDXL's ``tokenizer_2`` and SD 2.x's with ``!``)."""
-    if (root / name).is_dir() or layout is None:
-        return root / name
-    from pipelines.default_model import EMBEDDED
-
-    return EMBEDDED / dict(layout.family.tokenizers).get(name, name)
-
-
-class TextToImagePipeline:
-    """SDXL text-to-image in JAX. Build with :meth:`from_pretrained`; call like diffusers'
-    ``StableDiffusionXLPipeline``."""
+class TextToImagePipeline(LoraAdapters):
+    """Text-to-image in JAX. Build with :meth:`from_pretrained`; call like diffusers'
+    ``StableDiffusionXLPipeline``. ``family``: the model family (:mod:`maxdiff.family`; default
+    SDXL base, or SD 1.x without ``text_encoder_2``)."""
 
     def __init__(self, *, tokenizer, tokenizer_2, text_encoder, text_encoder_2, unet, vae,
-                 scheduler, params: dict, mesh, force_zeros_for_empty_prompt: bool = True,
-                 default_steps: int = 50, default_guidance: float = 5.0, name: str = "",
-                 quantization: str = "none", requires_aesthetics_score: bool = False):
+                 scheduler, params: dict, mesh, force_zeros_for_empty_prompt: bool | None = None,
+                 default_steps: int | None = None, default_guidance: float | None = None,
+                 name: str = "", quantization: str = "none", family: Family | None = None):
+        if family is None:
+            family = FAMILIES["sdxl-base" if text_encoder_2 is not None else "sd1"]
+        self.family = family
         self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
         self.text_encoder, self.text_encoder_2 = text_encoder, text_encoder_2
         self.unet, self.vae, self.scheduler = unet, vae, scheduler
         self.params = params
         self.mesh = mesh
-        self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
-        # the SDXL refiner's time ids: (original size, crop corner, aesthetic score), five
-        self.requires_aesthetics_score = requires_aesthetics_score
-        # an SDXL refiner (an ImageToImagePipeline) that finishes every image from
-        # ``high_noise_frac`` of the schedule, base and refiner in one program; None: no refiner
+        self.force_zeros_for_empty_prompt = (family.zero_negative if force_zeros_for_empty_prompt
+                                             is None else force_zeros_for_empty_prompt)
+        # an SDXL refiner (a pipeline, or an image-to-image pipeline over one) that finishes
+        # every image from ``high_noise_frac`` of the schedule, base and refiner in one
+        # program (:mod:`pipelines.refiner`); None: no refiner
         self.refiner = None
         self.high_noise_frac = HIGH_NOISE_FRAC
-        self.default_steps = default_steps
-        self.default_guidance = default_guidance
+        self.default_steps = family.steps if default_steps is None else default_steps
+        self.default_guidance = family.guidance if default_guidance is None else default_guidance
         self.name = name
         # "none", "int8-weights", "int8" or "fp8": how the UNet's weights (and activations) are
         # quantized (maxdiff.quantization); ``unet`` and ``params["unet"]`` are then qwix's
@@ -251,7 +103,7 @@ class TextToImagePipeline:
         self._tile_decoder = None
         self._tile_encoder = None
         self.run_config = None
-        self._programs: dict[tuple, Any] = {}
+        self.programs = program_lib.Programs(mesh)  # compiled programs, by shape key
         self._base_params: dict | None = None  # the weights before any LoRA was fused
         self._loras: list[tuple[str, str, float, list]] = []  # (name, file, scale, layers)
         # per-image adapters (add_adapter), unfused: (name, file, scale, layers), index order
@@ -300,115 +152,15 @@ class TextToImagePipeline:
         :class:`pipelines.ImageToImagePipeline`.
         """
         vae_tiling = check_tiling_setting(vae_tiling)
-        quantlib.check_quantization(quantization)
-        if path is None:
-            from pipelines.default_model import default_model_path
-
-            path = default_model_path()
-        root, layout = model_root(Path(path), config)
-        model_index = json.loads((root / "model_index.json").read_text())
-        comps, tokenizers = _kind(model_index, root / "model_index.json")
-        xl = "text_encoder_2" in comps
-        enable_compile_cache(compile_cache_dir)
-        mesh = meshlib.make_mesh(devices)
-        put = meshlib.put_replicated(mesh)
-        if dtype == "auto":
-            dtype = target.default_dtype(target.mesh_platform(mesh))
-
-        hint = "" if config is not None else (
-            f"maxdiff's shipped {layout.family.title} configs do not describe this file; pass "
-            "config= (CLI --single-file-config) a diffusers folder that does") if layout else ""
-
-        def part(name: str) -> tuple[dict, Any]:
-            """A component's config and, for a single file, where its weights are."""
-            cfg = checkpoint.read_config(root / name)
-            return cfg, (single_file.component_source(layout, name, cfg, hint=hint)
-                         if layout else None)
-
-        unet_cfg, unet_src = part("unet")
-        stored = unet_cfg.get(quantlib.CONFIG_KEY) if unet is None else None
-        if stored is not None:  # maxdiff convert --quantize: the quantized weights themselves
-            if quantization != stored:
-                raise checkpoint.CheckpointError(
-                    f"{root / 'unet'}: holds UNet weights quantized to {stored!r} (maxdiff "
-                    f"convert --quantize); load it with quantization={stored!r}, not "
-                    f"{quantization!r}")
-            unet_model, unet_params = quantlib.load_quantized(
-                unet_module(unet_cfg, dtype, attention_kernel, attention_chunk),
-                root / "unet" / quantlib.WEIGHTS_FILE, stored, put=put)
-        else:
-            unet_model, unet_params = load_unet(
-                unet if unet is not None else root / "unet", dtype, config=unet_cfg,
-                attention_kernel=attention_kernel, attention_chunk=attention_chunk, put=put,
-                variant=None if unet is not None else variant,
-                source=None if unet is not None else unet_src)
-        if quantization != "none" and stored is None:  # the float weights go once quantized
-            unet_model, unet_params = quantlib.quantize(unet_model, unet_params, quantization)
-            unet_params = put(unet_params)
-        if vae is None:
-            vae_cfg, vae_src = part("vae")
-            vae_model, vae_params = load_vae(root / "vae", dtype, variant=variant, put=put,
-                                             config=vae_cfg, source=vae_src)
-        else:  # a folder brings its config; a file is read with the model's
-            vae_cfg = None if Path(vae).is_dir() else checkpoint.read_config(root / "vae")
-            vae_model, vae_params = load_vae(vae, dtype, put=put, config=vae_cfg)
-        encoders = {}
-        for name in comps[2:]:
-            cfg, src = part(name)
-            encoders[name] = load_text_encoder(root / name, dtype, variant=variant, config=cfg,
-                                               source=src)
-        te1, te1_params = encoders.get("text_encoder", (None, None))
-        te2, te2_params = encoders.get("text_encoder_2", (None, None))
-        te1_params, te2_params = meshlib.place((te1_params, te2_params), meshlib.replicated(mesh))
-
-        measured = ModelDefaults.read(root)
-        steps = measured.steps or 50
-        # diffusers' defaults: SDXL 5.0, StableDiffusionPipeline 7.5
-        guidance = (5.0 if xl else 7.5) if measured.guidance is None else measured.guidance
-        if scheduler is None:
-            sched = load_scheduler(layout.scheduler_config(read_scheduler_config(root)) if layout
-                                   else root / "scheduler")
-        elif isinstance(scheduler, str) and not Path(scheduler).exists():
-            preset = get_preset(scheduler)
-            sched = load_scheduler(scheduler)
-            steps, guidance = preset.num_inference_steps, preset.guidance_scale
-        else:
-            sched = load_scheduler(scheduler)
-
-        # the refiner's five time ids (size, crop, aesthetic score) or the base's six
-        aesthetic = bool(model_index.get("requires_aesthetics_score", False))
-        n_ids = 5 if aesthetic else 6
-        expected = (unet_model.config.addition_time_embed_dim or 0) * n_ids + (
-            te2.config.projection_dim if xl else 0)
-        if xl and unet_model.config.projection_class_embeddings_input_dim != expected:
-            raise checkpoint.CheckpointError(
-                f"{root}: unet projection_class_embeddings_input_dim="
-                f"{unet_model.config.projection_class_embeddings_input_dim} but text_encoder_2 "
-                f"projection_dim={te2.config.projection_dim} and addition_time_embed_dim="
-                f"{unet_model.config.addition_time_embed_dim} need {expected} ({n_ids} time ids: "
-                f"model_index.json requires_aesthetics_score={aesthetic})")
-        toks = {name: load_tokenizer(_tokenizer_folder(root, name, layout))
-                for name in tokenizers}
-        params = {"unet": unet_params, "vae": vae_params}
-        if te1 is not None:
-            params["text_encoder"] = te1_params
-        if xl:
-            params["text_encoder_2"] = te2_params
-        pipe = cls(
-            tokenizer=toks.get("tokenizer"), tokenizer_2=toks.get("tokenizer_2") if xl else None,
-            text_encoder=te1, text_encoder_2=te2, unet=unet_model, vae=vae_model,
-            scheduler=sched, params=params, mesh=mesh,
-            # SDXL zeroes an omitted negative prompt; SD 1.x / 2.x encode "" (no such key)
-            force_zeros_for_empty_prompt=bool(model_index.get("force_zeros_for_empty_prompt", xl)),
-            default_steps=steps, default_guidance=guidance, name=str(path),
-            quantization=quantization, requires_aesthetics_score=aesthetic,
-        )
-        sample_size = unet_cfg.get("sample_size")
-        if isinstance(sample_size, int):
-            pipe.default_height = pipe.default_width = sample_size * pipe.vae_scale_factor
-        pipe.default_height = measured.height or pipe.default_height
-        pipe.default_width = measured.width or pipe.default_width
-        pipe.max_size = measured.max_size
+        parts, (height, width, max_size) = loading.load(
+            path, dtype, unet=unet, scheduler=scheduler, devices=devices,
+            attention_kernel=attention_kernel, attention_chunk=attention_chunk,
+            compile_cache_dir=compile_cache_dir, variant=variant, vae=vae, config=config,
+            quantization=quantization)
+        pipe = cls(**parts)
+        pipe.default_height = height or pipe.default_height
+        pipe.default_width = width or pipe.default_width
+        pipe.max_size = max_size
         pipe.vae_tiling = vae_tiling
         if refiner is not None:
             if isinstance(refiner, (str, os.PathLike)):
@@ -421,15 +173,17 @@ class TextToImagePipeline:
 
     def set_refiner(self, refiner: Any, high_noise_frac: float = HIGH_NOISE_FRAC) -> None:
         """Finish every image with ``refiner`` (a loaded SDXL refiner or base: a
-        :class:`TextToImagePipeline` or an image-to-image pipeline over one; None removes it)
-        from ``high_noise_frac`` of the schedule unless a call gives ``denoising_end``."""
+        :class:`TextToImagePipeline` or an image-to-image pipeline over one, whose scheduler
+        and VAE tiling it then uses; None removes it) from ``high_noise_frac`` of the schedule
+        unless a call gives ``denoising_end``."""
         check([denoising_fraction_problem(high_noise_frac, "high_noise_frac")])
         if refiner is not None:
-            from pipelines.edit import ImageToImagePipeline
-
-            refiner = ImageToImagePipeline.from_pipe(refiner)
-            if refiner.text_encoder_2 is None or refiner.latent_channels != self.latent_channels:
-                raise ValueError(f"refiner {refiner.name}: an SDXL refiner (or base) with "
+            model = getattr(refiner, "pipe", refiner)
+            if not isinstance(model, TextToImagePipeline):
+                raise TypeError(f"refiner: a TextToImagePipeline or a pipeline over one, got "
+                                f"{type(refiner).__name__}")
+            if model.text_encoder_2 is None or model.latent_channels != self.latent_channels:
+                raise ValueError(f"refiner {model.name}: an SDXL refiner (or base) with "
                                  f"{self.latent_channels} latent channels, like this model's")
         self.refiner, self.high_noise_frac = refiner, float(high_noise_frac)
 
@@ -468,131 +222,6 @@ class TextToImagePipeline:
         pipe.run_config = cfg
         return pipe
 
-    # ------------------------------------------------------------------ LoRA adapters
-    def load_lora_weights(self, path: str | os.PathLike, adapter_name: str | None = None,
-                          scale: float = 1.0) -> str:
-        """Fuse a LoRA adapter (a ``.safetensors`` file, or a folder holding
-        ``pytorch_lora_weights.safetensors``) into the UNet and text encoder weights: each
-        adapted weight becomes ``w + scale * alpha / r * up @ down``, computed in float32 and
-        cast back to the pipeline's dtype, as diffusers' ``load_lora_weights`` +
-        ``fuse_lora(lora_scale=scale)`` gives it. diffusers/PEFT and kohya files are read
-        (:mod:`maxdiff.lora`). Several calls stack. The compiled programs are kept (the weights
-        are an input of the program, and their shapes and dtypes do not change). The original
-        arrays are kept while an adapter is loaded, so the adapted weights take twice their
-        memory. Returns the adapter's name (``adapter_name``, or ``default_N``)."""
-        from maxdiff import lora
-
-        if (problem := quantlib.lora_problem(self.quantization)) is not None:
-            raise ValueError(problem)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
-                or not np.isfinite(scale):
-            raise ValueError(f"scale={scale!r}; it must be a finite number")
-        names = [n for n, *_ in self._loras]
-        if adapter_name is None:
-            k = len(names)
-            while f"default_{k}" in names:
-                k += 1
-            adapter_name = f"default_{k}"
-        elif adapter_name in names:
-            raise ValueError(f"adapter_name={adapter_name!r} is already loaded; unload it first "
-                             "or choose another name")
-        base = self._base_params if self._base_params is not None else self.params
-        layers = lora.read_lora(path, base, unet_config=self.unet.config)
-        loras = self._loras + [(adapter_name, str(lora.lora_file(path)), float(scale), layers)]
-        self.params = lora.fuse_loras(base, [(ls, s) for _, _, s, ls in loras])
-        self._base_params, self._loras = base, loras
-        return adapter_name
-
-    def unload_lora_weights(self, adapter_name: str | None = None) -> None:
-        """Remove every LoRA adapter (``adapter_name=None``: the original weights come back,
-        the very arrays loaded), or only the named one (the others are fused again onto the
-        original weights)."""
-        from maxdiff import lora
-
-        if adapter_name is not None and adapter_name not in [n for n, *_ in self._loras]:
-            raise ValueError(f"no LoRA adapter named {adapter_name!r} is loaded (loaded: "
-                             f"{[n for n, *_ in self._loras] or 'none'})")
-        if self._base_params is None:
-            return
-        keep = [x for x in self._loras if adapter_name is not None and x[0] != adapter_name]
-        if keep:
-            self.params = lora.fuse_loras(self._base_params, [(ls, s) for _, _, s, ls in keep])
-            self._loras = keep
-        else:
-            self.params, self._base_params, self._loras = self._base_params, None, []
-
-    def add_adapter(self, name: str, path: str | os.PathLike, scale: float = 1.0) -> int:
-        """Preload a LoRA adapter *unfused*, for images that ask for it by ``name``
-        (``ImageRequest(adapter=name)``); the weights stay as they are. Only its low-rank factors
-        are kept (memory about the file's size, never a copy of the model), stacked with the
-        other adapters' into zero-padded per-layer tables (:mod:`maxdiff.adapters`). In the
-        compiled program each adapted projection (UNet linear and conv layers, both text
-        encoders' linear layers) adds each image's own ``scale * alpha / r * up @ down`` update
-        (index 0 = no adapter); the index is a traced input, so images with different adapters
-        and none share one device batch and one program. Adding an adapter changes the tables'
-        shapes: programs compiled before are compiled again on their next use (add adapters
-        before warming up). Returns the adapter's index (1, 2, ...)."""
-        from maxdiff import lora
-
-        if (problem := quantlib.lora_problem(self.quantization, "per-image adapters")) is not None:
-            raise ValueError(problem)
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"adapter name {name!r}; give a non-empty string")
-        if name in [n for n, *_ in self._adapters]:
-            raise ValueError(f"an adapter named {name!r} is already added (added: "
-                             f"{', '.join(n for n, *_ in self._adapters)})")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
-                or not np.isfinite(scale):
-            raise ValueError(f"scale={scale!r}; it must be a finite number")
-        base = self._base_params if self._base_params is not None else self.params
-        layers = lora.read_lora(path, base, unet_config=self.unet.config)
-        entries = self._adapters + [(name, str(lora.lora_file(path)), float(scale), layers)]
-        dtype = jax.tree_util.tree_leaves(base["unet"])[0].dtype
-        tables = adapterlib.build_tables([(n, ls, s) for n, _, s, ls in entries], dtype=dtype,
-                                         put=lambda a: jax.device_put(
-                                             a, meshlib.replicated(self.mesh)))
-        self._adapters, self._adapter_tables = entries, tables
-        return len(entries)
-
-    def remove_adapters(self) -> None:
-        """Drop every adapter added with :meth:`add_adapter` (the no-adapter programs run
-        again)."""
-        self._adapters, self._adapter_tables = [], None
-
-    @property
-    def adapters(self) -> list[dict]:
-        """The adapters added with :meth:`add_adapter`, in index order (1, 2, ...): name,
-        file, scale, layers adapted and largest rank."""
-        return [{"name": n, "path": p, "scale": s, "layers": len(ls),
-                 "rank": max(x.rank for x in ls)} for n, p, s, ls in self._adapters]
-
-    @property
-    def adapter_tables(self):
-        """The per-image adapters' stacked low-rank tables (:class:`maxdiff.adapters.AdapterTables`,
-        a program input: ``adapter_tables.as_tree()``), or None when none is added."""
-        return self._adapter_tables
-
-    def adapter_index(self, items) -> np.ndarray | None:
-        """Each item's adapter index (int32 (N,), 0: none; the program input that picks each
-        image's rows of :attr:`adapter_tables`), or None when no adapter is added. ValueError
-        naming the item and the added adapters when an item names one that is not added."""
-        names = {n: k for k, (n, *_) in enumerate(self._adapters, start=1)}
-        out = []
-        for k, it in enumerate(items):
-            a = getattr(it, "adapter", None)
-            if a is not None and a not in names:
-                where = f"item {k}: " if k else ""
-                raise ValueError(f"{where}adapter={a!r} is not added; added adapters: "
-                                 f"{', '.join(names) or 'none (see add_adapter)'}")
-            out.append(0 if a is None else names[a])
-        return None if self._adapter_tables is None else np.asarray(out, np.int32)
-
-    @property
-    def lora_adapters(self) -> list[dict]:
-        """The fused LoRA adapters, in loading order: name, file, scale and layer count."""
-        return [{"name": n, "path": p, "scale": s, "layers": len(ls)}
-                for n, p, s, ls in self._loras]
-
     # ------------------------------------------------------------------ the program
     @property
     def max_steps(self) -> int:
@@ -612,59 +241,13 @@ class TextToImagePipeline:
     @property
     def num_compiled(self) -> int:
         """How many programs have been compiled (one per distinct shape key)."""
-        return sum(fn._cache_size() for fn in self._programs.values())
+        return self.programs.num_compiled
 
-    def _program(self, key: tuple):
-        fn = self._programs.get(key)
-        if fn is None:
-            fn = program_lib.jit(self.mesh, self._build(*key))
-            self._programs[key] = fn
-        return fn
-
-    def cached_program(self, key: tuple, build) -> Any:
-        """The jitted program kept under ``key``, made once from ``build()`` (a function of
-        the program's inputs): programs that compose this pipeline with others (the SDXL
-        refiner's, :mod:`pipelines.refiner`) live with its own, and :attr:`num_compiled`
-        counts them. A key must name every static choice the program closes over."""
-        fn = self._programs.get(key)
-        if fn is None:
-            fn = self._programs[key] = program_lib.jit(self.mesh, build())
-        return fn
-
-    def _build(self, batch: int, lh: int, lw: int, steps: int, cfg: bool, given_latents: bool,
-               as_uint8: bool, tiled: bool = False):
-        te1, te2, unet, vae, sched = (self.text_encoder, self.text_encoder_2, self.unet, self.vae,
-                                      self.scheduler)
-        channels = self.latent_channels
-
-        def program(p, ids, neg_ids, zero_negative, seeds, latents, guidance, rescale, time_ids,
-                    neg_time_ids, sched_state, ad=None, aidx=None):
-            # ad / aidx: the adapter tables and each image's adapter index (add_adapter); None
-            # without adapters, which traces exactly the program without them
-            emb, pooled, time_ids, uidx = conditioning(te1, te2, p, ids, neg_ids, zero_negative,
-                                                       time_ids, neg_time_ids, cfg, ad, aidx)
-            init_keys, step_keys = program_lib.image_keys(seeds)
-            if latents is None:
-                latents = program_lib.normal(init_keys, (lh, lw, channels))
-            latents = latents.astype(jnp.float32) * sched.init_noise_sigma(sched_state)
-            g = guidance[:, None, None, None]
-            r = rescale[:, None, None, None]
-
-            def model(xin, t, i):
-                with adapterlib.applied((ad or {}).get("unet"), uidx):
-                    return unet.apply({"params": p["unet"]}, xin, t, emb, pooled, time_ids)
-
-            # one iteration per model call: steps, or steps + 1 for PNDM (num_model_calls)
-            calls = sched_state.timesteps.shape[0]
-            latents = program_lib.denoise(sched, model, latents, sched_state, 0, calls, cfg=cfg,
-                                          g=g, r=r, step_keys=step_keys,
-                                          shape=(lh, lw, channels))
-            if tiled:  # decoded tile by tile afterwards (decode_tiled)
-                return vae.apply({"params": p["vae"]}, latents, method=vae.unscale_latents)
-            img = program_lib.decode(vae, p["vae"], latents)
-            return _to_pixels(img, as_uint8)
-
-        return program
+    @property
+    def requires_aesthetics_score(self) -> bool:
+        """Whether the model's time ids are the SDXL refiner's five (size, crop, aesthetic
+        score)."""
+        return self.family.n_time_ids == 5
 
     def uses_vae_tiling(self, height: int, width: int) -> bool:
         """Whether images of this size are encoded / decoded tile by tile (``vae_tiling``,
@@ -688,7 +271,7 @@ class TextToImagePipeline:
         if self._tile_decoder is None or self._tile_decoder[0] is not vae_params:
             self._tile_decoder = (vae_params, tile_decoder(self.vae, vae_params))
         img = tiled_decode(self.vae.config, self._tile_decoder[1], z)
-        return _to_pixels(img, as_uint8)
+        return program_lib.to_pixels(img, as_uint8)
 
     # ------------------------------------------------------------------ calling
     def __call__(self, prompt: str | list[str], prompt_2: str | list[str] | None = None,
@@ -783,53 +366,16 @@ class TextToImagePipeline:
         fill batches across prompts with this. With a :attr:`refiner`, ``denoising_end`` or
         ``output_type="latent"`` the two-stage program runs (:mod:`pipelines.refiner`).
         """
+        t0 = time.perf_counter()
         if self.refiner is not None or denoising_end is not None or output_type not in ("pil", "np"):
-            from pipelines import refiner as refiner_lib
-
             return refiner_lib.generate(
                 self, items, height=height, width=width, num_inference_steps=num_inference_steps,
                 latents=latents, output_type=output_type, denoising_end=denoising_end)
-        t0 = time.perf_counter()
-        items = list(items)
-        if not items:
-            raise ValueError("items is empty: give at least one ImageRequest")
-        steps = self.default_steps if num_inference_steps is None else num_inference_steps
-        height = self.default_height if height is None else height
-        width = self.default_width if width is None else width
-        self.check_request(steps, height, width, output_type)
-        for k, it in enumerate(items):
-            it.validate(k)
-        f = self.vae_scale_factor
-        n = len(items)
-        lh, lw = height // f, width // f
-        latents = self.initial_latents(latents, n, height, width)
-        (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
-         rescale) = self.host_inputs(items, height, width)
-        adapter_idx = self.adapter_index(items)
-
-        bucket = bucket_size(n, self.mesh.size)
-        put = program_lib.BatchPut(self.mesh, bucket)
-        args = (put(ids, ids=True), put(neg_ids, ids=True), put(zero_negative),
-                put(np.asarray(seeds, np.uint32)), put(latents), put(guidance), put(rescale),
-                put(time_ids), put(neg_time_ids))
-        state = self.scheduler.set_timesteps(steps, (bucket, lh, lw, self.latent_channels))
-        state = meshlib.place(state, meshlib.replicated(self.mesh))
-        as_uint8 = output_type != "np"
-        tiled = self.uses_vae_tiling(height, width)
-        program = self._program((bucket, lh, lw, steps, cfg, latents is not None, as_uint8,
-                                 tiled))
-        t1 = time.perf_counter()
-        if adapter_idx is None:
-            out = program(self.params, *args, state)
-        else:
-            out = program(self.params, *args, state, self._adapter_tables.as_tree(),
-                          put(adapter_idx))
-        if tiled:
-            out = self.decode_tiled(out, as_uint8)
-        images = program_lib.host_images(out, n, output_type)
-        t2 = time.perf_counter()
-        return PipelineOutput(images, [int(s) for s in seeds],
-                              {"prepare_s": t1 - t0, "generate_s": t2 - t1, "batch": bucket})
+        items, steps, height, width = checked_items(self, items, num_inference_steps, height,
+                                                    width, output_type)
+        latents = self.initial_latents(latents, len(items), height, width)
+        return run(Job(TEXT, self, items, height, width, steps, output_type, t0,
+                       rows={"latents": latents}))
 
     def initial_latents(self, latents, n: int, height: int, width: int) -> np.ndarray | None:
         """Given initial noise in diffusers' layout (N, C, H/f, W/f) -> NHWC float32, checked
@@ -844,33 +390,30 @@ class TextToImagePipeline:
                              f"{width}x{height} it must be {want} (N, C, H/{f}, W/{f})")
         return latents.transpose(0, 2, 3, 1)
 
-    def host_inputs(self, items: Sequence[ImageRequest], height: int, width: int) -> tuple:
-        """Per-image program inputs made on the host: (seeds (random where None), CFG on?,
-        token ids (2, N, 77), negative token ids, zero_negative, time ids, negative time ids,
-        guidance (1 where CFG is off for that image), guidance rescale)."""
+    def host_inputs(self, items: Sequence[ImageRequest], height: int, width: int) -> HostInputs:
+        """The per-image program inputs made on the host (:class:`pipelines.program.HostInputs`):
+        seeds (random where an item has none), token ids of the prompts and negatives, which
+        negatives are zeros, the family's time ids, guidance (1 where CFG is off for that image)
+        and guidance rescale."""
         seeds = [it.seed if it.seed is not None else secrets.randbelow(MAX_SEED + 1)
                  for it in items]
-        cfg = any(cfg_on(it.guidance_scale) for it in items)
         negs = [it.negative_prompt or "" for it in items]
         ids, neg_ids = self.token_ids([it.prompt for it in items],
                                       [it.prompt_2 or it.prompt for it in items],
                                       negs, [it.negative_prompt_2 or neg
                                              for it, neg in zip(items, negs)])
-        zero_negative = np.array([it.negative_prompt is None and self.force_zeros_for_empty_prompt
-                                  for it in items])
-        if self.requires_aesthetics_score:  # the refiner's (size, crop, aesthetic score)
-            pairs = [it.aesthetic_time_ids(height, width) for it in items]
-            time_ids = np.array([pos for pos, _ in pairs], np.float32)
-            neg_time_ids = np.array([neg for _, neg in pairs], np.float32)
-        else:
-            time_ids = np.array([it.time_ids(height, width) for it in items], np.float32)
-            neg_time_ids = np.array([it.negative_time_ids(height, width) for it in items],
-                                    np.float32)
-        guidance = np.array([it.guidance_scale if cfg_on(it.guidance_scale) else 1.0
-                             for it in items], np.float32)
-        rescale = np.array([it.guidance_rescale for it in items], np.float32)
-        return (seeds, cfg, ids, neg_ids, zero_negative, time_ids, neg_time_ids, guidance,
-                rescale)
+        pairs = [self.family.time_ids(it, height, width) for it in items]
+        n_ids = self.family.n_time_ids
+        return HostInputs(
+            seeds=np.asarray(seeds, np.uint32), ids=ids, neg_ids=neg_ids,
+            zero_negative=np.array([it.negative_prompt is None
+                                    and self.force_zeros_for_empty_prompt for it in items]),
+            time_ids=np.array([pos for pos, _ in pairs], np.float32).reshape(len(items), n_ids),
+            neg_time_ids=np.array([neg for _, neg in pairs], np.float32).reshape(len(items), n_ids),
+            guidance=np.array([it.guidance_scale if cfg_on(it.guidance_scale) else 1.0
+                               for it in items], np.float32),
+            rescale=np.array([it.guidance_rescale for it in items], np.float32),
+            cfg=any(cfg_on(it.guidance_scale) for it in items))
 
     def token_ids(self, prompts, prompts_2, negatives, negatives_2) -> tuple[np.ndarray, ...]:
         """Token ids (2, N, 77) of the prompts and of the negatives, one row per tokenizer; a

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from ray.serve import metrics
 
 from pipelines.requests import GenerationRequest
+from pipelines.dispatch import Pipelines
 from serving.schemas import JobResult
 from serving.settings import ServeSettings
 
@@ -141,19 +142,9 @@ class Backend(abc.ABC):
         self.pipe, self.settings, self.meters = pipe, settings, meters
         self.replica, self._report = replica, report
         self._device_lock = device_lock
-        self._controlnets = dict(controlnets or {})  # name -> (module, params), loaded
-        self._control_pipes: dict[tuple, object] = {}  # names -> ControlNetPipeline
-
-    def control_pipe(self, names: tuple[str, ...]):
-        """The ControlNet pipeline over ``pipe`` for the loaded ControlNets ``names`` (in that
-        order), made on first use; it shares their arrays and the model's weights."""
-        pipe = self._control_pipes.get(names)
-        if pipe is None:
-            from pipelines import ControlNetPipeline
-
-            pipe = self._control_pipes[names] = ControlNetPipeline.from_pipe(
-                self.pipe, controlnet=[self._controlnets[n] for n in names])
-        return pipe
+        # the pipelines composed on ``pipe`` by request kind (controlnets: name -> (module,
+        # params), loaded), made on first use
+        self.pipes = Pipelines(pipe, controlnets)
 
     @abc.abstractmethod
     def warmup(self, job: GenerationRequest) -> str | None:

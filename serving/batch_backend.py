@@ -32,7 +32,6 @@ import numpy as np
 from ray import serve
 
 from pipelines.requests import (
-    ControlKey,
     ControlRequest,
     EditKey,
     EditRequest,
@@ -56,7 +55,6 @@ class BatchBackend(Backend):
     def __init__(self, *parts, controlnets: dict | None = None):
         super().__init__(*parts, controlnets=controlnets)
         self._batchers: dict[tuple, object] = {}
-        self._edit_pipes: dict[str, object] = {}  # kind -> pipeline sharing self.pipe's weights
         self._compiled: set[tuple] = set()  # (height, width, steps, cfg, padded batch) run so far
         self._batch_ids = itertools.count(1)
 
@@ -80,8 +78,7 @@ class BatchBackend(Backend):
 
     @property
     def num_compiled(self) -> int:
-        return sum(p.num_compiled for p in [*self._edit_pipes.values(),
-                                            *self._control_pipes.values()])
+        return self.pipes.num_compiled
 
     def abort(self, why: str) -> int:
         """Nothing to give up: a device batch that has started runs to its end."""
@@ -119,46 +116,25 @@ class BatchBackend(Backend):
             self._batchers[key] = fn
         return fn
 
-    def _edit_pipe(self, kind: str):
-        pipe = self._edit_pipes.get(kind)
-        if pipe is None:
-            from pipelines.edit import ImageToImagePipeline, InpaintPipeline
-
-            cls = InpaintPipeline if kind == "inpaint" else ImageToImagePipeline
-            pipe = self._edit_pipes[kind] = cls.from_pipe(self.pipe)
-        return pipe
-
-    def _items(self, job: GenerationRequest) -> list:
-        """What one device batch entry is: an ImageRequest, or for an edit (ImageRequest,
-        image, mask) with the image and mask as PIL images (resized by the pipeline as
-        diffusers does when the size differs), or with ControlNets (ImageRequest, one
-        ControlImage per ControlNet with its image as a PIL image)."""
+    def _items(self, job: GenerationRequest) -> list[tuple]:
+        """One device batch entry per image: (ImageRequest, what its kind adds: None; for an
+        edit (image, mask) as PIL images, resized by the pipeline as diffusers does when the
+        size differs; with ControlNets one ControlImage per ControlNet, its image a PIL
+        image)."""
         from PIL import Image
 
         if isinstance(job, ControlRequest):
-            controls = job.pipeline_controls()
-            return [(item, controls) for item in job.images()]
-        if not isinstance(job, EditRequest):
-            return job.images()
-
-        image = Image.fromarray(job.image)
-        mask = None if job.mask is None else Image.fromarray(job.mask, mode="L")
-        return [(item, image, mask) for item in job.images()]
+            extra = job.pipeline_controls()
+        elif isinstance(job, EditRequest):
+            extra = (Image.fromarray(job.image),
+                     None if job.mask is None else Image.fromarray(job.mask, mode="L"))
+        else:
+            extra = None
+        return [(item, extra) for item in job.images()]
 
     def _device_batch(self, key: tuple, items: list):
         """Run one padded device batch of ``key``'s items (blocking)."""
-        if isinstance(key, ControlKey):
-            return self.control_pipe(key.controlnets).generate(
-                [r for r, _ in items], [c for _, c in items], height=key.height,
-                width=key.width, num_inference_steps=key.steps)
-        if isinstance(key, EditKey):
-            pipe = self._edit_pipe(key.kind)
-            return pipe.generate([r for r, _, _ in items], [im for _, im, _ in items],
-                                 [m for _, _, m in items] if key.kind == "inpaint" else None,
-                                 strength=key.strength, height=key.height, width=key.width,
-                                 num_inference_steps=key.steps)
-        return self.pipe.generate(items, height=key.height, width=key.width,
-                                  num_inference_steps=key.steps)
+        return self.pipes.generate(key, [r for r, _ in items], [e for _, e in items])
 
     async def _run_batch(self, key: ShapeKey | EditKey, queued: list[tuple]) -> list:
         """Run one batch of same-key jobs as device batches of at most ``batch_images``

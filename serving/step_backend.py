@@ -77,7 +77,7 @@ class StepBackend(Backend):
 
         height, width, names = key
         m = self.pipe.mesh.size
-        pipe = self.control_pipe(names) if names else self.pipe
+        pipe = self.pipes.control(names) if names else self.pipe
         return StepEngine(pipe, height, width, slots=-(-self.settings.slots // m) * m,
                           policy=self.settings.step_policy)
 

@@ -293,7 +293,7 @@ def test_from_pipe_shares_text_to_image_weights(sdxl_dir):
     i2i = ImageToImagePipeline.from_pipe(t2i)
     inp = InpaintPipeline.from_pipe(i2i)
     assert i2i.params is t2i.params and inp.params is t2i.params
-    assert isinstance(inp, InpaintPipeline) and inp._programs is not t2i._programs
+    assert isinstance(inp, InpaintPipeline) and inp.programs is not t2i.programs
 
 
 def test_edit_pipelines_see_the_parents_later_loras(sdxl_dir, tmp_path_factory):

@@ -591,7 +591,7 @@ def test_presets():
         assert isinstance(preset, Preset)
         assert preset.num_inference_steps == int(name.split("-")[1].removesuffix("step"))
         assert preset.guidance_scale == 0.0
-        scheduler = preset.scheduler()
+        scheduler = load_scheduler(name)
         assert isinstance(scheduler, EulerDiscreteScheduler)
         assert scheduler.timestep_spacing == "trailing"
         assert scheduler.prediction_type == ("sample" if preset.num_inference_steps == 1 else "epsilon")

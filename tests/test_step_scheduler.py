@@ -81,7 +81,7 @@ def test_shapes():
 
 
 def test_plan_gathers_guided_slots_first_into_the_smallest_shape():
-    s = SlotScheduler(8, 1, 20)
+    s = SlotScheduler(8, 1, 20, variant_of=lambda steps: int(steps > 3))
     hs = [s.submit(_h(steps, g)) for steps, g in [(4, 0.0), (6, 3.0), (2, 0.0), (3, 5.0),
                                                   (5, 0.0)]]
     take, free, b = s.admit()
@@ -92,7 +92,7 @@ def test_plan_gathers_guided_slots_first_into_the_smallest_shape():
     assert list(plan.active) == [True] * 5 + [False] * 3
     # a k-step image starts at table index max_steps - k
     assert list(plan.index[:5]) == [14, 17, 16, 18, 15] and not plan.local.any()
-    assert list(plan.short[:5]) == [True] * 5
+    assert list(plan.variant[:5]) == [1, 0, 1, 0, 1]  # each row's own length: 6, 3, 4, 2, 5
     finishing, previewed = s.stepped(plan)
     assert finishing == [] and previewed == [] and [h.dispatched for h in hs] == [1] * 5
     assert s.stats["guided_slot_steps"] == 2 and s.stats["tick_images"] == {"5": 1}

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 import numpy as np
 
-from maxdiff import checkpoint, single_file
+from maxdiff import checkpoint
 from maxdiff.models.attention import DEFAULT_CHUNK, KERNELS
 from maxdiff.models.layers import Downsample2D, ResnetBlock2D, Upsample2D, conv, dense, group_norm
 from maxdiff.models.transformer import Transformer2DModel
@@ -453,11 +453,10 @@ def load_unet(path: str | os.PathLike, dtype: Any = "float32", *, config: dict |
               attention_kernel: str = "auto", attention_chunk: int = DEFAULT_CHUNK,
               put=None, variant: str | None = None, source=None
               ) -> tuple[UNet2DConditionModel, dict]:
-    """Load a UNet from a diffusers ``unet/`` folder, or a single ``.safetensors`` file
-    together with ``config`` (the base model's ``unet/config.json``): a UNet in diffusers keys
-    (the SDXL-Lightning files) or a whole single-file checkpoint, whose UNet is read.
-    ``variant`` picks ``diffusion_pytorch_model.{variant}.safetensors`` in a folder;
-    ``source``: the weights, already opened (a :mod:`maxdiff.single_file` model).
+    """Load a UNet from a diffusers ``unet/`` folder, or from ``source`` (weights already
+    opened, e.g. a single file's UNet: :func:`maxdiff.loaders.load_unet` opens files) with
+    ``config`` (the model's ``unet/config.json``). ``variant`` picks
+    ``diffusion_pytorch_model.{variant}.safetensors`` in a folder.
 
     Returns ``(module, params)``; params are cast to ``dtype`` tensor by tensor.
     """
@@ -471,8 +470,11 @@ def load_unet(path: str | os.PathLike, dtype: Any = "float32", *, config: dict |
     np_dtype = checkpoint.resolve_dtype(dtype)
     model = unet_module(config, dtype, attention_kernel, attention_chunk)
     if source is None:
-        source = (single_file.unet_source(path, config) if path.is_file()
-                  else checkpoint.open_weights(path, variant))
+        if path.is_file():
+            raise checkpoint.CheckpointError(
+                f"{path}: a single file; load it with maxdiff.loaders.load_unet, which reads "
+                "its keys (diffusers or the original layout)")
+        source = checkpoint.open_weights(path, variant)
     params = checkpoint.load_params(param_shapes(model), source, np_dtype, put=put)
     return model, params
 

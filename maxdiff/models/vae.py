@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiff import single_file
 from maxdiff.checkpoint import (CheckpointError, init_shapes, load_params, open_weights, read_config,
                                 resolve_dtype)
 from maxdiff.models.attention import DEFAULT_CHUNK, KERNELS, Attention
@@ -452,7 +451,8 @@ def load_vae(folder: str | Path, dtype: Any = "float32", *, variant: str | None 
                                   "vae/config.json)")
         config = read_config(folder)
     if source is None and folder.is_file():
-        source = single_file.vae_source(folder, config)
+        raise CheckpointError(f"{folder}: a single file; load it with maxdiff.loaders.load_vae, "
+                              "which reads its keys (diffusers or the original layout)")
     config = AutoencoderKLConfig.from_dict(config)
     dt = resolve_dtype(dtype)
     if config.force_upcast and dt == np.dtype("float16"):

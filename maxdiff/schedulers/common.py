@@ -118,6 +118,17 @@ class Scheduler(Protocol):
     def add_noise(self, state: Any, original_samples: jax.Array, noise: jax.Array,
                   step_index: jax.Array | int) -> jax.Array: ...
 
+    # the model's estimate of the clean sample at a step (previews)
+    def denoised(self, state: Any, model_output: jax.Array, sample: jax.Array,
+                 step_index: jax.Array | int) -> jax.Array: ...
+
+    # samplers whose step reads the run's length statically (DPM++ 2M's lower-order final
+    # step): the variants that do not, and which one a run of ``steps`` takes (the step engine
+    # runs images of different lengths in one program); None / 0 for the others
+    def step_variants(self) -> tuple | None: ...
+
+    def step_variant(self, num_inference_steps: int) -> int: ...
+
 
 # --------------------------------------------------------------------------------------------
 # float32 helpers that reproduce PyTorch's rounding.
@@ -274,6 +285,22 @@ def check_timesteps_in_range(owner: str, timesteps: np.ndarray, num_train_timest
             "lower `steps_offset` or `num_inference_steps`")
 
 
+def x0_and_eps(prediction_type: str, model_output: jax.Array, sample: jax.Array,
+               alpha_prod_t: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x0 and eps from a model output, for ``x = sqrt(ab) * x0 + sqrt(1 - ab) * eps``."""
+    beta_prod_t = 1 - alpha_prod_t
+    if prediction_type == "epsilon":
+        x0 = (sample - jnp.sqrt(beta_prod_t) * model_output) / jnp.sqrt(alpha_prod_t)
+        return x0, model_output
+    if prediction_type == "sample":
+        eps = (sample - jnp.sqrt(alpha_prod_t) * model_output) / jnp.sqrt(beta_prod_t)
+        return model_output, eps
+    # v_prediction (Salimans & Ho 2022): v = sqrt(ab) * eps - sqrt(1 - ab) * x0
+    x0 = jnp.sqrt(alpha_prod_t) * sample - jnp.sqrt(beta_prod_t) * model_output
+    eps = jnp.sqrt(alpha_prod_t) * model_output + jnp.sqrt(beta_prod_t) * sample
+    return x0, eps
+
+
 class UnscaledInput:
     """The methods the variance-preserving samplers (DDIM, DPM-Solver, LCM) share: unit initial
     noise, the integer timestep of step ``i`` for the UNet, and no input scaling."""
@@ -289,6 +316,12 @@ class UnscaledInput:
     def scale_model_input(self, state, sample: jax.Array, step_index) -> jax.Array:
         """These samplers feed the sample to the UNet unscaled."""
         return sample
+
+    def denoised(self, state, model_output: jax.Array, sample: jax.Array, step_index) -> jax.Array:
+        """The model's estimate of the clean sample at step ``step_index`` (previews)."""
+        x0, _ = x0_and_eps(self.prediction_type, model_output, sample,
+                           at(state.alphas_cumprod, step_index))
+        return x0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +351,13 @@ class TrainSchedule:
     INERT: ClassVar[Mapping[str, tuple | None]] = {}
     ZERO_SNR_LAST_ALPHA: ClassVar[bool] = False
     stochastic: ClassVar[bool] = False
+
+    def step_variants(self) -> tuple | None:
+        """None: ``step`` does not read the run's length statically (see :class:`Scheduler`)."""
+        return None
+
+    def step_variant(self, num_inference_steps: int) -> int:
+        return 0
 
     def __post_init__(self) -> None:
         name = type(self).__name__

@@ -23,27 +23,12 @@ from maxdiff.schedulers.common import (
     TrainSchedule,
     at,
     check_choice,
+    x0_and_eps,
     check_num_inference_steps,
     check_steps_offset,
     check_timesteps_in_range,
     spaced_timesteps,
 )
-
-
-def x0_and_eps(prediction_type: str, model_output: jax.Array, sample: jax.Array,
-               alpha_prod_t: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x0 and eps from a model output, for ``x = sqrt(ab) * x0 + sqrt(1 - ab) * eps``."""
-    beta_prod_t = 1 - alpha_prod_t
-    if prediction_type == "epsilon":
-        x0 = (sample - jnp.sqrt(beta_prod_t) * model_output) / jnp.sqrt(alpha_prod_t)
-        return x0, model_output
-    if prediction_type == "sample":
-        eps = (sample - jnp.sqrt(alpha_prod_t) * model_output) / jnp.sqrt(beta_prod_t)
-        return model_output, eps
-    # v_prediction (Salimans & Ho 2022): v = sqrt(ab) * eps - sqrt(1 - ab) * x0
-    x0 = jnp.sqrt(alpha_prod_t) * sample - jnp.sqrt(beta_prod_t) * model_output
-    eps = jnp.sqrt(alpha_prod_t) * model_output + jnp.sqrt(beta_prod_t) * sample
-    return x0, eps
 
 
 def vp_add_noise(state: AlphaState, original_samples: jax.Array, noise: jax.Array, step_index) -> jax.Array:

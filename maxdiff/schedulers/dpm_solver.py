@@ -33,6 +33,9 @@ from maxdiff.schedulers.common import (
     sigma_to_t,
 )
 
+# diffusers' DPMSolverMultistepScheduler: ``lower_order_final`` applies to runs of fewer steps
+LOWER_ORDER_FINAL_BELOW = 15
+
 
 @struct.dataclass
 class DPMSolverState:
@@ -148,6 +151,27 @@ class DPMSolverMultistepScheduler(UnscaledInput, TrainSchedule):
                               prev_x0=jnp.zeros(sample_shape, jnp.float32),
                               lower_order_nums=jnp.zeros((), jnp.int32))
 
+    def denoised(self, state: DPMSolverState, model_output: jax.Array, sample: jax.Array,
+                 step_index) -> jax.Array:
+        """The data prediction at step ``step_index`` (previews)."""
+        return self.data_prediction(model_output, sample, at(state.sigmas, step_index))
+
+    def step_variants(self) -> tuple | None:
+        """With ``lower_order_final`` the last step of a run of fewer than
+        :data:`LOWER_ORDER_FINAL_BELOW` steps is first order: a static choice from the table
+        length. Two variants that do not read it (last step first order; second order), for
+        runs of different lengths in one program (:meth:`step_variant` picks), or None when
+        the choice is the same for every length."""
+        if (self.solver_order == 2 and self.lower_order_final and not self.euler_at_final
+                and self.final_sigmas_type != "zero"):
+            return (dataclasses.replace(self, euler_at_final=True),
+                    dataclasses.replace(self, lower_order_final=False))
+        return None
+
+    def step_variant(self, num_inference_steps: int) -> int:
+        """Which of :meth:`step_variants` a run of ``num_inference_steps`` takes."""
+        return 0 if num_inference_steps < LOWER_ORDER_FINAL_BELOW else 1
+
     def data_prediction(self, model_output: jax.Array, sample: jax.Array, sigma: jax.Array) -> jax.Array:
         """x0 from the UNet output at noise level ``sigma``."""
         if self.prediction_type == "sample":
@@ -189,7 +213,8 @@ class DPMSolverMultistepScheduler(UnscaledInput, TrainSchedule):
                 second = first - 0.5 * (alpha_t * (jnp.exp(-h) - 1.0)) * d1
             else:  # heun
                 second = first + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1
-            final_first_order = self.euler_at_final or (self.lower_order_final and n < 15) \
+            final_first_order = self.euler_at_final or (
+                self.lower_order_final and n < LOWER_ORDER_FINAL_BELOW) \
                 or self.final_sigmas_type == "zero"
             use_first = (state.lower_order_nums < 1) | ((i == n - 1) & final_first_order)
             # A select, not a branch: `second` may be inf/nan where it is not used (h = inf at sigma 0).

@@ -73,6 +73,12 @@ class SigmaInputScaling:
         sigma = at(state.sigmas, step_index)
         return sample / jnp.sqrt(sigma ** 2 + 1)
 
+    def denoised(self, state: SigmaState, model_output: jax.Array, sample: jax.Array,
+                 step_index) -> jax.Array:
+        """The model's estimate of the clean sample at step ``step_index`` (previews)."""
+        return denoised_from_sigma(self.prediction_type, model_output, sample,
+                                   at(state.sigmas, step_index))
+
 
 @dataclasses.dataclass(frozen=True)
 class EulerDiscreteScheduler(SigmaInputScaling, TrainSchedule):

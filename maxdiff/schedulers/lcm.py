@@ -18,7 +18,8 @@ import numpy as np
 
 from maxdiff.schedulers.common import (AlphaState, TrainSchedule, UnscaledInput, at, check_choice,
                                        check_num_inference_steps)
-from maxdiff.schedulers.ddim import vp_add_noise, x0_and_eps
+from maxdiff.schedulers.common import x0_and_eps
+from maxdiff.schedulers.ddim import vp_add_noise
 from maxdiff.schedulers.euler_ancestral import step_noise
 
 SIGMA_DATA = 0.5  # the data standard deviation of the consistency-model boundary condition
@@ -87,6 +88,14 @@ class LCMScheduler(UnscaledInput, TrainSchedule):
         c_skip = SIGMA_DATA ** 2 / (scaled ** 2 + SIGMA_DATA ** 2)
         c_out = scaled / jnp.sqrt(scaled ** 2 + SIGMA_DATA ** 2)
         return c_skip, c_out
+
+    def denoised(self, state: AlphaState, model_output: jax.Array, sample: jax.Array,
+                 step_index) -> jax.Array:
+        """The consistency model's denoised sample at step ``step_index`` (previews)."""
+        x0, _ = x0_and_eps(self.prediction_type, model_output, sample,
+                           at(state.alphas_cumprod, step_index))
+        c_skip, c_out = self.boundary_scalings(at(state.timesteps, step_index))
+        return c_out * x0 + c_skip * sample
 
     def step(self, state: AlphaState, model_output: jax.Array, sample: jax.Array, step_index,
              key: jax.Array | None = None, noise: jax.Array | None = None) -> tuple[AlphaState, jax.Array]:

@@ -42,12 +42,6 @@ class Preset:
     num_inference_steps: int
     guidance_scale: float
 
-    def scheduler(self):
-        """The scheduler this preset describes."""
-        from maxdiff.schedulers.loading import scheduler_from_config
-
-        return scheduler_from_config(self.scheduler_config)
-
 
 def _lightning(steps: int) -> Preset:
     config = dict(SDXL_BASE_SCHEDULER_CONFIG, timestep_spacing="trailing")

@@ -1,0 +1,228 @@
+"""The one program builder and the one runner of every task (text-to-image, image-to-image,
+inpainting, ControlNet, base + refiner).
+
+A task (:class:`Task`, one file each in :mod:`pipelines.tasks`) says only what differs: the
+starting latents (:meth:`Task.begin`), how the denoiser is wrapped (:meth:`Task.model`), extra
+input channels and what follows a step (:meth:`Task.extra`, :meth:`Task.after_step`), where the
+loop ends and what runs after it (:meth:`Task.end`, :meth:`Task.then`). A pipeline prepares a
+:class:`Job` on the host (its task's rows, scalars, weights and static key) and :func:`run`
+does the rest for all of them: validated items -> host inputs -> padded to a bucket and placed
+on the mesh -> the compiled program (made by :func:`build`, kept in the pipeline's
+:class:`pipelines.program.Programs`) -> the decode tail -> :class:`PipelineOutput`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from maxdiff import adapters as adapterlib, mesh as meshlib
+from pipelines import program as program_lib
+from pipelines.requests import ImageRequest, bucket_size
+
+__all__ = ["Task", "TEXT", "Job", "Static", "Ctx", "build", "run", "checked_items"]
+
+
+@dataclass(frozen=True)
+class Static:
+    """A program's static choices: latent size, steps, CFG, output kind (:func:`out_kind`)
+    and the task's own ``key``."""
+
+    lh: int
+    lw: int
+    steps: int
+    cfg: bool
+    out: str
+    key: tuple = ()
+
+
+@dataclass
+class Ctx:
+    """What a task's traced hooks see inside the program: the pipeline (modules, scheduler),
+    the weights (``params``; the task's own ``weights``), the batch's inputs, the task's
+    ``rows`` and ``scalars``, the scheduler state, the text conditioning, the per-image PRNG
+    keys and the adapters; ``memo``: what a task's hooks hand each other."""
+
+    pipe: Any
+    static: Static
+    params: Any
+    weights: Any
+    inputs: program_lib.HostInputs
+    rows: dict
+    scalars: dict
+    state: Any
+    cond: Any
+    uidx: Any
+    ad: Any
+    keys: tuple
+    memo: dict = field(default_factory=dict)  # what a task's hooks hand each other
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.static.lh, self.static.lw, self.pipe.vae.config.latent_channels)
+
+    def denoiser(self, **extras):
+        """``model(xin, t, i)``: the family's denoiser on the batch's conditioning (per-image
+        adapters applied), with ``extras`` (ControlNet residuals, from :meth:`Task.model`)."""
+        pipe = self.pipe
+
+        def model(xin, t, i, **more):
+            with adapterlib.applied((self.ad or {}).get("unet"), self.uidx):
+                return pipe.family.denoise(pipe.unet, self.params["unet"], self.cond, xin, t,
+                                           **extras, **more)
+        return model
+
+
+class Task:
+    """Text-to-image, and what every task does unless it says otherwise."""
+
+    name = "text-to-image"
+    n_keys = 2  # per-image PRNG keys; the last draws the step noise
+    adapters = True  # per-image adapters (add_adapter) apply
+
+    def begin(self, ctx: Ctx):
+        """(starting latents, first model call): the given ``latents`` row or noise from the
+        first key, at the scheduler's initial sigma; step 0."""
+        latents = ctx.rows.get("latents")
+        if latents is None:
+            latents = program_lib.normal(ctx.keys[0], ctx.shape)
+        return latents.astype(jnp.float32) * ctx.pipe.scheduler.init_noise_sigma(ctx.state), 0
+
+    def end(self, ctx: Ctx):
+        """The model call the loop stops before (the whole schedule: a static length)."""
+        return ctx.state.timesteps.shape[0]
+
+    def model(self, ctx: Ctx):
+        return ctx.denoiser()
+
+    def extra(self, ctx: Ctx):
+        """Channels appended to every model input (None: none)."""
+        return None
+
+    def after_step(self, ctx: Ctx):
+        """``after_step(i, state, x) -> x`` after every scheduler step (None: none)."""
+        return None
+
+    def then(self, ctx: Ctx, x):
+        """After the loop: (latents, the VAE and its weights that decode them)."""
+        return x, ctx.pipe.vae, ctx.params["vae"]
+
+
+TEXT = Task()  # text-to-image: every default
+
+
+@dataclass
+class Job:
+    """One device batch of a task, prepared on the host by a pipeline: ``pipe`` runs it (its
+    modules, scheduler, weights, mesh, ``programs``); ``rows``: the task's per-image arrays
+    (None entries are absent inputs); ``scalars``: its replicated traced inputs; ``weights``:
+    weights beside the pipeline's (ControlNets, a refiner's); ``key``: its static choices;
+    ``timings``: what it adds to the output's; ``decoder``: the pipeline whose VAE decodes
+    (default ``pipe``)."""
+
+    task: Task
+    pipe: Any
+    items: list[ImageRequest]
+    height: int
+    width: int
+    steps: int
+    output_type: str
+    t0: float
+    rows: dict = field(default_factory=dict)
+    scalars: dict = field(default_factory=dict)
+    weights: Any = None
+    key: tuple = ()
+    timings: dict = field(default_factory=dict)
+    decoder: Any = None
+    inputs: program_lib.HostInputs | None = None  # made by run() when None
+
+    @property
+    def n(self) -> int:
+        return len(self.items)
+
+
+def checked_items(pipe, items: Sequence[ImageRequest], steps, height, width,
+                  output_type: str | None, *, size_from=None):
+    """The checks and defaults every task shares: at least one item, the step count (default:
+    the pipeline's), the size (default: ``size_from``'s (width, height) rounded down to the
+    VAE's factor, else the pipeline's), then :meth:`check_request` and each item's
+    ``validate``. ``output_type`` None: checked by the caller. Returns (items, steps,
+    height, width)."""
+    items = list(items)
+    if not items:
+        raise ValueError("items is empty: give at least one ImageRequest")
+    steps = pipe.default_steps if steps is None else steps
+    if size_from is not None:
+        f = pipe.vae_scale_factor
+        w0, h0 = size_from
+        height = h0 - h0 % f if height is None else height
+        width = w0 - w0 % f if width is None else width
+    height = pipe.default_height if height is None else height
+    width = pipe.default_width if width is None else width
+    pipe.check_request(steps, height, width, *(() if output_type is None else (output_type,)))
+    for k, it in enumerate(items):
+        it.validate(k)
+    return items, steps, height, width
+
+
+def build(task: Task, pipe, static: Static):
+    """The program of one task and shape: conditioning -> the task's start -> the denoising
+    loop (:func:`pipelines.program.denoise`) -> the task's tail -> the decode tail."""
+    encoders = {name: getattr(pipe, name) for name in pipe.family.encoders}
+
+    def program(params, weights, inputs, rows, scalars, state, ad=None, aidx=None):
+        cond, uidx = program_lib.conditioning(pipe.family, encoders, params, inputs, ad, aidx)
+        keys = program_lib.image_keys(inputs.seeds, task.n_keys)
+        ctx = Ctx(pipe, static, params, weights, inputs, rows, scalars, state, cond, uidx, ad,
+                  keys)
+        x, start = task.begin(ctx)
+        x = program_lib.denoise(pipe.scheduler, task.model(ctx), x, state, start, task.end(ctx),
+                                cfg=inputs.cfg, g=inputs.guidance, r=inputs.rescale,
+                                step_keys=keys[-1], shape=ctx.shape, extra=task.extra(ctx),
+                                after_step=task.after_step(ctx))
+        x, vae, vae_params = task.then(ctx, x)
+        return program_lib.finish(vae, vae_params, x, static.out)
+
+    return program
+
+
+def run(job: Job) -> program_lib.PipelineOutput:
+    """Run ``job``: its host inputs (random seeds drawn where an item has none), padded to a
+    bucket of the mesh and placed, the program of its key (compiled once), the images back on
+    the host (tiled decode where the decoder's ``vae_tiling`` says), the output."""
+    pipe, decoder = job.pipe, job.decoder or job.pipe
+    inputs = job.inputs if job.inputs is not None else pipe.host_inputs(
+        job.items, job.height, job.width)
+    aidx = pipe.adapter_index(job.items) if job.task.adapters else None
+    f = pipe.vae_scale_factor
+    lh, lw = job.height // f, job.width // f
+    bucket = bucket_size(job.n, pipe.mesh.size)
+    put = program_lib.BatchPut(pipe.mesh, bucket)
+    rep = meshlib.replicated(pipe.mesh)
+    tiled = job.output_type != "latent" and decoder.uses_vae_tiling(job.height, job.width)
+    static = Static(lh, lw, job.steps, inputs.cfg,
+                    program_lib.out_kind(job.output_type, tiled), job.key)
+    state = pipe.scheduler.set_timesteps(job.steps, (bucket, lh, lw,
+                                                     pipe.vae.config.latent_channels))
+    rows = put.tree(job.rows)
+    if tiled and hasattr(job.task, "encode_tiled"):
+        rows = job.task.encode_tiled(job, rows)
+    args = [pipe.params, job.weights, put.tree(inputs), rows, meshlib.place(job.scalars, rep),
+            meshlib.place(state, rep)]
+    if aidx is not None:
+        args += [pipe.adapter_tables.as_tree(), put(aidx)]
+    # the program closes over the scheduler (its config is static): one per scheduler object
+    # (the cached program keeps it alive, so its id is never reused meanwhile)
+    key = (job.task.name, id(pipe.scheduler), bucket, static, aidx is not None, tiled)
+    program = pipe.programs.get(key, lambda: build(job.task, pipe, static))
+    t1 = time.perf_counter()
+    out = program(*args)
+    images = program_lib.collect(out, job.n, job.output_type,
+                                 decoder.decode_tiled if tiled else None)
+    return program_lib.output(images, np.asarray(inputs.seeds), job.t0, t1, bucket,
+                              **job.timings)
+

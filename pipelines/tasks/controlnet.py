@@ -1,0 +1,105 @@
+"""ControlNet text-to-image: the denoiser gets the residuals of one or several ControlNets
+(diffusers' ``StableDiffusionXLControlNetPipeline`` / ``MultiControlNetModel``: summed).
+
+Rows: ``latents`` (initial noise, or None), ``images`` (one (B, H, W, 3) control batch per
+ControlNet), ``scales`` (B, K, calls: each image's scale for each ControlNet and model call,
+``scale`` x :func:`control_keep`) and ``guess`` (B, K). Weights: the ControlNets'. With CFG the
+unconditional rows of a guess-mode image get scale 0 (diffusers runs the ControlNet on the
+conditional half only and adds zeros to the other: the same zeros).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipelines import program as program_lib
+from pipelines.images import image_pixels
+from pipelines.runner import Ctx, Task
+from pipelines.requests import ControlImage
+
+__all__ = ["CONTROLNET", "control_keep", "control_inputs", "control_residuals"]
+
+
+def control_keep(calls: int, start: float, end: float) -> np.ndarray:
+    """diffusers' ``controlnet_keep`` for a run of ``calls`` model calls: float32 (calls,), 1
+    where step i runs the ControlNet (``i / calls >= start`` and ``(i + 1) / calls <= end``),
+    else 0. Computed on the host in float64, as diffusers does."""
+    return np.array([1.0 - float(i / calls < start or (i + 1) / calls > end)
+                     for i in range(calls)], np.float32)
+
+
+def control_residuals(nets, cps, x, t, cond, images, scales, guess):
+    """The UNet's additional residuals from ControlNets ``nets`` (weights ``cps``) for one
+    model call on rows ``x`` at timesteps ``t`` with the text conditioning ``cond``
+    (:class:`maxdiff.family.Cond`): ``images`` one (B, H, W, 3) control batch per ControlNet,
+    ``scales`` (B, K) this call's scale of each row for each ControlNet (0 outside its window),
+    ``guess`` (B, K). Summed over the ControlNets in order (diffusers'
+    ``MultiControlNetModel``); a ControlNet whose scales are all 0 at this call is skipped
+    (``lax.cond``), not run and multiplied by 0. Returns ``(down residuals, mid residual)``;
+    what the ControlNet task and the step engine (:mod:`pipelines.step_engine`) both feed the
+    UNet."""
+    down = mid = None
+    for k, net in enumerate(nets):
+        def run(net=net, k=k):
+            return net.apply({"params": cps[k]}, x, t, cond.context, images[k], scales[:, k],
+                             text_embeds=cond.pooled, time_ids=cond.time_ids,
+                             guess_mode=guess[:, k])
+
+        shapes = jax.eval_shape(run)
+        d, m = jax.lax.cond(jnp.any(scales[:, k] != 0), run, lambda shapes=shapes: jax.tree.map(
+            lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+        down = d if down is None else tuple(a + b for a, b in zip(down, d))
+        mid = m if mid is None else mid + m
+    return down, mid
+
+
+def control_inputs(nets, controls: Sequence[Sequence[ControlImage]], height: int, width: int,
+                   calls: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """The host side of :func:`control_residuals` for images of ``height`` x ``width`` and a
+    run of ``calls`` model calls: ``controls`` has one row per image, one
+    :class:`ControlImage` per ControlNet of ``nets``. Returns the control images (one float32
+    (n, H, W, 3) batch per ControlNet, resized as diffusers' control image processor does), the
+    scales (n, K, calls: scale times :func:`control_keep`) and guess mode (n, K: the
+    ControlImage's, or the ControlNet's ``global_pool_conditions``)."""
+    k = len(nets)
+    cache: dict[int, np.ndarray] = {}  # an image given for several rows is resized once
+
+    def pixels(img, name):
+        if id(img) not in cache:
+            cache[id(img)] = image_pixels(img, height, width, name)
+        return cache[id(img)]
+
+    images = [np.stack([pixels(row[j].image, f"image[{j}]" if k > 1 else "image")
+                        for row in controls]) for j in range(k)]
+    scales = np.array([[c.scale * control_keep(calls, c.start, c.end) for c in row]
+                       for row in controls], np.float32).reshape(len(controls), k, calls)
+    guess = np.array([[bool(c.guess_mode) or bool(net.config.global_pool_conditions)
+                       for c, net in zip(row, nets)] for row in controls]).reshape(-1, k)
+    return images, scales, guess
+
+
+class ControlNet(Task):
+    name = "controlnet"
+
+    def model(self, ctx: Ctx):
+        nets, rows = ctx.pipe.controlnets, ctx.rows
+        images, scales, guess = rows["images"], rows["scales"], rows["guess"]
+        if ctx.inputs.cfg:  # rows [unconditional, conditional]; guess mode: none for the first
+            images = [program_lib.cfg_rows(im, im) for im in images]
+            scales = program_lib.cfg_rows(jnp.where(guess[..., None], 0.0, scales), scales)
+            guess = program_lib.cfg_rows(guess, guess)
+        denoiser = ctx.denoiser()
+
+        def model(xin, t, i):
+            down, mid = control_residuals(nets, ctx.weights, xin, t, ctx.cond, images,
+                                          scales[:, :, i], guess)
+            return denoiser(xin, t, i, down_block_additional_residuals=down,
+                            mid_block_additional_residual=mid)
+        return model
+
+
+CONTROLNET = ControlNet()
