@@ -278,8 +278,8 @@ def compile_all(pipe, batches: list[int], threads: int) -> tuple[dict, dict]:
             def capture(key, captured=captured):
                 fn = original(key)
 
-                def run(*args):
-                    captured["lowered"] = fn.lower(*args)
+                def run(*call_args, fn=fn):
+                    captured["lowered"] = fn.lower(*call_args)
                     raise _Captured
 
                 return run
@@ -563,11 +563,12 @@ def main(argv=None) -> int:
                 t_first = time.perf_counter()
                 pipe.generate(items(b), num_inference_steps=4)  # loads the program from the cache
                 first_s = time.perf_counter() - t_first
-                t_pipe = median_time(lambda: pipe.generate(items(b), num_inference_steps=4),
+                t_pipe = median_time(lambda pipe=pipe, b=b: pipe.generate(items(b), num_inference_steps=4),
                                      args.reps, warm_up=False)  # the first call was the warm-up
                 unet_args, vae_args = inputs[("unet", b)], inputs[("vae", b)]
-                t_unet = median_time(lambda: jax.block_until_ready(unet_c(*unet_args)), args.reps)
-                t_vae = median_time(lambda: jax.block_until_ready(vae_c(*vae_args)), args.reps)
+                t_unet = median_time(lambda f=unet_c, a=unet_args: jax.block_until_ready(f(*a)),
+                                     args.reps)
+                t_vae = median_time(lambda f=vae_c, a=vae_args: jax.block_until_ready(f(*a)), args.reps)
                 pk = peak_bytes()
                 row = {"quantization": mode, "batch": b, "images/s": b / t_pipe,
                        "ms/UNet step": 1e3 * t_unet,

@@ -43,14 +43,15 @@ def main():
         q, k, v = (rng.standard_normal((1, L, args.heads, args.dim)).astype(np.float32) for _ in range(3))
         flops = 4 * L * L * args.heads * args.dim
         tq, tk, tv = (torch.from_numpy(x).permute(0, 2, 1, 3).contiguous() for x in (q, k, v))
-        t_torch = best_of(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv))
+        t_torch = best_of(
+            lambda tq=tq, tk=tk, tv=tv: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv))
         rows = [("torch sdpa", t_torch)]
         jq, jk, jv = (jnp.asarray(x) for x in (q, k, v))
         for name, kw in [("xla", {}), ("dot_product", {}), ("chunked 256", {"chunk_size": 256}),
                          ("chunked 512", {"chunk_size": 512}), ("chunked 1024", {"chunk_size": 1024})]:
             kern = name.split()[0]
             f = jax.jit(lambda a, b, c, kern=kern, kw=kw: attention(a, b, c, kern, **kw))
-            rows.append((name, best_of(lambda: f(jq, jk, jv).block_until_ready())))
+            rows.append((name, best_of(lambda f=f, a=(jq, jk, jv): f(*a).block_until_ready())))
         print(f"\n{L} tokens, {args.heads} heads x {args.dim}:")
         for name, t in rows:
             print(f"  {name:14s} {t * 1e3:8.1f} ms  {flops / t / 1e9:6.1f} GFLOP/s  "

@@ -147,10 +147,13 @@ def configs(full: bool) -> dict:
 def write_checkpoint(folder: Path, spec: dict) -> None:
     """A diffusers SDXL folder with random weights (diffusers' own initialisation)."""
     import torch
-    from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline,
-                           UNet2DConditionModel)
-    from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection,
-                              CLIPTokenizer)
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        StableDiffusionXLPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     if spec.get("tiny"):
         sys.path.insert(0, str(ROOT / "tests"))

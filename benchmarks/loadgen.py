@@ -443,7 +443,7 @@ def main(argv=None) -> None:
                 for wl in workloads if not a.rates else []:
                     wl_logs = logs / engine / wl if logs else None
                     bodies = workload(wl, a.offline_queries, a.cfg, (w, h))
-                    def offline(tag):
+                    def offline(tag, wl=wl, bodies=bodies, wl_logs=wl_logs):
                         r = run_scenario(lg, url, bodies, "offline", qps=1.0, p99=a.p99,
                                          seconds=1, min_queries=a.offline_queries,
                                          timeout=a.timeout, logs=wl_logs,

@@ -387,8 +387,9 @@ def main(argv=None) -> None:
               "machine": machine(), "versions": {"jax": jax.__version__},
               "config": a.config, "steps": STEPS, "thresholds": THRESHOLDS}
     try:
-        import qwix  # noqa: F401
         from importlib.metadata import version
+
+        import qwix  # noqa: F401
 
         result["versions"]["qwix"] = version("qwix")
     except Exception:  # noqa: BLE001 (quantize() says what to install)

@@ -76,7 +76,7 @@ def costs_from_report(row: dict, size: int) -> Costs:
 
 def workload(name: str, n: int, rate: float, rng: random.Random) -> list[tuple[float, int, bool]]:
     t, out = 0.0, []
-    for i in range(n):
+    for _ in range(n):
         t += rng.expovariate(rate)
         steps, cfg = (4, False) if name == "uniform" else MIXED[rng.randrange(len(MIXED))]
         out.append((t, steps, cfg))

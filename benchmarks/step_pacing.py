@@ -138,7 +138,7 @@ def main(argv=None) -> None:
     print()
     for config, rounds in results.items():
         for s in SETTINGS:
-            def span(key, fmt):
+            def span(key, fmt, s=s, rounds=rounds):
                 vals = [r[s][key] for r in rounds]
                 return (fmt.format(min(vals)) if len(vals) == 1 or fmt.format(min(vals)) ==
                         fmt.format(max(vals)) else

@@ -58,7 +58,8 @@ def _save_hlo(hlo_dir: Path | None, name: str, entry: dict) -> None:
 
 def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dtype: str,
         config: str, log, fit_only: bool = False, hlo_dir: Path | None = None) -> dict:
-    from pipelines import aot, program as program_lib
+    from pipelines import aot
+    from pipelines import program as program_lib
 
     preset, steps, guidance = PROGRAMS[program]
     row = {"topology": topology, "program": program, "batch_per_chip": per_chip, "size": size,

@@ -26,8 +26,9 @@ tables, about the adapters' files (float32) plus zero padding where ranks or lay
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax

@@ -28,9 +28,10 @@ import contextvars
 import json
 import os
 import struct
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import ml_dtypes
@@ -185,7 +186,7 @@ class WeightSource:
     index: dict[str, str] = field(default_factory=dict)  # key -> file name
 
     @classmethod
-    def from_files(cls, paths: Iterable[str | os.PathLike]) -> "WeightSource":
+    def from_files(cls, paths: Iterable[str | os.PathLike]) -> WeightSource:
         files, index = {}, {}
         for p in paths:
             f = SafetensorsFile(p)
@@ -203,7 +204,7 @@ class WeightSource:
     def get(self, key: str) -> np.ndarray:
         return self.files[self.index[key]].get(key)
 
-    def lazy(self, key: str, dtype: Any = None) -> "LazyTensor":
+    def lazy(self, key: str, dtype: Any = None) -> LazyTensor:
         """The tensor as a :class:`LazyTensor` (read on demand), floats cast to ``dtype``."""
         f = self.files[self.index[key]]
         src = f.dtype(key)
@@ -530,7 +531,7 @@ class LazyTensor(NamedTuple):
     load: Callable[[], np.ndarray]
 
 
-def save_safetensors(tensors: Mapping[str, "np.ndarray | LazyTensor"], path: str | os.PathLike,
+def save_safetensors(tensors: Mapping[str, np.ndarray | LazyTensor], path: str | os.PathLike,
                      metadata: Mapping[str, str] | None = None) -> int:
     """Write tensors as a safetensors file, atomically (temp file, fsync, rename).
 

@@ -15,9 +15,10 @@ found through ``importlib.resources`` in an editable and a regular install alike
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError

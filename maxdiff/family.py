@@ -12,9 +12,10 @@ all of it from here, so a new family is one entry in :data:`FAMILIES`.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ class Cond:
     pooled: Any
     time_ids: Any
 
-    def rows(self, fn) -> "Cond":
+    def rows(self, fn) -> Cond:
         """``fn`` applied to every field (a row rearrangement)."""
         return jax.tree.map(fn, self)
 
@@ -148,8 +149,8 @@ def folder_family(folder: str | Path, model_index: Mapping | None = None) -> Fam
     if name in ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline"):
         family = _sdxl_family(folder, name, model_index)
         # the time ids follow requires_aesthetics_score, as diffusers' pipelines read it
-        aesthetic = bool(model_index.get("requires_aesthetics_score", False))
-        return replace(family, n_time_ids=5 if aesthetic else 6)
+        n_ids = 5 if model_index.get("requires_aesthetics_score", False) else 6
+        return family if family.n_time_ids == n_ids else replace(family, n_time_ids=n_ids)
     if name == "StableDiffusionPipeline":
         act = read_config(folder / "text_encoder").get("hidden_act") \
             if (folder / "text_encoder").is_dir() else "quick_gelu"

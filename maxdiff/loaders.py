@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 from maxdiff import single_file
-from maxdiff.models import unet as unetlib, vae as vaelib
+from maxdiff.models import unet as unetlib
+from maxdiff.models import vae as vaelib
 
 __all__ = ["load_unet", "load_vae"]
 

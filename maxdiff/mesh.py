@@ -13,12 +13,14 @@ instead of arrays (:mod:`pipelines.aot`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DATA = "data"
 
@@ -65,7 +67,7 @@ def topology_mesh(name: str) -> Mesh:
     return Mesh(np.array(topo.devices), (DATA,))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runs_here(platform: str) -> bool:
     try:
         return bool(jax.devices(platform))

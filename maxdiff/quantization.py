@@ -60,7 +60,6 @@ from __future__ import annotations
 import sys
 from typing import Any, Literal
 
-
 MODES = ("none", "int8-weights", "int8", "fp8")
 CONFIG_KEY = "_maxdiff_quantization"  # in a quantized folder's unet/config.json
 WEIGHTS_FILE = "maxdiff_quantized.safetensors"  # its weights, in unet/

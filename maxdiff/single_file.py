@@ -26,17 +26,25 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
 from maxdiff import checkpoint
-from maxdiff.family import (FAMILIES, REFINER_BIGG, SD1_CLIP, SD2_OPENCLIP, SDXL_BIGG, SDXL_CLIP_L,
-                            Family, folder_family)
 from maxdiff.checkpoint import CheckpointError, LazyTensor, WeightSource
+from maxdiff.family import (
+    FAMILIES,
+    REFINER_BIGG,
+    SD1_CLIP,
+    SD2_OPENCLIP,
+    SDXL_BIGG,
+    SDXL_CLIP_L,
+    Family,
+    folder_family,
+)
 
 __all__ = ["Op", "MappedSource", "Layout", "inspect", "component_source", "vae_source",
            "unet_source", "controlnet_source", "export", "shipped_config", "FAMILIES"]

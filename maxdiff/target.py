@@ -12,7 +12,8 @@ trace that mesh is JAX's abstract mesh: the pipelines trace every program under 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 

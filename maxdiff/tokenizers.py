@@ -12,8 +12,9 @@ then the tokenizer's own pad token up to ``model_max_length`` (77). Runs on the 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -12,8 +12,8 @@ __all__ = ["TextToImagePipeline", "ImageToImagePipeline", "InpaintPipeline", "Co
 
 if TYPE_CHECKING:
     from pipelines.controlnet import ControlNetPipeline
-    from pipelines.requests import ControlImage, GenerationRequest, ImageRequest
     from pipelines.edit import ImageToImagePipeline, InpaintPipeline
+    from pipelines.requests import ControlImage, GenerationRequest, ImageRequest
     from pipelines.text_to_image import PipelineOutput, TextToImagePipeline
 
 

@@ -11,7 +11,8 @@ import os
 import jax
 import numpy as np
 
-from maxdiff import adapters as adapterlib, mesh as meshlib
+from maxdiff import adapters as adapterlib
+from maxdiff import mesh as meshlib
 from maxdiff import quantization as quantlib
 
 __all__ = ["LoraAdapters"]

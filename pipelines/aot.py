@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from maxdiff import checkpoint, mesh as meshlib
+from maxdiff import checkpoint
+from maxdiff import mesh as meshlib
 
 GIB = 1 << 30
 # collective ops as they appear in compiled HLO text (async ones as -start / -done pairs)

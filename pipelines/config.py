@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -41,7 +42,7 @@ class LoraSpec(StrictConfig):
     name: str | None = None
 
     @classmethod
-    def parse(cls, value) -> "LoraSpec | dict":
+    def parse(cls, value) -> LoraSpec | dict:
         """``"PATH"``, ``"PATH:SCALE"`` (the last ``:`` followed by a number) or a mapping."""
         if not isinstance(value, str):
             return value
@@ -131,7 +132,7 @@ class ModelDefaults(StrictConfig):
     notes: str | None = None  # how the defaults were chosen
 
     @classmethod
-    def read(cls, folder: str | os.PathLike) -> "ModelDefaults":
+    def read(cls, folder: str | os.PathLike) -> ModelDefaults:
         path = Path(folder) / MODEL_DEFAULTS_FILE
         if not path.is_file():
             return cls()

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,9 +53,8 @@ from pipelines.limits import describe
 from pipelines.program import PipelineOutput
 from pipelines.requests import ControlImage, ImageRequest
 from pipelines.runner import Job, checked_items, run
+from pipelines.tasks.controlnet import CONTROLNET, control_inputs, control_keep, control_residuals
 from pipelines.text_to_image import TextToImagePipeline
-from pipelines.tasks.controlnet import (CONTROLNET, control_inputs, control_keep,
-                                        control_residuals)
 
 __all__ = ["ControlNetPipeline", "ControlImage", "control_inputs", "control_keep",
            "control_residuals"]
@@ -137,7 +137,7 @@ class ControlNetPipeline(ComposedPipeline):
                              "images; this pipeline feeds RGB images (3 channels)")
 
     @classmethod
-    def from_pipe(cls, pipe, controlnet: Any = None) -> "ControlNetPipeline":
+    def from_pipe(cls, pipe, controlnet: Any = None) -> ControlNetPipeline:
         """A ControlNet pipeline over ``pipe`` (a :class:`TextToImagePipeline`, or a pipeline
         that composes on one: its text-to-image pipeline and its own settings): the parent's
         live weights, tokenizers, scheduler, defaults and adapters. ``controlnet``: see the
@@ -153,18 +153,18 @@ class ControlNetPipeline(ComposedPipeline):
         return new
 
     @classmethod
-    def from_pretrained(cls, *args, controlnet: Any = None, **kwargs) -> "ControlNetPipeline":
+    def from_pretrained(cls, *args, controlnet: Any = None, **kwargs) -> ControlNetPipeline:
         """Load a model as :meth:`TextToImagePipeline.from_pretrained` (same arguments) and the
         ControlNet(s) ``controlnet`` in its dtype."""
         return cls(TextToImagePipeline.from_pretrained(*args, **kwargs), controlnet)
 
     @classmethod
-    def from_single_file(cls, *args, controlnet: Any = None, **kwargs) -> "ControlNetPipeline":
+    def from_single_file(cls, *args, controlnet: Any = None, **kwargs) -> ControlNetPipeline:
         """Load a single file as :meth:`TextToImagePipeline.from_single_file` (same arguments)."""
         return cls(TextToImagePipeline.from_single_file(*args, **kwargs), controlnet)
 
     @classmethod
-    def from_config(cls, *args, controlnet: Any = None, **kwargs) -> "ControlNetPipeline":
+    def from_config(cls, *args, controlnet: Any = None, **kwargs) -> ControlNetPipeline:
         """Load a run config as :meth:`TextToImagePipeline.from_config` (same arguments)."""
         return cls(TextToImagePipeline.from_config(*args, **kwargs), controlnet)
 

@@ -11,7 +11,8 @@ made on first use over the model's live weights (``from_pipe``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from pipelines.program import PipelineOutput
 from pipelines.requests import ControlKey, EditKey, ImageRequest, ShapeKey

@@ -44,17 +44,32 @@ ids use the negative crop coordinates (diffusers' img2img uses the positive ones
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from pipelines import program as program_lib
 from pipelines.composed import ComposedPipeline
-from pipelines.images import (image_list, is_image, is_latents, noise_array, preprocess_image,
-                              preprocess_mask, size_of)
-from pipelines.limits import (AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE, STRENGTH, check,
-                              denoising_fraction_problem, edit_adapter_problem,
-                              split_steps_problems, strength_problem)
+from pipelines.images import (
+    image_list,
+    is_image,
+    is_latents,
+    noise_array,
+    preprocess_image,
+    preprocess_mask,
+    size_of,
+)
+from pipelines.limits import (
+    AESTHETIC_SCORE,
+    NEGATIVE_AESTHETIC_SCORE,
+    STRENGTH,
+    check,
+    denoising_fraction_problem,
+    edit_adapter_problem,
+    split_steps_problems,
+    strength_problem,
+)
 from pipelines.program import PipelineOutput
 from pipelines.requests import ImageRequest
 from pipelines.runner import Job, checked_items, run

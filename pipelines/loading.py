@@ -11,7 +11,8 @@ from typing import Any
 
 import jax
 
-from maxdiff import checkpoint, mesh as meshlib, single_file, target
+from maxdiff import checkpoint, single_file, target
+from maxdiff import mesh as meshlib
 from maxdiff import quantization as quantlib
 from maxdiff.family import Family, folder_family
 from maxdiff.loaders import load_unet, load_vae

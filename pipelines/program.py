@@ -21,14 +21,16 @@ import contextlib
 import contextvars
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiff import mesh as meshlib, target
+from maxdiff import mesh as meshlib
+from maxdiff import target
 
 __all__ = ["jit", "Programs", "HostInputs", "PipelineOutput", "image_keys", "normal",
            "step_noise", "pad_rows", "BatchPut", "host_images", "conditioning", "cfg_rows",

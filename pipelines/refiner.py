@@ -27,13 +27,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from pipelines import program as program_lib
-from pipelines.limits import (check, denoising_fraction_problem, output_type_problem, problems,
-                              split_steps_problems)
+from pipelines.limits import (
+    check,
+    denoising_fraction_problem,
+    output_type_problem,
+    problems,
+    split_steps_problems,
+)
 from pipelines.program import PipelineOutput
 from pipelines.requests import ImageRequest, bucket_size
 from pipelines.runner import Job, run

@@ -28,15 +28,27 @@ import io
 import json
 import os
 import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from pipelines.limits import (AESTHETIC_SCORE, NEGATIVE_AESTHETIC_SCORE, STRENGTH,
-                              aesthetic_problem, cfg_on, control_scale_problem,
-                              control_window_problems, describe, guidance_problem, n_problem,
-                              seed_problem, strength_problem, within)
+from pipelines.limits import (
+    AESTHETIC_SCORE,
+    NEGATIVE_AESTHETIC_SCORE,
+    STRENGTH,
+    aesthetic_problem,
+    cfg_on,
+    control_scale_problem,
+    control_window_problems,
+    describe,
+    guidance_problem,
+    n_problem,
+    seed_problem,
+    strength_problem,
+    within,
+)
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 T = TypeVar("T")
@@ -71,7 +83,7 @@ class ShapeKey(NamedTuple):
     cfg: bool
 
     @classmethod
-    def of(cls, height: int, width: int, steps: int, guidance: float) -> "ShapeKey":
+    def of(cls, height: int, width: int, steps: int, guidance: float) -> ShapeKey:
         return cls(height, width, steps, cfg_on(guidance))
 
     def __str__(self) -> str:

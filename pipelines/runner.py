@@ -14,13 +14,15 @@ on the mesh -> the compiled program (made by :func:`build`, kept in the pipeline
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiff import adapters as adapterlib, mesh as meshlib
+from maxdiff import adapters as adapterlib
+from maxdiff import mesh as meshlib
 from pipelines import program as program_lib
 from pipelines.requests import ImageRequest, bucket_size
 

@@ -2,7 +2,7 @@
 
 Host only: plain Python and NumPy, no JAX (the tests import and exercise it in a process where
 ``jax`` is never imported). :class:`pipelines.step_engine.StepEngine` pairs one
-:class:`SlotScheduler` with a runner (:class:`pipelines.step_engine.StepRunner`) that owns the
+:class:`SlotScheduler` with a runner (:class:`pipelines.step_runner.StepRunner`) that owns the
 compiled programs and the device state, the way vLLM splits its scheduler from its model
 runner. Each tick the engine asks the scheduler, in this order:
 
@@ -39,8 +39,9 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -66,7 +67,7 @@ class Handle:
 
     request: ImageRequest
     steps: int
-    on_progress: Callable[["Handle"], None] | None = None
+    on_progress: Callable[[Handle], None] | None = None
     previews: frozenset = frozenset()
     controls: Any = None  # one ControlImage per ControlNet (an engine over a ControlNetPipeline)
     id: int = 0

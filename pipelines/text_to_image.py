@@ -19,8 +19,9 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,18 +30,36 @@ import numpy as np
 from maxdiff import checkpoint
 from maxdiff import quantization as quantlib
 from maxdiff.family import FAMILIES, Family
-from maxdiff.models.vae_tiling import (check_tiling_setting, tile_decoder, tile_encoder,
-                                       tiled_decode, tiled_encode, use_tiling)
-from maxdiff.schedulers import (max_inference_steps)
+from maxdiff.models.vae_tiling import (
+    check_tiling_setting,
+    tile_decoder,
+    tile_encoder,
+    tiled_decode,
+    tiled_encode,
+    use_tiling,
+)
+from maxdiff.schedulers import max_inference_steps
 from maxdiff.tokenizers import tokenize
-from pipelines import loading, program as program_lib, refiner as refiner_lib
-from pipelines.loading import DEFAULT_COMPILE_CACHE, enable_compile_cache, model_root
+from pipelines import loading
+from pipelines import program as program_lib
+from pipelines import refiner as refiner_lib
 from pipelines.adapting import LoraAdapters
 from pipelines.config import RunConfig, load_run_config
-from pipelines.limits import (AESTHETIC_SCORE, HIGH_NOISE_FRAC, MAX_SEED,
-                              NEGATIVE_AESTHETIC_SCORE, Limits, cfg_on, check,
-                              denoising_fraction_problem, n_problem, output_type_problem,
-                              problems, seed_problem)
+from pipelines.limits import (
+    AESTHETIC_SCORE,
+    HIGH_NOISE_FRAC,
+    MAX_SEED,
+    NEGATIVE_AESTHETIC_SCORE,
+    Limits,
+    cfg_on,
+    check,
+    denoising_fraction_problem,
+    n_problem,
+    output_type_problem,
+    problems,
+    seed_problem,
+)
+from pipelines.loading import DEFAULT_COMPILE_CACHE, enable_compile_cache, model_root
 from pipelines.program import HostInputs, PipelineOutput
 from pipelines.requests import ImageRequest, image_seeds
 from pipelines.runner import TEXT, Job, checked_items, run
@@ -121,7 +140,7 @@ class TextToImagePipeline(LoraAdapters):
                         vae: str | os.PathLike | None = None,
                         config: str | os.PathLike | None = None,
                         quantization: str = "none", refiner: Any = None,
-                        high_noise_frac: float = HIGH_NOISE_FRAC) -> "TextToImagePipeline":
+                        high_noise_frac: float = HIGH_NOISE_FRAC) -> TextToImagePipeline:
         """Load a diffusers SDXL folder (``model_index.json``, ``unet/``, ``vae/``,
         ``text_encoder/``, ``text_encoder_2/``, ``tokenizer*/``, ``scheduler/``), or a
         single-file SDXL checkpoint (see :meth:`from_single_file`; ``config`` applies to it).
@@ -189,7 +208,7 @@ class TextToImagePipeline(LoraAdapters):
 
     @classmethod
     def from_single_file(cls, path: str | os.PathLike, config: str | os.PathLike | None = None,
-                         **kwargs) -> "TextToImagePipeline":
+                         **kwargs) -> TextToImagePipeline:
         """Load a single-file SDXL checkpoint in the original Stability layout (the
         ``.safetensors`` files A1111 / ComfyUI users download: ``model.diffusion_model.*``,
         ``first_stage_model.*``, ``conditioner.embedders.*``), as diffusers'
@@ -205,7 +224,7 @@ class TextToImagePipeline(LoraAdapters):
 
     @classmethod
     def from_config(cls, config: Any = None, overrides: Sequence[str] | dict | None = None
-                    ) -> "TextToImagePipeline":
+                    ) -> TextToImagePipeline:
         """Load from a run config (a :class:`pipelines.config.RunConfig`, a YAML path or a name
         in ``configs/``) with optional ``key=value`` overrides. The config's steps, guidance and
         size become this pipeline's defaults; its ``loras`` are fused in order."""
@@ -354,7 +373,7 @@ class TextToImagePipeline(LoraAdapters):
                  for k, i in enumerate(per_image)]
         return items, {name: [pick(name, i) for i in per_image] for name in (per_prompt or {})}
 
-    def generate(self, items: Sequence["ImageRequest"], *, height: int | None = None,
+    def generate(self, items: Sequence[ImageRequest], *, height: int | None = None,
                  width: int | None = None, num_inference_steps: int | None = None,
                  latents: np.ndarray | None = None, output_type: str = "pil",
                  denoising_end: float | None = None) -> PipelineOutput:

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Callable
 
 from ray.serve import metrics
 
-from pipelines.requests import GenerationRequest
 from pipelines.dispatch import Pipelines
+from pipelines.requests import GenerationRequest
 from serving.schemas import JobResult
 from serving.settings import ServeSettings
 

@@ -186,7 +186,7 @@ class BatchBackend(Backend):
         if buckets:
             self.meters.step_time(generate / max(key.steps, 1) / len(buckets))
         results = []
-        for j, (job, arrived, _) in enumerate(queued):
+        for j, (_, arrived, _) in enumerate(queued):
             if j in expired:
                 results.append(past_deadline(arrived, " in the queue; its images were not "
                                                       "started"))

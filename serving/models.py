@@ -43,7 +43,7 @@ class Catalog:
     max_per_replica: int  # models a generator replica keeps loaded (Ray Serve's LRU)
 
     @classmethod
-    def from_settings(cls, s: ServeSettings) -> "Catalog":
+    def from_settings(cls, s: ServeSettings) -> Catalog:
         """The catalog of the serve args; a bad run config or a missing model fails here, once,
         rather than in every replica."""
         from pipelines.default_model import default_model_path

@@ -40,7 +40,7 @@ class WarmupShape(StrictConfig):
     controlnets: tuple[str, ...] = ()
 
     @classmethod
-    def parse(cls, spec: Any) -> "WarmupShape":
+    def parse(cls, spec: Any) -> WarmupShape:
         """``"WxH:steps:guidance:controlnets"`` (later parts optional; guidance may be
         ``cfg``/``nocfg``; ControlNet names joined by ``+``), ``"default"``, or a mapping with
         ``size`` (or ``width``, ``height``), ``steps``, ``guidance`` (or ``cfg``),
@@ -117,7 +117,7 @@ class AdapterSpec(StrictConfig):
     scale: float = 1.0
 
     @classmethod
-    def parse_all(cls, value: Any) -> tuple["AdapterSpec", ...]:
+    def parse_all(cls, value: Any) -> tuple[AdapterSpec, ...]:
         """A mapping name -> path or name -> {path, scale} (YAML/JSON, also as a string), a
         list of such mappings, or ``"name=path[:scale],name2=path2"``."""
         return _named_specs(cls, value, "adapter", scaled=True)
@@ -131,7 +131,7 @@ class ControlNetSpec(StrictConfig):
     path: str = Field(min_length=1)  # a diffusers ControlNet folder or a .safetensors file
 
     @classmethod
-    def parse_all(cls, value: Any) -> tuple["ControlNetSpec", ...]:
+    def parse_all(cls, value: Any) -> tuple[ControlNetSpec, ...]:
         """A mapping name -> path (YAML/JSON, also as a string), a list of ``{name, path}``, or
         ``"name=path,name2=path2"``."""
         return _named_specs(cls, value, "controlnet", scaled=False)
@@ -210,7 +210,7 @@ class ModelSpec(StrictConfig):
         return ControlNetSpec.parse_all(v)
 
     @classmethod
-    def parse(cls, entry: Any, where: str) -> "ModelSpec":
+    def parse(cls, entry: Any, where: str) -> ModelSpec:
         if isinstance(entry, ModelSpec):
             return entry
         if not isinstance(entry, dict):
@@ -478,7 +478,7 @@ class ServeSettings(StrictConfig):
         return self
 
     @classmethod
-    def from_args(cls, args: dict | None) -> "ServeSettings":
+    def from_args(cls, args: dict | None) -> ServeSettings:
         """Parse ``build_app`` args; values may be strings (``serve run ... key=value``)."""
         args, run = split_run_args(parse_overrides(args))
         if "run_overrides" in args:

@@ -253,7 +253,7 @@ class StepBackend(Backend):
         except asyncio.TimeoutError:
             self._cancel(images)
             self.meters.expired()
-            raise past_deadline(arrived, "; its images were cancelled")
+            raise past_deadline(arrived, "; its images were cancelled") from None
         except BaseException:  # cancelled: the client went away
             self._cancel(images)
             raise
@@ -302,7 +302,7 @@ class StepBackend(Backend):
         except asyncio.TimeoutError:
             self._cancel(images)
             self.meters.expired()
-            raise past_deadline(arrived, "; its image was cancelled")
+            raise past_deadline(arrived, "; its image was cancelled") from None
         except BaseException:  # the client went away (the stream was cancelled)
             self._cancel(images)
             raise

@@ -40,7 +40,6 @@ def shipped_env(pythonpath, **extra: str) -> dict:
 
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads them when it starts)
 import pytest  # noqa: E402
-
 import tiny  # noqa: E402
 
 # `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup). A group runs whole

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_lora import TE1_A, TE2_A, TE2_B, UNET_A, UNET_B, _save_peft
 
 from pipelines import ImageRequest, TextToImagePipeline
-from test_lora import TE1_A, TE2_A, TE2_B, UNET_A, UNET_B, _save_peft
 
 SIZE, STEPS = 32, 2
 SCALE_A, SCALE_B = 0.7, 1.3

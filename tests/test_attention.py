@@ -22,7 +22,8 @@ def test_kernels_agree(lq, lk):
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(torch.from_numpy(x).transpose(1, 2) for x in (q, k, v))).transpose(1, 2).numpy()
     for kernel in KERNELS:
-        out = np.asarray(jax.jit(lambda a, b, c: attention(a, b, c, kernel, chunk_size=128))(q, k, v))
+        out = np.asarray(jax.jit(
+            lambda a, b, c, kernel=kernel: attention(a, b, c, kernel, chunk_size=128))(q, k, v))
         assert out.shape == ref.shape
         assert np.abs(out - ref).max() <= 1e-5, kernel
 

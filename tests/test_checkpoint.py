@@ -8,8 +8,8 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-
 import tiny
+
 from maxdiff.checkpoint import CheckpointError, SafetensorsFile, load_params, open_weights, save_safetensors
 from maxdiff.models.unet import load_unet
 

@@ -16,8 +16,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipelines import batch, cli, requests
 from maxdiff.checkpoint import open_weights
+from pipelines import cli, requests
+from pipelines.cli.jobs import RunSettings, plan_jobs
+from pipelines.cli.output import TMP_MARK
+from pipelines.cli.prompts import read_prompts
 
 REPO = Path(__file__).resolve().parent.parent
 _SCRIPT = Path(sys.executable).parent / "maxdiff"
@@ -75,7 +78,7 @@ def converted(sdxl_dir, env, tmp_path_factory):
     for dtype in ("float32", "bf16"):
         res = run(env, "convert", sdxl_dir, d / dtype, "--dtype", dtype)
         assert res.returncode == 0, res.stderr
-    assert not [p for p in d.iterdir() if batch.TMP_MARK in p.name]
+    assert not [p for p in d.iterdir() if TMP_MARK in p.name]
     return d / "float32", d / "bf16"
 
 
@@ -169,7 +172,7 @@ def test_resume_after_sigterm(sdxl_dir, env, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
     assert "interrupted by SIGTERM" in err and "Rerun the same command" in err
-    assert not [p for p in out.iterdir() if batch.TMP_MARK in p.name]
+    assert not [p for p in out.iterdir() if TMP_MARK in p.name]
     first = metadata(out)
     assert 1 <= len(first) < n
     files = images(out)
@@ -390,21 +393,21 @@ def test_help_has_examples(capsys):
 
 
 def test_seeds_do_not_shift_when_lines_are_added():
-    s = batch.RunSettings(model="m", scheduler="s", dtype="float32", steps=1, guidance=5.0,
+    s = RunSettings(model="m", scheduler="s", dtype="float32", steps=1, guidance=5.0,
                           width=32, height=32, run_seed=9, num_images=2)
-    few = batch.plan_jobs(batch.read_prompts(["a", "b"]), s)
-    more = batch.plan_jobs(batch.read_prompts(["a", "b", "c"]), s)
+    few = plan_jobs(read_prompts(["a", "b"]), s)
+    more = plan_jobs(read_prompts(["a", "b", "c"]), s)
     assert [(j.seed, j.file) for j in few] == [(j.seed, j.file) for j in more[:4]]
     assert len({j.seed for j in more}) == 6
 
 
 def test_batches_group_by_shape_and_pad_to_one_bucket():
-    s = batch.RunSettings(model="m", scheduler="s", dtype="float32", steps=1, guidance=5.0,
+    s = RunSettings(model="m", scheduler="s", dtype="float32", steps=1, guidance=5.0,
                           width=32, height=32, run_seed=0)
-    lines = batch.read_prompts(file="p.jsonl", file_text="\n".join(json.dumps(d) for d in [
+    lines = read_prompts(file="p.jsonl", file_text="\n".join(json.dumps(d) for d in [
         {"prompt": "a", "n": 3}, {"prompt": "b", "guidance": 0}, {"prompt": "c"}]))
     got = [(shape, [j.line.index for j in jobs], bucket)
-           for shape, jobs, bucket in requests.plan_batches(batch.plan_jobs(lines, s),
+           for shape, jobs, bucket in requests.plan_batches(plan_jobs(lines, s),
                                                             lambda j: j.shape, 2)]
     assert got == [((32, 32, 1, True), [0, 0], 2), ((32, 32, 1, True), [0, 2], 2),
                    ((32, 32, 1, False), [1], 1)]

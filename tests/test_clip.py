@@ -14,12 +14,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import tiny
 import torch
 
-import tiny
 from maxdiff import checkpoint
-from maxdiff.models.clip import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection,
-                                 load_text_encoder)
+from maxdiff.models.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, load_text_encoder
 from maxdiff.tokenizers import load_tokenizer, load_tokenizers, tokenize
 
 PROMPTS = [

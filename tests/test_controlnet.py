@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny
 import torch
 
-import tiny
 from maxdiff import single_file
 from maxdiff.checkpoint import CheckpointError, _flatten, save_safetensors
 from maxdiff.models.controlnet import ControlNetConfig, config_from_unet, load_controlnet

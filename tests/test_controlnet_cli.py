@@ -11,10 +11,12 @@ import types
 
 import numpy as np
 import pytest
+import tiny
 from PIL import Image
 
-import tiny
-from pipelines import batch, cli
+from pipelines import cli
+from pipelines.cli.lines import ControlSpec, InputError
+from pipelines.cli.prompts import read_prompts
 
 SIZE, STEPS = 32, 2
 CN = dict(conditioning_embedding_out_channels=(8, 16))  # control image 2x the latents
@@ -136,8 +138,8 @@ def test_bad_jsonl_entries_name_the_line_and_field(files):
         {"control_images": [{"image": "a.png", "guess_mode": "yes"}]},
     ]
     text = "\n".join(json.dumps({"prompt": "x", **line}) for line in lines)
-    with pytest.raises(batch.InputError) as e:
-        batch.read_prompts(file=str(files.dir / "jobs.jsonl"), file_text=text, factor=2,
+    with pytest.raises(InputError) as e:
+        read_prompts(file=str(files.dir / "jobs.jsonl"), file_text=text, factor=2,
                            controlnets=[f"canny={files.canny}"])
     got = "\n".join(e.value.errors)
     jobs = files.dir / "jobs.jsonl"
@@ -157,10 +159,10 @@ def test_bad_jsonl_entries_name_the_line_and_field(files):
             "field 'control_images[0].guess_mode': must be true or false, got 'yes'"], 1):
         assert f"{jobs}:{no}: {says}" in got, (no, got)
     # a line without a ControlNet name uses the only --controlnet; its size is the image's
-    (line,) = batch.read_prompts(file=str(jobs), file_text=json.dumps(
+    (line,) = read_prompts(file=str(jobs), file_text=json.dumps(
         {"prompt": "x", "control_images": [{"image": "b.png"}]}), factor=8,
         controlnets=[f"canny={files.canny}"], control_end=0.5, control_guess_mode=True)
-    assert line.controls == (batch.ControlSpec(str(files.b.resolve()),
+    assert line.controls == (ControlSpec(str(files.b.resolve()),
                                                str(files.canny.resolve()), 1.0, 0.0, 0.5, True),)
     assert line.size == (40, 48)
 

@@ -10,10 +10,10 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+import tiny
 import torch
 from PIL import Image
 
-import tiny
 from pipelines import ControlImage, ControlNetPipeline, ImageRequest, TextToImagePipeline
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

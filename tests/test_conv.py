@@ -9,9 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from maxdiff.models.conv import (F2, F4, WINOGRAD_F4_MIN_CHANNELS, WINOGRAD_F4_MIN_PIXELS,
-                                 WINOGRAD_MIN_CHANNELS, Conv,
-                                 upsample2x_conv3x3, winograd_conv3x3, xla_conv)
+from maxdiff.models.conv import (
+    F2,
+    F4,
+    WINOGRAD_F4_MIN_CHANNELS,
+    WINOGRAD_F4_MIN_PIXELS,
+    WINOGRAD_MIN_CHANNELS,
+    Conv,
+    upsample2x_conv3x3,
+    winograd_conv3x3,
+    xla_conv,
+)
 
 
 def _takes_f4(h: int, w: int, c: int) -> bool:

@@ -14,9 +14,9 @@ import shutil
 
 import numpy as np
 import pytest
+import tiny
 import torch
 
-import tiny
 from pipelines import ImageToImagePipeline, InpaintPipeline, TextToImagePipeline
 from pipelines.edit import start_step
 from pipelines.requests import ImageRequest

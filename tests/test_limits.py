@@ -14,11 +14,30 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipelines import batch, cli
-from pipelines.limits import (FIELDS, MAX_SEED, STRENGTH, Limits, Problem, check,
-                              chosen_controlnet, control_scale_problem, control_window_problems, cost_problem,
-                              describe, guidance_problem, n_problem, problems, seed_problem,
-                              size_problems, steps_problem, strength_problem)
+from pipelines import cli
+from pipelines.cli.controls import _controlnet
+from pipelines.cli.lines import InputError, PromptLine
+from pipelines.cli.prompts import edit_strength, read_prompts
+from pipelines.limits import (
+    FIELDS,
+    MAX_SEED,
+    STRENGTH,
+    Limits,
+    Problem,
+    check,
+    chosen_controlnet,
+    control_scale_problem,
+    control_window_problems,
+    cost_problem,
+    describe,
+    guidance_problem,
+    n_problem,
+    problems,
+    seed_problem,
+    size_problems,
+    steps_problem,
+    strength_problem,
+)
 
 # (canonical field, a bad value, what every front door's message must say). The tiny
 # checkpoints' VAE scale factor is 2, so 33 pixels is not a valid side anywhere.
@@ -89,8 +108,8 @@ def test_an_unnamed_control_image_goes_to_the_only_controlnet_at_every_door():
     assert chosen_controlnet(None, []) is None and chosen_controlnet(None, ["a", "b"]) is None
     assert chosen_controlnet("depth", ["canny"]) == "depth"  # a named one stays (checked later)
     with pytest.raises(ValueError, match=r"which ControlNet reads it\? .*names are a, b"):
-        batch._controlnet(None, {"a": "/x", "b": "/y"}, None)
-    assert batch._controlnet(None, {"a": "/x"}, None) == "/x"
+        _controlnet(None, {"a": "/x", "b": "/y"}, None)
+    assert _controlnet(None, {"a": "/x"}, None) == "/x"
 
 
 def test_size_problems_name_the_side_and_the_range():
@@ -147,9 +166,9 @@ def test_one_strength_default_per_mode(capsys):
     for cls in (ImageToImagePipeline, InpaintPipeline):
         assert inspect.signature(cls.__call__).parameters["strength"].default is None
     assert EditRequest.__dataclass_fields__["strength"].default == STRENGTH["img2img"]
-    line = batch.PromptLine(0, "x", "x", image="a.png")
-    assert batch.edit_strength(line) == STRENGTH["img2img"]
-    assert batch.edit_strength(batch.PromptLine(0, "x", "x", image="a.png", mask="m.png")) == \
+    line = PromptLine(0, "x", "x", image="a.png")
+    assert edit_strength(line) == STRENGTH["img2img"]
+    assert edit_strength(PromptLine(0, "x", "x", image="a.png", mask="m.png")) == \
         STRENGTH["inpaint"]
     assert cli.main(["generate", "--help"]) == 0
     assert "(default 0.75, 0.9999 with --mask)" in " ".join(capsys.readouterr().out.split())
@@ -208,8 +227,8 @@ def test_a_jsonl_line_names_the_field_and_the_range(tmp_path, field, value, says
         line["image"] = "photo.png"
     if field == "width":
         line["size"] = f"{value}x32"
-    with pytest.raises(batch.InputError) as e:
-        batch.read_prompts(file=str(tmp_path / "jobs.jsonl"), file_text=json.dumps(line),
+    with pytest.raises(InputError) as e:
+        read_prompts(file=str(tmp_path / "jobs.jsonl"), file_text=json.dumps(line),
                            factor=2, steps=4)
     (err,) = e.value.errors
     assert f"field '{FIELDS[field]['jsonl']}'" in err and re.search(says, err), err

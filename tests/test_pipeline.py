@@ -11,9 +11,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+import tiny
 import torch
 
-import tiny
 from pipelines import TextToImagePipeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -277,8 +277,8 @@ def test_unet_variant_is_read(sdxl_dir, tmp_path):
     import shutil
 
     import jax
-
     import tiny
+
     from maxdiff.checkpoint import open_weights
 
     root = tmp_path / "model"
@@ -354,6 +354,7 @@ def test_vae_tiling_rule():
     training size (about 1 MP each, 2048x512 to 512x2048) stays untiled and 2048x2048 is
     tiled."""
     import tiny
+
     from maxdiff.models.vae import AutoencoderKLConfig
     from maxdiff.models.vae_tiling import auto_tile_pixels, use_tiling
 

@@ -8,9 +8,11 @@ import json
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from pipelines.batch import InputError, read_prompts
+from pipelines.cli.lines import InputError
+from pipelines.cli.prompts import read_prompts
 
 # ---------------------------------------------------------------------------------- values
 JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),

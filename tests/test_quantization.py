@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import tiny
+
 from maxdiff import quantization as q
 from maxdiff.models.unet import load_unet
 from pipelines import TextToImagePipeline

@@ -14,9 +14,9 @@ import json
 
 import numpy as np
 import pytest
+import tiny
 import torch
 
-import tiny
 from pipelines import ImageToImagePipeline, TextToImagePipeline
 
 SIZE = 32  # pixels; the tiny VAEs have a scale factor of 2: 16x16 latents

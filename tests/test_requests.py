@@ -9,9 +9,19 @@ import pytest
 from PIL import Image
 
 from pipelines.limits import MAX_SEED, cfg_on
-from pipelines.requests import (GenerationRequest, ImageRequest, ShapeKey, bucket_size, derive_seed,
-                                encode_image, image_seeds, pad_to, parse_size, plan_batches,
-                                read_image_info)
+from pipelines.requests import (
+    GenerationRequest,
+    ImageRequest,
+    ShapeKey,
+    bucket_size,
+    derive_seed,
+    encode_image,
+    image_seeds,
+    pad_to,
+    parse_size,
+    plan_batches,
+    read_image_info,
+)
 
 
 @pytest.mark.parametrize("text, want", [("1024x768", (1024, 768)), ("512", (512, 512)),

@@ -8,9 +8,9 @@ import json
 
 import numpy as np
 import pytest
+import tiny
 import torch
 
-import tiny
 from maxdiff import single_file
 from maxdiff.checkpoint import SafetensorsFile
 from pipelines import ImageToImagePipeline, TextToImagePipeline, cli

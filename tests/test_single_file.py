@@ -10,9 +10,9 @@ import shutil
 
 import numpy as np
 import pytest
+import tiny
 import torch
 
-import tiny
 from maxdiff import single_file
 from maxdiff.checkpoint import CheckpointError, SafetensorsFile, save_safetensors
 from pipelines import TextToImagePipeline, cli

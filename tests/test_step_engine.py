@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import tiny
+
 from pipelines import TextToImagePipeline
 from pipelines.requests import ImageRequest
 from pipelines.step_engine import StepEngine

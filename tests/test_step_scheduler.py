@@ -12,8 +12,15 @@ import numpy as np
 import pytest
 
 from pipelines.requests import ImageRequest
-from pipelines.step_scheduler import (Fifo, Handle, ShortestRemainingSteps, SlotScheduler,
-                                      batch_sizes, make_policy, step_shapes)
+from pipelines.step_scheduler import (
+    Fifo,
+    Handle,
+    ShortestRemainingSteps,
+    SlotScheduler,
+    batch_sizes,
+    make_policy,
+    step_shapes,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 

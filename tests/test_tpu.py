@@ -14,12 +14,14 @@ import pytest
 
 pytest.importorskip("libtpu", reason="the test extra installs libtpu (jax[tpu])")
 
-from maxdiff import checkpoint, mesh as meshlib, target  # noqa: E402
+import tiny  # noqa: E402
+
+from maxdiff import checkpoint, target  # noqa: E402
+from maxdiff import mesh as meshlib
 from maxdiff.models import conv  # noqa: E402
 from maxdiff.models.attention import resolve_kernel  # noqa: E402
-from pipelines import aot, program as program_lib  # noqa: E402
-
-import tiny  # noqa: E402
+from pipelines import aot  # noqa: E402
+from pipelines import program as program_lib
 
 TOPOLOGY = "v5e:2x2"
 SIZE = 64  # tiny VAE (factor 2): 32² latents, 16² = 256 tokens where the UNet attends

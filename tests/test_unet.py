@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny
 import torch
 
-import tiny
-from maxdiff.models.unet import UNetConfig, count_params, load_unet, param_shapes, UNet2DConditionModel
+from maxdiff.models.unet import UNet2DConditionModel, UNetConfig, count_params, load_unet, param_shapes
 
 
 def _torch_unet(model, sample, t, ctx, text_embeds=None, time_ids=None):

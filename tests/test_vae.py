@@ -14,12 +14,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import tiny
 import torch
 
-import tiny
 from maxdiff.checkpoint import CheckpointError, load_params, open_weights, read_config
-from maxdiff.models.vae import (AutoencoderKL, AutoencoderKLConfig, DiagonalGaussian, load_vae,
-                                param_shapes)
+from maxdiff.models.vae import AutoencoderKL, AutoencoderKLConfig, DiagonalGaussian, load_vae, param_shapes
 
 # Three levels (f = 4), two resnets per level, 4 groups, 16 latent channels without the 1x1
 # quant convs, and SD3's scaling/shift factors.
@@ -254,9 +253,9 @@ def test_bfloat16_smoke(base, tmp_path):
 def test_tiled_decode_matches_diffusers_enable_tiling(lh, lw, tmp_path):
     """diffusers' tiling on a VAE whose sample_size is 32 (16-pixel latent tiles, stride 12,
     8-pixel blends): edge tiles, non-square latents, a single row of tiles."""
+    import tiny
     import torch
 
-    import tiny
     from maxdiff.models.vae_tiling import needs_tiling, tile_decoder, tiled_decode
 
     tv = tiny.make_vae(tmp_path / "vae", tiny.VAE, seed=4)

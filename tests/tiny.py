@@ -238,8 +238,14 @@ def make_sd_pipeline(folder: str | Path, *, v2: bool = False, seed: int = 0,
     ``upcast_attention``, a gelu text encoder, a tokenizer padding with ``!`` and a
     v-prediction DDIM scheduler, as SD 2.1 ships), written by diffusers'
     ``StableDiffusionPipeline.save_pretrained``."""
-    from diffusers import (AutoencoderKL, DDIMScheduler, EulerDiscreteScheduler, PNDMScheduler,
-                           StableDiffusionPipeline, UNet2DConditionModel)
+    from diffusers import (
+        AutoencoderKL,
+        DDIMScheduler,
+        EulerDiscreteScheduler,
+        PNDMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
     from transformers import CLIPTextModel, CLIPTokenizer
 
     folder = Path(folder)
@@ -338,8 +344,12 @@ def make_sdxl_refiner(folder: str | Path, seed: int = 5, scheduler_config: dict 
     (``cross_attention_dim`` = its hidden size) and five time ids (original size, crop
     corner, aesthetic score): ``projection_class_embeddings_input_dim = 5 *
     addition_time_embed_dim + projection_dim``; its own VAE and text encoder weights."""
-    from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLImg2ImgPipeline,
-                           UNet2DConditionModel)
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        StableDiffusionXLImg2ImgPipeline,
+        UNet2DConditionModel,
+    )
     from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
     folder = Path(folder)

@@ -126,8 +126,8 @@ def _block(n: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _splash_kernel(lq: int, lk: int, heads: int, interpret: bool):
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as sk, splash_attention_mask as sm)
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     mask = sm.MultiHeadMask([sm.FullMask((lq, lk)) for _ in range(heads)])
     bq, bk = _block(lq), _block(lk)

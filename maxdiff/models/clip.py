@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -130,7 +131,7 @@ class CLIPTextConfig:
         return self.eos_token_id == 2
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "CLIPTextConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> CLIPTextConfig:
         """Build from a transformers ``config.json`` dict; unknown keys raise ValueError."""
         d = dict(d)
         model_type = d.get("model_type", "clip_text_model")

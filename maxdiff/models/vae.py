@@ -16,9 +16,10 @@ Use::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -26,8 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiff.checkpoint import (CheckpointError, init_shapes, load_params, open_weights, read_config,
-                                resolve_dtype)
+from maxdiff.checkpoint import (
+    CheckpointError,
+    init_shapes,
+    load_params,
+    open_weights,
+    read_config,
+    resolve_dtype,
+)
 from maxdiff.models.attention import DEFAULT_CHUNK, KERNELS, Attention
 from maxdiff.models.layers import Downsample2D, ResnetBlock2D, Upsample2D, conv, group_norm
 
@@ -118,7 +125,7 @@ class AutoencoderKLConfig:
             raise bad("scaling_factor", self.scaling_factor, "it must be non-zero")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "AutoencoderKLConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> AutoencoderKLConfig:
         """Build from a diffusers ``config.json`` dict; ``_``-prefixed metadata is skipped.
 
         Unknown keys raise ValueError (a newer diffusers option we may not implement).

@@ -31,7 +31,8 @@ untiled). The memory this saves is measured in docs/benchmarks.md
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -35,13 +35,13 @@ from maxdiff.schedulers.dpm_solver import DPMSolverMultistepScheduler, DPMSolver
 from maxdiff.schedulers.euler import EulerDiscreteScheduler
 from maxdiff.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
 from maxdiff.schedulers.lcm import LCMScheduler
-from maxdiff.schedulers.pndm import PNDMScheduler, PNDMState
 from maxdiff.schedulers.loading import (
     SCHEDULERS,
     load_scheduler,
     read_scheduler_config,
     scheduler_from_config,
 )
+from maxdiff.schedulers.pndm import PNDMScheduler, PNDMState
 from maxdiff.schedulers.presets import PRESETS, SDXL_BASE_SCHEDULER_CONFIG, Preset, get_preset
 
 __all__ = [

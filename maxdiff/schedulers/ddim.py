@@ -17,17 +17,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiff.schedulers.common import (
-    UnscaledInput,
     TIMESTEP_SPACINGS,
     AlphaState,
     TrainSchedule,
+    UnscaledInput,
     at,
     check_choice,
-    x0_and_eps,
     check_num_inference_steps,
     check_steps_offset,
     check_timesteps_in_range,
     spaced_timesteps,
+    x0_and_eps,
 )
 
 

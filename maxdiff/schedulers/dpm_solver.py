@@ -20,10 +20,10 @@ import numpy as np
 from flax import struct
 
 from maxdiff.schedulers.common import (
-    UnscaledInput,
     FINAL_SIGMAS_TYPES,
     TIMESTEP_SPACINGS,
     TrainSchedule,
+    UnscaledInput,
     at,
     check_choice,
     check_num_inference_steps,

@@ -16,9 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiff.schedulers.common import (AlphaState, TrainSchedule, UnscaledInput, at, check_choice,
-                                       check_num_inference_steps)
-from maxdiff.schedulers.common import x0_and_eps
+from maxdiff.schedulers.common import (
+    AlphaState,
+    TrainSchedule,
+    UnscaledInput,
+    at,
+    check_choice,
+    check_num_inference_steps,
+    x0_and_eps,
+)
 from maxdiff.schedulers.ddim import vp_add_noise
 from maxdiff.schedulers.euler_ancestral import step_noise
 

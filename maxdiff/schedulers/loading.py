@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from maxdiff.schedulers.common import Scheduler
 from maxdiff.schedulers.ddim import DDIMScheduler

@@ -8,8 +8,9 @@ no classifier-free guidance; the 1-step model predicts x0 (``prediction_type="sa
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 # `scheduler/scheduler_config.json` of stabilityai/stable-diffusion-xl-base-1.0.
 SDXL_BASE_SCHEDULER_CONFIG: Mapping[str, Any] = MappingProxyType({

@@ -85,7 +85,7 @@ class TrainConfig(StrictConfig):
     init_from: str = ""
 
     @classmethod
-    def load(cls, source: str | Path, overrides=None) -> "TrainConfig":
+    def load(cls, source: str | Path, overrides=None) -> TrainConfig:
         """From a YAML path or a shipped config's name, with ``key=value`` overrides."""
         return load_config(cls, source, overrides, kind="training config")
 

@@ -10,7 +10,7 @@ conditional half only and adds zeros to the other: the same zeros).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,8 @@ import numpy as np
 
 from pipelines import program as program_lib
 from pipelines.images import image_pixels
-from pipelines.runner import Ctx, Task
 from pipelines.requests import ControlImage
+from pipelines.runner import Ctx, Task
 
 __all__ = ["CONTROLNET", "control_keep", "control_inputs", "control_residuals"]
 

@@ -14,7 +14,6 @@ images are latents (a base's output); ``noised``: they get the start step's nois
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 
 from pipelines import program as program_lib

@@ -20,11 +20,21 @@ import types
 
 import pytest
 import requests
-
 import tiny
 
-from .helpers import (GUARDED_ARGS, KEY_A, KEY_B, MAIN_ARGS, MODEL_A, MODEL_B, MULTI_ARGS, STEPS,
-                      STEP_ARGS, STEP_MODEL, free_port)
+from .helpers import (
+    GUARDED_ARGS,
+    KEY_A,
+    KEY_B,
+    MAIN_ARGS,
+    MODEL_A,
+    MODEL_B,
+    MULTI_ARGS,
+    STEP_ARGS,
+    STEP_MODEL,
+    STEPS,
+    free_port,
+)
 
 
 @pytest.fixture(scope="package")

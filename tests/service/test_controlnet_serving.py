@@ -13,9 +13,8 @@ import io
 import numpy as np
 import pytest
 import requests
-from PIL import Image
-
 import tiny
+from PIL import Image
 
 from .helpers import MAIN_ARGS, SIZE, STEPS, concurrently, png
 

@@ -207,7 +207,8 @@ def test_an_omitted_strength_is_the_same_in_every_front_door(main_app, pipe, edi
     API's ImageToImagePipeline called without one; OpenAI's images.edit (which has no strength
     field) batches at the same strength; the CLI plans its edit lines with it."""
     from pipelines import ImageToImagePipeline
-    from pipelines.batch import PromptLine, edit_strength
+    from pipelines.cli.lines import PromptLine
+    from pipelines.cli.prompts import edit_strength
     from pipelines.limits import STRENGTH
 
     r = _edit(main_app.url, prompt="a photo of a cat", image=_b64file(edit_files.image_png),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import tiny
 
 from .helpers import MAIN_ARGS, SIZE, STEPS, generate, png

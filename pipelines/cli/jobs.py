@@ -1,0 +1,188 @@
+"""Planning ``maxdiff generate``'s images: one :class:`ImageJob` per image, with its seed and
+identity.
+
+A job's identity is everything that decides its pixels (line index, image index, prompt,
+negative prompt, seed, steps, guidance, size, scheduler, model, dtype; for an edit the image's
+and mask's contents (SHA-256) and the strength; with ControlNets each control image's
+contents, its ControlNet's folder, scale and window) plus the file format. Per-image seeds come
+from a hash of (run seed, line index, image index), so adding, removing or reordering *later*
+lines never changes an earlier image, and a run seed makes the run reproducible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipelines.cli.lines import InputError, PromptLine
+from pipelines.cli.prompts import edit_strength
+from pipelines.limits import (
+    cfg_on,
+    describe,
+    seed_problem,
+    strength_problem,
+)
+from pipelines.requests import (
+    ControlKey,
+    EditKey,
+    ImageRequest,
+    ShapeKey,
+    derive_seed,
+    image_info,
+    image_seeds,
+)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Run-wide settings; a line's own fields override steps, guidance, size, negative, n."""
+
+    model: str
+    scheduler: str
+    dtype: str
+    steps: int
+    guidance: float
+    width: int | None
+    height: int | None
+    run_seed: int
+    unet: str | None = None
+    negative_prompt: str | None = None
+    num_images: int = 1
+    format: str = "png"
+    lora: str | None = None  # the fused LoRA adapters, "PATH:SCALE, ..." (None: none)
+    quantization: str | None = None  # int8-weights, int8, fp8 (None: none)
+    refiner: str | None = None  # "DIR:FRAC": the SDXL refiner and where it takes over
+
+
+@dataclass(frozen=True)
+class ImageJob:
+    """One image of a CLI run: what to make and where it goes."""
+
+    line: PromptLine
+    image: int  # index of the image within its line
+    prompt: str
+    negative_prompt: str | None
+    seed: int
+    steps: int
+    guidance: float
+    width: int
+    height: int
+    settings: RunSettings
+    id: str  # hash of everything that decides the file's content
+    file: str
+    strength: float | None = None  # an edit's strength (None: text-to-image)
+
+    @property
+    def shape(self) -> ShapeKey | EditKey | ControlKey:
+        """What selects the compiled program (and, for an edit, the strength; with
+        ControlNets, which ones)."""
+        if self.line.controls:
+            return ControlKey(tuple(c.controlnet for c in self.line.controls), self.height,
+                              self.width, self.steps, cfg_on(self.guidance))
+        if self.line.image is not None:
+            return EditKey("inpaint" if self.line.mask else "img2img", self.height, self.width,
+                           self.steps, cfg_on(self.guidance), self.strength)
+        return ShapeKey.of(self.height, self.width, self.steps, self.guidance)
+
+    def request(self) -> ImageRequest:
+        return ImageRequest(prompt=self.prompt, negative_prompt=self.negative_prompt,
+                            seed=self.seed, guidance_scale=self.guidance)
+
+    def identity(self) -> dict[str, Any]:
+        return identity(self.line.index, self.image, self.prompt, self.negative_prompt, self.seed,
+                        self.steps, self.guidance, self.width, self.height, self.settings)
+
+    def image_info(self) -> dict[str, str]:
+        """The settings stored inside the image file (no time or path, so files reproduce)."""
+        controlnet = None
+        if self.line.controls:  # "FOLDER:SCALE[START-END]; ..."
+            controlnet = "; ".join(f"{c.controlnet}:{c.scale:g}[{c.start:g}-{c.end:g}]"
+                                   f"{' guess' if c.guess_mode else ''}"
+                                   for c in self.line.controls)
+        return image_info(**self.record(), controlnet=controlnet)
+
+    def record(self, **extra: Any) -> dict[str, Any]:
+        """This job's ``metadata.jsonl`` entry."""
+        s = self.settings
+        edit = {}
+        if self.line.image is not None:
+            edit = dict(mode=self.shape.kind, input_image=self.line.image,
+                        mask=self.line.mask, strength=self.strength)
+        if self.line.controls:
+            edit = dict(mode="controlnet",
+                        control_images=[c.record() for c in self.line.controls])
+        return dict(line=self.line.index, image=self.image, source=self.line.where,
+                    prompt=self.prompt, negative_prompt=self.negative_prompt, seed=self.seed,
+                    run_seed=s.run_seed, steps=self.steps, guidance=self.guidance,
+                    size=f"{self.width}x{self.height}", width=self.width, height=self.height,
+                    scheduler=s.scheduler, model=s.model, unet=s.unet, lora=s.lora,
+                    dtype=s.dtype, quantization=s.quantization, format=s.format,
+                    **({"refiner": s.refiner} if s.refiner else {}), **edit,
+                    file=self.file, id=self.id, **extra)
+
+
+def identity(line: int, image: int, prompt: str, negative_prompt: str | None, seed: int,
+             steps: int, guidance: float, width: int, height: int, s: RunSettings) -> dict:
+    return dict(line=line, image=image, prompt=prompt, negative_prompt=negative_prompt, seed=seed,
+                steps=steps, guidance=float(guidance), width=width, height=height,
+                scheduler=s.scheduler, model=s.model, unet=s.unet, dtype=s.dtype, format=s.format,
+                **({"lora": s.lora} if s.lora else {}),  # (ids of runs without LoRA unchanged)
+                **({"quantization": s.quantization} if s.quantization else {}),
+                **({"refiner": s.refiner} if s.refiner else {}))
+
+
+def _sha256(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def job_id(ident: dict) -> str:
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def slug(text: str, limit: int = 40) -> str:
+    s = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return s[:limit].rstrip("-") or "image"
+
+
+def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[ImageJob]:
+    """One :class:`ImageJob` per image, in input order. File names
+    ``{line:05d}-{image:02d}-{slug}-{id8}.{ext}`` sort in input order and never collide (a job
+    with other settings gets another id, so it never overwrites a different image)."""
+    counts = [line.n or s.num_images for line in lines]
+    wl = max(5, len(str(len(lines) - 1)))
+    wi = max(2, len(str(max(counts) - 1)))
+    jobs = []
+    for line, n in zip(lines, counts):
+        w, h = line.size or (s.width, s.height)
+        if w is None or h is None:
+            raise InputError([f"{line.where}: no size: this model has no default size; "
+                              "pass --size WIDTHxHEIGHT"])
+        steps = line.steps if line.steps is not None else s.steps
+        guidance = line.guidance if line.guidance is not None else s.guidance
+        neg = line.negative_prompt if line.negative_prompt is not None else s.negative_prompt
+        if (p := seed_problem(line.seed, n)) is not None:
+            raise InputError([f"{line.where}: {describe(p, 'jsonl')}"])
+        seeds = image_seeds(line.seed, n)
+        strength, edit = None, {}
+        if line.image is not None:
+            strength = edit_strength(line)
+            if (p := strength_problem(strength, steps)) is not None:
+                raise InputError([f"{line.where}: {describe(p)}"])
+            edit = dict(strength=strength, image_sha256=_sha256(line.image),
+                        mask_sha256=line.mask and _sha256(line.mask))
+        if line.controls:
+            edit = dict(control_images=[{**c.record(), "image": _sha256(c.image)}
+                                        for c in line.controls])
+        for k, seed in enumerate(seeds):
+            if seed is None:
+                seed = derive_seed(s.run_seed, line.index, k)
+            jid = job_id({**identity(line.index, k, line.prompt, neg, seed, steps, guidance, w,
+                                     h, s), **edit})
+            name = f"{line.index:0{wl}d}-{k:0{wi}d}-{slug(line.prompt)}-{jid[:8]}.{s.format}"
+            jobs.append(ImageJob(line, k, line.prompt, neg, seed, steps, float(guidance), w, h, s,
+                            jid, name, strength))
+    return jobs
