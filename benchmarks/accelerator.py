@@ -267,30 +267,30 @@ def items(batch: int):
 def compile_all(pipe, batches: list[int], threads: int) -> tuple[dict, dict]:
     """Lower every program on this thread and compile each in a thread pool as soon as it is
     lowered; returns ({(name, batch): compiled}, {(name, batch): args}). The pipeline's
-    programs are captured from ``pipe.generate`` (its ``_program`` wrapped so that the call
+    programs are captured from ``pipe.generate`` (its ``programs.get`` wrapped so that the call
     lowers instead of running)."""
     futures, inputs = {}, {}
-    original = pipe._program
+    original = pipe.programs.get
     with cf.ThreadPoolExecutor(max_workers=threads) as pool:
         for b in batches:
             captured = {}
 
-            def capture(key, captured=captured):
-                fn = original(key)
+            def capture(key, build, captured=captured, **jit_kwargs):
+                program = original(key, build, **jit_kwargs)
 
-                def run(*call_args, fn=fn):
-                    captured["lowered"] = fn.lower(*call_args)
+                def run(*call_args):
+                    captured["lowered"] = program.fn.lower(*call_args)
                     raise _Captured
 
                 return run
 
-            pipe._program = capture
+            pipe.programs.get = capture
             try:
                 pipe.generate(items(b), num_inference_steps=4)
             except _Captured:
                 pass
             finally:
-                del pipe._program  # the class's method again
+                del pipe.programs.get  # the class's method again
             futures[("pipeline", b)] = pool.submit(captured["lowered"].compile)
             for name, fn, args in part_programs(pipe, b):
                 futures[(name, b)] = pool.submit(fn.lower(*args).compile)

@@ -127,6 +127,14 @@ def sdxl_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def refiner_dir(tmp_path_factory):
+    """A tiny SDXL refiner folder (text_encoder_2 only, five time ids), torch seed 5."""
+    path = tmp_path_factory.mktemp("tiny-sdxl-refiner")
+    tiny.make_sdxl_refiner(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def browser():
     """Headless Chromium (Debian's package) driven by Playwright; skipped loudly without one."""

@@ -18,13 +18,6 @@ from pipelines.requests import ImageRequest
 
 
 @pytest.fixture(scope="module")
-def refiner_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-refiner")
-    tiny.make_sdxl_refiner(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def sd_dirs(tmp_path_factory):
     out = {}
     for name, v2 in (("sd1", False), ("sd2", True)):

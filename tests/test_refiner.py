@@ -14,7 +14,6 @@ import json
 
 import numpy as np
 import pytest
-import tiny
 import torch
 
 from pipelines import ImageToImagePipeline, TextToImagePipeline
@@ -42,13 +41,6 @@ def _image(seed: int) -> np.ndarray:
     coarse = rng.random((4, 4, 3))
     return (np.kron(coarse, np.ones((SIZE // 4, SIZE // 4, 1))) * 0.8
             + 0.2 * rng.random((SIZE, SIZE, 3))).astype(np.float32)
-
-
-@pytest.fixture(scope="module")
-def refiner_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-sdxl-refiner")
-    tiny.make_sdxl_refiner(path)
-    return path
 
 
 @pytest.fixture(scope="module")
