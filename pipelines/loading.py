@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ from maxdiff.schedulers import get_preset, load_scheduler, read_scheduler_config
 from maxdiff.tokenizers import load_tokenizer
 from pipelines.config import ModelDefaults
 
-__all__ = ["DEFAULT_COMPILE_CACHE", "enable_compile_cache", "model_root", "load"]
+__all__ = ["DEFAULT_COMPILE_CACHE", "COMPONENTS", "component_dtypes", "enable_compile_cache",
+           "model_root", "load"]
 
 DEFAULT_COMPILE_CACHE = Path(os.environ.get("MAXDIFF_COMPILE_CACHE",
                                             Path.home() / ".cache" / "maxdiff" / "jax"))
@@ -39,6 +41,34 @@ def enable_compile_cache(path: str | os.PathLike | None = DEFAULT_COMPILE_CACHE)
     jax.config.update("jax_compilation_cache_dir", str(path))
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+# the components whose dtype from_pretrained(dtype={...}) sets one by one
+COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+
+
+def component_dtypes(dtype: Any, platform: str) -> dict[str, str]:
+    """``from_pretrained``'s ``dtype`` -> each of :data:`COMPONENTS`' dtype: one dtype (a
+    string such as ``"bfloat16"``, or ``"auto"``: :func:`maxdiff.target.default_dtype` of
+    ``platform``) for all of them, or a mapping component -> dtype (``"auto"`` allowed), where a
+    component left out is float32. A key that is no component, or a dtype that is none, raises
+    ValueError naming it."""
+    if not isinstance(dtype, Mapping):
+        one = target.default_dtype(platform) if dtype == "auto" else dtype
+        return dict.fromkeys(COMPONENTS, one)
+    bad = [k for k in dtype if k not in COMPONENTS]
+    if bad:
+        raise ValueError(f"dtype: unknown component {bad[0]!r}; the components are "
+                         f"{', '.join(COMPONENTS)}")
+    out = dict.fromkeys(COMPONENTS, "float32")
+    for name, value in dtype.items():
+        value = target.default_dtype(platform) if value == "auto" else value
+        try:
+            checkpoint.resolve_dtype(value)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"dtype[{name!r}]: {e}") from None
+        out[name] = value
+    return out
 
 
 def model_root(path: Path, config: str | os.PathLike | None
@@ -101,8 +131,9 @@ def _tokenizer_folder(root: Path, name: str, layout: single_file.Layout | None) 
 def load(path, dtype, *, unet, scheduler, devices, attention_kernel, attention_chunk,
          compile_cache_dir, variant, vae, config, quantization) -> tuple[dict, tuple]:
     """What :meth:`pipelines.TextToImagePipeline.from_pretrained` loads (its arguments mean
-    the same): the pipeline's constructor arguments, and the model's (default height, default
-    width, largest side) from its configs and ``maxdiff.json`` (None where unknown)."""
+    the same; ``dtype`` one dtype or one per component: :func:`component_dtypes`): the
+    pipeline's constructor arguments, and the model's (default height, default width, largest
+    side) from its configs and ``maxdiff.json`` (None where unknown)."""
     quantlib.check_quantization(quantization)
     if path is None:
         from pipelines.default_model import default_model_path
@@ -113,8 +144,7 @@ def load(path, dtype, *, unet, scheduler, devices, attention_kernel, attention_c
     enable_compile_cache(compile_cache_dir)
     mesh = meshlib.make_mesh(devices)
     put = meshlib.put_replicated(mesh)
-    if dtype == "auto":
-        dtype = target.default_dtype(target.mesh_platform(mesh))
+    dtypes = component_dtypes(dtype, target.mesh_platform(mesh))
 
     hint = "" if config is not None else (
         f"maxdiff's shipped {layout.family.title} configs do not describe this file; pass "
@@ -135,11 +165,11 @@ def load(path, dtype, *, unet, scheduler, devices, attention_kernel, attention_c
                 f"convert --quantize); load it with quantization={stored!r}, not "
                 f"{quantization!r}")
         unet_model, unet_params = quantlib.load_quantized(
-            unet_module(unet_cfg, dtype, attention_kernel, attention_chunk),
+            unet_module(unet_cfg, dtypes["unet"], attention_kernel, attention_chunk),
             root / "unet" / quantlib.WEIGHTS_FILE, stored, put=put)
     else:
         unet_model, unet_params = load_unet(
-            unet if unet is not None else root / "unet", dtype, config=unet_cfg,
+            unet if unet is not None else root / "unet", dtypes["unet"], config=unet_cfg,
             attention_kernel=attention_kernel, attention_chunk=attention_chunk, put=put,
             variant=None if unet is not None else variant,
             source=None if unet is not None else unet_src)
@@ -148,16 +178,16 @@ def load(path, dtype, *, unet, scheduler, devices, attention_kernel, attention_c
         unet_params = put(unet_params)
     if vae is None:
         vae_cfg, vae_src = part("vae")
-        vae_model, vae_params = load_vae(root / "vae", dtype, variant=variant, put=put,
+        vae_model, vae_params = load_vae(root / "vae", dtypes["vae"], variant=variant, put=put,
                                          config=vae_cfg, source=vae_src)
     else:  # a folder brings its config; a file is read with the model's
         vae_cfg = None if Path(vae).is_dir() else checkpoint.read_config(root / "vae")
-        vae_model, vae_params = load_vae(vae, dtype, put=put, config=vae_cfg)
+        vae_model, vae_params = load_vae(vae, dtypes["vae"], put=put, config=vae_cfg)
     encoders = {}
     for name in family.encoders:
         cfg, src = part(name)
-        encoders[name] = load_text_encoder(root / name, dtype, variant=variant, config=cfg,
-                                           source=src)
+        encoders[name] = load_text_encoder(root / name, dtypes[name], variant=variant,
+                                           config=cfg, source=src)
     te1, te1_params = encoders.get("text_encoder", (None, None))
     te2, te2_params = encoders.get("text_encoder_2", (None, None))
     te1_params, te2_params = meshlib.place((te1_params, te2_params), meshlib.replicated(mesh))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +131,8 @@ class TextToImagePipeline(LoraAdapters):
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike | None = None, dtype: str = "auto",
+    def from_pretrained(cls, path: str | os.PathLike | None = None,
+                        dtype: str | Mapping[str, str] = "auto",
                         unet: str | os.PathLike | None = None, scheduler: Any = None,
                         devices: int | Sequence[Any] | None = None, *,
                         attention_kernel: str = "auto", attention_chunk: int = 512,
@@ -152,7 +153,9 @@ class TextToImagePipeline(LoraAdapters):
         name such as ``"lightning-4step"`` (which also sets the default steps and guidance).
         ``dtype``: ``"auto"`` (bfloat16 on TPUs and GPUs, float32 on CPUs: the mesh's devices
         decide, :func:`maxdiff.target.default_dtype`), ``"float32"``, ``"bfloat16"`` or
-        ``"float16"``.
+        ``"float16"``; or one per component, ``{"unet": "bfloat16", "vae": "float32", ...}``
+        (keys ``unet``, ``vae``, ``text_encoder``, ``text_encoder_2``; one left out is float32;
+        another key raises ValueError; :func:`pipelines.loading.component_dtypes`).
         ``devices``: None for all local devices, N for the first N. ``vae_tiling``:
         ``"auto"`` (encode and decode images of more than ``vae_tiling_threshold`` pixels tile
         by tile; default 2 x the VAE's ``sample_size²``, at least 2,097,152), True (tile

@@ -231,3 +231,51 @@ def test_step_model_prices_calls_on_the_roofline_and_replays_both_engines():
     assert sm.run_step(alone, c, 8) == [pytest.approx(want)]
     long_then_short = [(0.0, 30, False), (0.01, 4, False)]
     assert sm.run_step(long_then_short, c, 8)[1] < sm.run_batch(long_then_short, c, 8)[1]
+
+
+def test_precision_bar_is_stated_and_judged():
+    """benchmarks.precision: the bar its docstring states (fixed before measuring) is the one
+    it judges by, and a mean above its bound with a worst image below it fails."""
+    from benchmarks import precision
+
+    bar = ("each single component in bf16: mean >= 45 dB, worst >= 40 dB; "
+           "all bf16: mean >= 40 dB, worst >= 35 dB.")
+    assert bar in precision.__doc__
+    t = precision.THRESHOLDS
+    assert {m: (t["mean_db"][m], t["worst_db"][m]) for m in precision.MODES} == {
+        "text": (45, 40), "unet": (45, 40), "vae": (45, 40), "all": (40, 35)}
+    v = precision.verdicts({"vae": {"mean_db": 46.0, "worst_db": 39.9}})["vae"]
+    assert v["mean_db"]["pass"] and not v["worst_db"]["pass"] and not v["pass"]
+
+
+@pytest.mark.slow  # default-suite time (90 s: five pipelines compiled): make test-slow runs it
+def test_precision_smoke_reports_every_mode(sdxl_dir, tmp_path):
+    """benchmarks.precision --config tiny --n 2 (the suite's tiny checkpoint, 32x32): float32 and the
+    four bf16 modes run; the JSON has each mode's PSNR summary over both images and a verdict
+    against THRESHOLDS, the log the lines it printed, and the exit status says whether every
+    mode passed (the tiny random weights' figures are not judged here)."""
+    from benchmarks import precision
+
+    t = precision.THRESHOLDS
+    out, log = tmp_path / "p.json", tmp_path / "p.log"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.precision", "--config", "tiny",
+                           "--n", "2", "--checkpoint", str(sdxl_dir), "--json", str(out),
+                           "--log", str(log)], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=480)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["config"], result["n"], result["size"], result["steps"]) == ("tiny", 2, 32, 4)
+    assert list(result["modes"]) == list(result["verdicts"]) == ["text", "unet", "vae", "all"]
+    assert result["modes"]["all"]["dtype"] == "bfloat16"
+    assert result["modes"]["unet"]["dtype"] == {"unet": "bfloat16"}
+    for mode, s in result["modes"].items():
+        assert s["n"] == 2 and len(s["per_image_db"]) == 2
+        assert s["worst_db"] <= s["mean_db"] and s["max_abs_diff"] >= 0
+        v = result["verdicts"][mode]
+        assert v["mean_db"]["bound"] == t["mean_db"][mode]
+        assert v["pass"] == (v["mean_db"]["pass"] and v["worst_db"]["pass"])
+    assert result["pass"] == all(v["pass"] for v in result["verdicts"].values())
+    assert proc.returncode == (0 if result["pass"] else 1)
+    lines = log.read_text().splitlines()
+    assert lines and all(line in proc.stdout.splitlines() for line in lines)
+    assert sum(line.endswith((": pass", ": FAIL")) for line in lines) == 4

@@ -220,6 +220,32 @@ def test_not_a_pipeline_folder(tmp_path):
         TextToImagePipeline.from_pretrained(tmp_path)
 
 
+def test_dtype_per_component(sdxl_dir):
+    """dtype={component: dtype}: each component's weights and module in its own dtype, the ones
+    left out in float32; a key that is no component is refused, naming it and the components;
+    a string is every component's dtype, "auto" float32 here (a CPU)."""
+    import jax
+
+    from pipelines.loading import COMPONENTS, component_dtypes
+
+    mixed = TextToImagePipeline.from_pretrained(
+        sdxl_dir, dtype={"unet": "bfloat16", "text_encoder_2": "bf16"}, compile_cache_dir=None)
+    kinds = {name: {str(a.dtype) for a in jax.tree_util.tree_leaves(mixed.params[name])}
+             for name in COMPONENTS}
+    assert kinds == {"unet": {"bfloat16"}, "vae": {"float32"}, "text_encoder": {"float32"},
+                     "text_encoder_2": {"bfloat16"}}
+    assert mixed.unet.dtype == ml_dtypes.bfloat16 and mixed.vae.dtype == np.float32
+    with pytest.raises(ValueError, match=r"unknown component 'unett'; the components are unet, "
+                                         r"vae, text_encoder, text_encoder_2"):
+        TextToImagePipeline.from_pretrained(sdxl_dir, dtype={"unett": "bfloat16"},
+                                            compile_cache_dir=None)
+    with pytest.raises(ValueError, match=r"dtype\['vae'\]: dtype='int8' is not supported"):
+        component_dtypes({"vae": "int8"}, "cpu")
+    assert component_dtypes("bfloat16", "cpu") == dict.fromkeys(COMPONENTS, "bfloat16")
+    assert component_dtypes("auto", "cpu") == dict.fromkeys(COMPONENTS, "float32")
+    assert component_dtypes({"vae": "auto"}, "tpu")["vae"] == "bfloat16"
+
+
 def test_data_parallel_equals_single_device(sdxl_dir, tmp_path):
     """4 host devices: the batch is sharded over the mesh and the images equal one device's."""
     script = textwrap.dedent(f"""
