@@ -55,18 +55,21 @@ class Costs:
                    (self.weight_bytes + rows * self.bytes_per_row) / self.bandwidth)
 
 
-def costs_from_report(row: dict, size: int) -> Costs:
+def costs_from_report(row: dict, size: int, count: str = "all") -> Costs:
     """A tpu_report row (its compiled UNet call and whole program) -> :class:`Costs` at
-    ``size`` (the report's size, or a quarter of the per-row work at half the side)."""
+    ``size`` (the report's size, or a quarter of the per-row work at half the side), priced
+    with XLA's count of bytes (``count="all"``: every memory level) or with the bytes that
+    touch HBM (``"hbm"``, rows that have it)."""
     peaks = {"v5e": (197e12, 819e9), "v6e": (918e12, 1640e9), "v5p": (459e12, 2765e9)}
     peak, bw = peaks[row["chip"]]
     rows = row["batch_per_chip"] * (2 if row["guidance"] > 1 else 1)
     u = row["unet_call"]
+    pre = "hbm_" if count == "hbm" else ""
     weights = UNET_PARAMS * 2  # bf16
     f_row = u["tflop"] * 1e12 / rows
-    b_row = (u["gbytes"] * 1e9 - weights) / rows
+    b_row = (u[pre + "gbytes"] * 1e9 - weights) / rows
     # the whole program less its UNet calls, per image: the decode (and the text encoders)
-    per_image_s = row["roofline_s"] / row["batch_per_chip"]
+    per_image_s = row[pre + "roofline_s"] / row["batch_per_chip"]
     unet_s = row["steps"] * Costs(f_row, weights, b_row, peak, bw, 0).call(rows) / \
         row["batch_per_chip"]
     decode = max(per_image_s - unet_s, 0.0)
@@ -148,13 +151,13 @@ def holds(engine, name, rate, c, args, bound, seed) -> bool:
     return p99(lat) <= bound and kept_up
 
 
-def capacity(engine, name, c, args, bound) -> float:
+def capacity(engine, name, c, args, bound, seed: int = 0) -> float:
     lo, hi = 0.01, 1.0
-    while holds(engine, name, hi, c, args, bound, 0):
+    while holds(engine, name, hi, c, args, bound, seed):
         lo, hi = hi, hi * 2
     for _ in range(args.bisect):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if holds(engine, name, mid, c, args, bound, 0) else (lo, mid)
+        lo, hi = (mid, hi) if holds(engine, name, mid, c, args, bound, seed) else (lo, mid)
     return lo
 
 
@@ -169,6 +172,11 @@ def main(argv=None) -> int:
     ap.add_argument("--queries", type=int, default=2000)
     ap.add_argument("--p99-factor", type=float, default=10.0)
     ap.add_argument("--bisect", type=int, default=12)
+    ap.add_argument("--seeds", type=int, default=5,
+                    help="arrival sequences per capacity (the result: their range)")
+    ap.add_argument("--bytes", choices=("all", "hbm"), default="all",
+                    help="price calls with XLA's count of bytes (all memory levels) or the "
+                         "bytes that touch HBM")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
@@ -179,17 +187,19 @@ def main(argv=None) -> int:
     row = base[0]
     results = []
     for size in args.sizes:
-        c = costs_from_report(row, size)
+        c = costs_from_report(row, size, args.bytes)
         longest = 30 * c.call(2) + c.decode_s
         bound = args.p99_factor * longest
         for name in args.workloads:
-            caps = {e: capacity(f, name, c, args, bound)
+            caps = {e: [capacity(f, name, c, args, bound, seed) for seed in range(args.seeds)]
                     for e, f in (("batch", run_batch), ("step", run_step))}
-            res = {"size": size, "workload": name, "chip": row["chip"],
+            ratios = sorted(s / b for s, b in zip(caps["step"], caps["batch"]))
+            res = {"size": size, "workload": name, "chip": row["chip"], "bytes": args.bytes,
                    "call_1_row_s": c.call(1), "call_8_rows_s": c.call(8),
                    "decode_s": c.decode_s, "p99_bound_s": bound,
                    "capacity_batch": caps["batch"], "capacity_step": caps["step"],
-                   "step_over_batch": caps["step"] / caps["batch"]}
+                   "step_over_batch": ratios[len(ratios) // 2],
+                   "step_over_batch_range": [ratios[0], ratios[-1]]}
             results.append(res)
             print(json.dumps(res), flush=True)
     if args.out:

@@ -15,6 +15,14 @@ published peaks, which bound, and the collectives in the compiled HLO.
 XLA's ``optimal_seconds`` is not used (it came back negative); Pallas kernels (splash
 attention) are custom calls whose work XLA does not count, so their analytic flops and bytes
 are added (:func:`maxdiff.models.attention.counting_kernel_costs`).
+
+Two byte counts, because they differ by a factor of two or more on a TPU: XLA's cost analysis
+(``"bytes accessed"``) sums every operation's operands and results wherever they live, and the
+TPU compiler keeps many activations in the chip's on-chip VMEM (memory space 1 in the compiled
+HLO, ``S(1)`` in a layout), whose bandwidth is not the HBM's. :func:`memory_traffic` reads the
+compiled HLO and splits the same sum by memory space: the part that touches HBM is what the
+HBM's bandwidth serves. Both are reported; both count each operand once per operation (a
+kernel that re-reads a tile counts it once), so neither is an upper bound.
 """
 
 from __future__ import annotations
@@ -109,6 +117,79 @@ def collectives(hlo_text: str) -> dict[str, int]:
     return counts
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+                "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+_ARRAY_RE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
+_INST_RE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+# computations that run as themselves (not fused into an operation): loop bodies, branches,
+# called computations; a fusion's or a reduction's computation is part of its operation
+_RUNS_RE = re.compile(r"\b(?:body|condition|true_computation|false_computation)=%([\w.\-]+)"
+                      r"|branch_computations=\{([^}]*)\}")
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
+         "copy-done", "slice-done", "while", "conditional", "partition-id", "replica-id"}
+
+
+def _arrays(text: str) -> list[tuple[int, int]]:
+    """(bytes, memory space) of each array shape in an HLO shape text (a tuple: several)."""
+    out = []
+    for dt, dims, layout in _ARRAY_RE.findall(text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        space = re.search(r"S\((\d+)\)", layout or "")
+        out.append((n * _DTYPE_BYTES[dt], int(space.group(1)) if space else 0))
+    return out
+
+
+def memory_traffic(hlo_text: str) -> dict[str, float]:
+    """The bytes a compiled program's operations read and write, by where they live: ``hbm``
+    (memory space 0) and ``on_chip`` (every other space: VMEM, SMEM). Each operation of a
+    computation that runs as itself (the entry, loop bodies, branches; once each, as XLA's
+    cost analysis counts a loop's body once) adds its operands and results; an async copy or
+    slice counts what it moves; bitcasts, tuples and parameters move nothing."""
+    comps: dict[str, list[str]] = {}
+    entry, cur = None, None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            cur = comps.setdefault(name, [])
+            entry = name if line.startswith("ENTRY") else entry
+        elif cur is not None and line.startswith("  "):
+            cur.append(line)
+    sizes: dict[str, list] = {}
+    for lines in comps.values():
+        for line in lines:
+            m = _INST_RE.match(line)
+            if m:
+                sizes[m.group(1)] = _arrays(m.group(2))
+    totals = {"hbm": 0.0, "on_chip": 0.0}
+    todo, seen = [entry], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            for a, b in _RUNS_RE.findall(line):
+                todo.extend([a] if a else re.findall(r"%([\w.\-]+)", b))
+            m = _INST_RE.match(line)
+            if not m or m.group(3) in _FREE:
+                continue
+            _, shape, op, rest = m.groups()
+            out = _arrays(shape)
+            operands = [a for o in re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+                        for a in sizes.get(o, [])]
+            if op in ("copy-start", "slice-start") and len(out) > 1:
+                # (destination, source, context) and ((source), destination, context): what
+                # moves is the destination's bytes, read from the source's memory space
+                dest, src = out[::-1][1:3] if op == "slice-start" else out[:2]
+                operands, out = [(dest[0], src[1])], [dest]
+            for nbytes, space in operands + out:
+                totals["hbm" if space == 0 else "on_chip"] += nbytes
+    return totals
+
+
 def analyse(entry: dict, chip: Chip, images_per_chip: float) -> dict:
     """A recorded program (:func:`pipelines.program.recording`) -> per-chip figures: HBM it
     needs, flops and HBM bytes (XLA's count plus the Pallas kernels'), roofline seconds on
@@ -120,8 +201,11 @@ def analyse(entry: dict, chip: Chip, images_per_chip: float) -> dict:
         return fit(entry, chip)
     flops = float(cost.get("flops", 0.0)) + entry["kernel_flops"] / entry["shards"]
     nbytes = float(cost.get("bytes accessed", 0.0)) + entry["kernel_bytes"] / entry["shards"]
-    compute_s, memory_s = flops / chip.flops, nbytes / chip.hbm_bytes_per_s
-    seconds = max(compute_s, memory_s)
+    # the Pallas kernels' own HBM traffic is analytic (their operands are counted below too)
+    hbm = memory_traffic(compiled.as_text())["hbm"] + entry["kernel_bytes"] / entry["shards"]
+    compute_s = flops / chip.flops
+    memory_s, hbm_s = nbytes / chip.hbm_bytes_per_s, hbm / chip.hbm_bytes_per_s
+    seconds, hbm_seconds = max(compute_s, memory_s), max(compute_s, hbm_s)
     return {
         **fit(entry, chip), "tflop": flops / 1e12, "gbytes": nbytes / 1e9,
         "kernel_tflop": entry["kernel_flops"] / entry["shards"] / 1e12,
@@ -129,6 +213,12 @@ def analyse(entry: dict, chip: Chip, images_per_chip: float) -> dict:
         "ridge": chip.ridge, "bound": "compute" if compute_s >= memory_s else "memory",
         "roofline_s": seconds,
         "images_per_s_per_chip": images_per_chip / seconds if seconds else float("inf"),
+        # the same with the bytes that touch HBM only (VMEM-resident traffic left out)
+        "hbm_gbytes": hbm / 1e9, "hbm_flops_per_byte": flops / hbm if hbm else float("inf"),
+        "hbm_bound": "compute" if compute_s >= hbm_s else "memory",
+        "hbm_roofline_s": hbm_seconds,
+        "hbm_images_per_s_per_chip": (images_per_chip / hbm_seconds if hbm_seconds
+                                      else float("inf")),
     }
 
 
