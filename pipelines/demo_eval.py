@@ -93,22 +93,8 @@ UNSEEN_TEMPLATES_2 = (
     "in {bg}: one {color} {shape}",
     "draw a {shape} in {color} on a {bg} background",
 )
-# Fine-tuning on v2 captions (#25), decided before training: from the shipped model (VAE reused),
-# captions v2, 3,000 UNet steps, batch 32, lr 3e-4 after 100 warm-up steps, weight decay 0.01,
-# snapshots every 500. Choice, on data that is not reported: among the snapshots whose val "all"
-# is >= 99 %, the one with the highest "all" on `wording` (already looked at, so validation now);
-# ties go to fewer steps. It replaces the shipped model only if that figure is >= 80 % (the
-# shipped model: 69.0 %). Then `fresh` and `wording2` are scored once and published whatever they are.
-# Training from scratch on v2 captions (#25), decided before that run, after the fine-tune fell
-# short: configs/train-demo.yaml as the shipped model was trained (10,000 UNet steps, batch 32,
-# lr 6e-4 after 200 warm-up steps, weight decay 0.01) with captions=v2, the VAE reused from the
-# shipped model (its phase sees images only, no captions), snapshots every 2,500 steps. The
-# H200 attempt (float32, 26 steps/s) was stopped by its call's time limit at step 2,387 before
-# any snapshot, so the run is `make train-demo-v2` on 2 CPU cores (started 13:51 UTC; at the
-# shared machine's 1 step/s the candidates are the snapshots written by 16:00, scored as they
-# come; set before any was scored). Choice: the fine-tune's rule above
-# unchanged (val all >= 99 %, then the highest wording all, ties to fewer steps; it ships only
-# at >= 80 % on wording), evaluated on this repository's CPU path; fresh and wording2 once.
+# The rules that chose among v2-caption models, each set before its run, are recorded with
+# the runs in docs/results/demo-eval-2026-12-05/README.md.
 # What we would call following the words (all three right), stated before the first scoring.
 WORDING_TARGET = 0.90
 # floor_rule applied to the published scores (docs/results/demo-eval-2026-12-04/): fresh

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random checkpoints written once per test session, one persistent JAX
-compilation cache for the whole run, XLA's CPU backend at -O0, and the groups that
-``pytest -n 2 --dist loadgroup`` (``make test``) hands to its workers whole."""
+compilation cache for the whole run, XLA's CPU backend at -O0; the groups that
+``pytest -n 2 --dist loadgroup`` (``make test``) hands to its workers whole are
+``xdist_groups``'."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ from pathlib import Path
 
 # XLA's CPU backend at -O0 for this process and every process it starts (CLI runs, Ray Serve
 # replicas, the notebook's kernel inherit XLA_FLAGS): on the tiny checkpoints a cold compile is
-# most of a test's time, and -O0 halves it (measured 2026-12-04: the tiny SDXL program 10.2 s ->
-# 5.5 s of XLA compilation, its run 0.15 -> 0.29 s). The parity tests compare against PyTorch
+# most of a test's time, and -O0 halves it (docs/development.md). The parity tests compare against PyTorch
 # with tolerances, the bit-equality tests compare runs of one run's processes with each other;
 # the shipped default is what tests/test_cli.py's installed-copy run and
 # tests/test_pipeline.py::test_the_shipped_xla_optimisation_level_agrees exercise.
@@ -41,50 +41,10 @@ def shipped_env(pythonpath, **extra: str) -> dict:
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads them when it starts)
 import pytest  # noqa: E402
 import tiny  # noqa: E402
-
-# `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup). A group runs whole
-# on one worker, so its module-scoped fixtures (a compiled pipeline, a PyTorch reference) are
-# built once: every module is its own group, and tests/service is two groups, each sharing the
-# package fixtures (one Ray cluster per worker, the applications its modules use):
-# SERVICE_STEP's modules use the engine=step and multi-model applications, the others the main,
-# guarded and ControlNet ones. HEAVY goes first, so the long groups start at once and the short
-# ones fill the other worker: the groups over 80 worker-seconds in the default-suite run of
-# 2026-12-05 (docs/development.md), longest first.
-SERVICE_STEP = ("test_step_serving", "test_multi_model", "test_cost", "test_metrics")
-HEAVY = ("service-step", "service", "test_demo_model", "test_readme", "test_pipeline",
-         "test_quantization", "test_cli", "test_controlnet_pipeline", "test_sd_pipeline")
-
-
-def group(nodeid: str) -> str:
-    """The xdist group of a test, from its node id."""
-    path = Path(nodeid.split("::", 1)[0])
-    if path.parent.name == "service":
-        return "service-step" if path.stem in SERVICE_STEP else "service"
-    return path.stem
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """With --dist loadgroup, a scheduler that groups by :func:`group`. xdist's own loadgroup
-    reads ``xdist_group`` markers by appending the group to ``item._nodeid``, which pytest 9.2's
-    node ids no longer read: with the markers alone no test had a group, and every module's
-    fixtures were built on both workers (seen in the 2026-12-05 run's setups)."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByGroup(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return group(nodeid)
-
-    return ByGroup(config, log)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {g: i for i, g in enumerate(HEAVY)}
-    # a stable sort: the heavy groups first in HEAVY's order, then the rest as collected (the
-    # scheduler hands groups out in this order with --no-loadscope-reorder)
-    items.sort(key=lambda it: rank.get(group(it.nodeid), len(HEAVY)))
+from xdist_groups import (  # noqa: E402, F401  (pytest hooks: the workers' groups)
+    pytest_collection_modifyitems,
+    pytest_xdist_make_scheduler,
+)
 
 # One persistent compilation cache for the run, shared by this process and every process the
 # tests start (CLI runs, Ray Serve replicas, the notebook's kernel: they read
