@@ -56,7 +56,8 @@ from serving.backend import Backend, Expired, InvalidJob, Meters
 from serving.batch_backend import BatchBackend
 from serving.models import Catalog, Served
 from serving.schemas import JobResult
-from serving.settings import ServeSettings, WarmupShape
+from serving.settings import ServeSettings
+from serving.specs import WarmupShape
 
 __all__ = ["Expired", "Generator", "InvalidJob", "LoadedModel", "StatsBoard"]
 
@@ -134,7 +135,7 @@ class LoadedModel:
         self.batches = BatchBackend(*parts, controlnets=self.controlnets)
         self.backend: Backend = self.batches
         if settings.engine == "step":
-            from serving.settings import STEP_REFINER
+            from serving.specs import STEP_REFINER
             from serving.step_backend import StepBackend
 
             if self.pipe.refiner is not None:  # (a config file's refiner key)

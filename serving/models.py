@@ -17,7 +17,8 @@ from pathlib import Path
 from maxdiff.quantization import lora_problem
 from pipelines.config import RunConfig, load_run_config
 from serving.errors import ApiError
-from serving.settings import AdapterSpec, ControlNetSpec, ServeSettings
+from serving.settings import ServeSettings
+from serving.specs import AdapterSpec, ControlNetSpec
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipelines.limits import CONTROL_SCALE_MAX, MAX_SEED, STRENGTH
-from serving.settings import AdapterSpec, ServeSettings, WarmupShape  # noqa: F401 (re-exported)
+from serving.settings import ServeSettings  # noqa: F401 (re-exported)
+from serving.specs import AdapterSpec, WarmupShape  # noqa: F401 (re-exported)
 
 # ---------------------------------------------------------------------------------- HTTP models
 ImageFormat = Literal["png", "jpeg", "webp"]
