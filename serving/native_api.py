@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from pipelines.image_files import decode_image, encode_image, image_info
 from pipelines.limits import (
     chosen_controlnet,
     control_scale_problem,
@@ -23,15 +24,7 @@ from pipelines.limits import (
     controlnet_problem,
     within,
 )
-from pipelines.requests import (
-    ControlImage,
-    ControlRequest,
-    EditRequest,
-    GenerationRequest,
-    decode_image,
-    encode_image,
-    image_info,
-)
+from pipelines.requests import ControlImage, ControlRequest, EditRequest, GenerationRequest
 from serving import validation
 from serving.errors import ApiError, invalid_all
 from serving.gate import is_json_type, media_type

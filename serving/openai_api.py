@@ -9,7 +9,8 @@ import time
 
 from fastapi import UploadFile
 
-from pipelines.requests import EditRequest, GenerationRequest, encode_image, parse_size
+from pipelines.image_files import encode_image
+from pipelines.requests import EditRequest, GenerationRequest, parse_size
 from serving import validation
 from serving.errors import invalid, invalid_all
 from serving.models import Catalog

@@ -13,9 +13,10 @@ from typing import Any
 
 from fastapi import Request
 
+from pipelines.image_files import decode_image, repaint_mask
 from pipelines.limits import STRENGTH, Limits, field_name
 from pipelines.limits import problems as rule_problems
-from pipelines.requests import EditRequest, decode_image, repaint_mask
+from pipelines.requests import EditRequest
 from serving.errors import TIMEOUT_HEADER, invalid, invalid_all
 from serving.settings import ServeSettings
 

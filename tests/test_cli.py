@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from maxdiff.checkpoint import open_weights
-from pipelines import cli, requests
+from pipelines import cli, image_files, requests
 from pipelines.cli.jobs import RunSettings, plan_jobs
 from pipelines.cli.output import TMP_MARK
 from pipelines.cli.prompts import read_prompts
@@ -145,7 +145,7 @@ def test_jsonl_per_line_overrides_and_webp(converted, env, tmp_path):
     assert sorted(r["file"] for r in recs.values()) == images(out, "webp")
     with Image.open(out / recs[2, 0]["file"]) as im:
         assert im.format == "WEBP" and im.size == (16, 24)
-    info = requests.read_image_info(out / recs[1, 0]["file"])
+    info = image_files.read_image_info(out / recs[1, 0]["file"])
     assert info["negative_prompt"] == "green" and info["seed"] == str(recs[1, 0]["seed"])
 
 
@@ -295,7 +295,7 @@ def test_image_and_mask_edits(sdxl_dir, env, tmp_path):
     assert (by_prompt["a cat"]["mode"], by_prompt["a cat"]["strength"]) == ("img2img", 0.5)
     for m in meta:
         assert Image.open(out / m["file"]).size == (32, 32)
-        info = requests.read_image_info(out / m["file"])
+        info = image_files.read_image_info(out / m["file"])
         assert info["mode"] == m["mode"] and float(info["strength"]) == m["strength"]
     a, b = (np.asarray(Image.open(out / by_prompt[p]["file"]), int) for p in ("a watercolor",
                                                                                "a cat"))

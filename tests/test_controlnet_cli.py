@@ -43,7 +43,7 @@ def test_cli_and_jsonl_images_equal_the_python_api(sdxl_dir, files, tmp_path, ca
     ``generate`` with the same rows); the metadata and the PNG record the ControlNet settings;
     a rerun has nothing to do."""
     from pipelines import ControlImage, ControlNetPipeline, ImageRequest, TextToImagePipeline
-    from pipelines.requests import read_image_info
+    from pipelines.image_files import read_image_info
 
     jobs = files.dir / "jobs.jsonl"
     jobs.write_text(json.dumps({"prompt": "a blue square", "seed": 11, "size": "32x32",

@@ -249,7 +249,7 @@ def test_cli_generate_quantized(sdxl_dir, int8_pipe, tmp_path):
     are the Python API's with the same setting (one image: the same padded batch of 1)."""
     from PIL import Image
 
-    from pipelines import requests
+    from pipelines import image_files
 
     res = _cli("generate", "a red circle", "--model", sdxl_dir, "--steps", "1", "--seed", "3",
                "--quantization", "int8", "--out", tmp_path / "out")
@@ -257,7 +257,7 @@ def test_cli_generate_quantized(sdxl_dir, int8_pipe, tmp_path):
     rec = json.loads((tmp_path / "out" / "metadata.jsonl").read_text().splitlines()[0])
     assert rec["quantization"] == "int8"
     file = tmp_path / "out" / rec["file"]
-    assert requests.read_image_info(file)["quantization"] == "int8"
+    assert image_files.read_image_info(file)["quantization"] == "int8"
     got = np.asarray(Image.open(file), np.int16)
     want = np.asarray(int8_pipe("a red circle", num_inference_steps=1, seed=rec["seed"],
                                 guidance_scale=rec["guidance"]).images[0], np.int16)

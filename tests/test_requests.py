@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pipelines.image_files import encode_image, read_image_info
 from pipelines.limits import MAX_SEED, cfg_on
 from pipelines.requests import (
     GenerationRequest,
@@ -15,12 +16,10 @@ from pipelines.requests import (
     ShapeKey,
     bucket_size,
     derive_seed,
-    encode_image,
     image_seeds,
     pad_to,
     parse_size,
     plan_batches,
-    read_image_info,
 )
 
 
@@ -104,7 +103,8 @@ def test_encode_image_carries_settings(tmp_path):
 
 
 def test_decode_image_and_repaint_masks():
-    from pipelines.requests import EditRequest, decode_image, repaint_mask
+    from pipelines.image_files import decode_image, repaint_mask
+    from pipelines.requests import EditRequest
 
     pixels = np.random.default_rng(0).integers(0, 256, (8, 16, 3), np.uint8)
     rgb, alpha = decode_image(encode_image(pixels))

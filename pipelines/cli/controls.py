@@ -10,15 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.cli.lines import CONTROL_FIELDS, ControlSpec, edit_size
+from pipelines.image_files import decode_image
 from pipelines.limits import (
     chosen_controlnet,
     control_scale_problem,
     control_window_problems,
     describe,
     within,
-)
-from pipelines.requests import (
-    decode_image,
 )
 
 

@@ -20,21 +20,14 @@ from typing import Any
 
 from pipelines.cli.lines import InputError, PromptLine
 from pipelines.cli.prompts import edit_strength
+from pipelines.image_files import image_info
 from pipelines.limits import (
     cfg_on,
     describe,
     seed_problem,
     strength_problem,
 )
-from pipelines.requests import (
-    ControlKey,
-    EditKey,
-    ImageRequest,
-    ShapeKey,
-    derive_seed,
-    image_info,
-    image_seeds,
-)
+from pipelines.requests import ControlKey, EditKey, ImageRequest, ShapeKey, derive_seed, image_seeds
 
 
 @dataclass(frozen=True)

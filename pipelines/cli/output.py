@@ -14,9 +14,7 @@ from typing import Any
 
 from pipelines.cli.jobs import ImageJob
 from pipelines.cli.lines import InputError
-from pipelines.requests import (
-    encode_image,
-)
+from pipelines.image_files import encode_image
 
 METADATA = "metadata.jsonl"
 

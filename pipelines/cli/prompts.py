@@ -37,16 +37,13 @@ from pipelines.cli.lines import (
     check_size,
     edit_size,
 )
+from pipelines.image_files import decode_image, repaint_mask
 from pipelines.limits import (
     STRENGTH,
     control_window_problems,
     describe,
     steps_problem,
     strength_problem,
-)
-from pipelines.requests import (
-    decode_image,
-    repaint_mask,
 )
 
 
