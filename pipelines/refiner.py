@@ -59,7 +59,7 @@ def generate(base, items: Sequence[ImageRequest], *, height: int | None = None,
     the same ``num_inference_steps`` with its own scheduler, as diffusers' two pipelines do."""
     t0 = time.perf_counter()
     refiner = base.refiner
-    items = list(items)
+    items = [it.with_defaults(base.default_guidance) for it in items]
     if not items:
         raise ValueError("items is empty: give at least one ImageRequest")
     if refiner is not None and denoising_end is None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -109,7 +109,8 @@ def derive_seed(run_seed: int, line: int, image: int) -> int:
 class ImageRequest:
     """One image to generate: its text, seed and guidance (sizes and steps are per batch).
 
-    ``seed`` None draws a random one (reported in the output). ``negative_size``:
+    ``seed`` None draws a random one (reported in the output). ``guidance_scale`` None: the
+    pipeline's default (its model family's, or its run config's). ``negative_size``:
     (original_size, crops_coords_top_left, target_size) for the negative branch; None uses the
     positive ones, as diffusers does. ``adapter``: the name of a LoRA adapter added with
     ``TextToImagePipeline.add_adapter`` that this image uses (None: the base model); images with
@@ -122,7 +123,7 @@ class ImageRequest:
     negative_prompt: str | None = None
     negative_prompt_2: str | None = None
     seed: int | None = None
-    guidance_scale: float = 5.0
+    guidance_scale: float | None = None
     guidance_rescale: float = 0.0
     original_size: tuple[int, int] | None = None
     crops_coords_top_left: tuple[int, int] = (0, 0)
@@ -138,7 +139,8 @@ class ImageRequest:
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 raise ValueError(f"{where}{name} must be a string, got {type(v).__name__}")
-        for p in (seed_problem(self.seed), guidance_problem(self.guidance_scale),
+        guidance = 0.0 if self.guidance_scale is None else self.guidance_scale
+        for p in (seed_problem(self.seed), guidance_problem(guidance),
                   aesthetic_problem(self.aesthetic_score),
                   aesthetic_problem(self.negative_aesthetic_score, "negative_aesthetic_score")):
             if p is not None:
@@ -146,6 +148,10 @@ class ImageRequest:
         r = self.guidance_rescale
         if not isinstance(r, (int, float, np.floating)) or not 0.0 <= r <= 1.0:
             raise ValueError(f"{where}guidance_rescale={r!r}; it must be in [0, 1]")
+
+    def with_defaults(self, guidance: float) -> ImageRequest:
+        """This request with an omitted guidance scale set to ``guidance`` (the pipeline's)."""
+        return self if self.guidance_scale is not None else replace(self, guidance_scale=guidance)
 
     def time_ids(self, height: int, width: int) -> list[float]:
         return [*(self.original_size or (height, width)), *self.crops_coords_top_left,

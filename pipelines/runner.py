@@ -152,9 +152,9 @@ def checked_items(pipe, items: Sequence[ImageRequest], steps, height, width,
     """The checks and defaults every task shares: at least one item, the step count (default:
     the pipeline's), the size (default: ``size_from``'s (width, height) rounded down to the
     VAE's factor, else the pipeline's), then :meth:`check_request` and each item's
-    ``validate``. ``output_type`` None: checked by the caller. Returns (items, steps,
-    height, width)."""
-    items = list(items)
+    ``validate``; an item without a guidance scale gets the pipeline's. ``output_type`` None:
+    checked by the caller. Returns (items, steps, height, width)."""
+    items = [it.with_defaults(pipe.default_guidance) for it in items]
     if not items:
         raise ValueError("items is empty: give at least one ImageRequest")
     steps = pipe.default_steps if steps is None else steps

@@ -134,6 +134,7 @@ class StepEngine:
         steps = self.pipe.default_steps if steps is None else steps
         self.pipe.check_request(steps, self.height, self.width, self.output_type)
         check([steps_problem(steps, self.max_steps, "this engine's max_steps")])
+        request = request.with_defaults(self.pipe.default_guidance)
         request.validate()
         if self.runner.nets:
             if controls is None:

@@ -74,3 +74,13 @@ def test_a_new_task_is_its_hooks(sdxl_dir):
         checked_items(pipe, [], 2, 32, 32, "np")
     with pytest.raises(ValueError, match="height=31"):
         checked_items(pipe, items, 2, 31, 32, "np")
+    # an item without a guidance scale gets the pipeline's (its family's or run config's)
+    pipe.default_guidance = 0.0
+    (got,), *_ = checked_items(pipe, [ImageRequest(prompt="a")], 2, 32, 32, "np")
+    assert got.guidance_scale == 0.0
+    assert checked_items(pipe, [ImageRequest("a", guidance_scale=3.0)], 2, 32, 32,
+                         "np")[0][0].guidance_scale == 3.0
+    omitted = [ImageRequest(prompt="a red circle", seed=s) for s in (1, 2)]
+    np.testing.assert_array_equal(pipe.generate(omitted, height=32, width=32,
+                                                num_inference_steps=2, output_type="np").images,
+                                  text)
