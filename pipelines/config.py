@@ -65,7 +65,9 @@ class RunConfig(StrictConfig):
     unet: str | None = None  # single-file UNet replacing the model's (SDXL-Lightning)
     vae: str | None = None  # VAE file or folder replacing the model's (sdxl_vae.safetensors)
     single_file_config: str | None = None  # diffusers folder describing a single-file model
-    scheduler: str | None = None  # preset name (lightning-4step, ...), config folder or json
+    # preset (lightning-4step, ...), sampler name (dpmpp_2m_karras, "DPM++ 2M Karras", unipc,
+    # ...: the model's own scheduler config switched to that sampler), config folder or json
+    scheduler: str | None = None
     steps: int | None = Field(None, ge=1)
     guidance: float | None = Field(None, ge=0)
     height: int | None = Field(None, ge=1)
@@ -105,7 +107,7 @@ class RunConfig(StrictConfig):
     def pipeline_kwargs(self) -> dict:
         """Keyword arguments for ``TextToImagePipeline.from_pretrained``."""
         kw = dict(path=self.model, dtype=self.dtype, unet=self.unet, vae=self.vae,
-                  config=self.single_file_config, scheduler=self.scheduler,
+                  config=self.single_file_config, scheduler=self.scheduler_source(),
                   devices=self.devices, attention_kernel=self.attention,
                   attention_chunk=self.attention_chunk, vae_tiling=self.vae_tiling,
                   quantization=self.quantization, refiner=self.refiner,
@@ -113,6 +115,25 @@ class RunConfig(StrictConfig):
         if self.compile_cache_dir is not None:
             kw["compile_cache_dir"] = self.compile_cache_dir or None
         return kw
+
+    def scheduler_source(self):
+        """``scheduler`` as ``from_pretrained`` takes it: a sampler name becomes the model's own
+        scheduler config switched to that sampler (:mod:`maxdiff.schedulers.names`), so that
+        the CLI, run configs and the service take the names; a preset, a path or None stays
+        as it is. Reads the model's scheduler config (no weights); an unknown name raises a
+        ValueError listing the presets and samplers."""
+        source = self.scheduler
+        if source is None or Path(source).exists():
+            return source
+        from maxdiff.schedulers import PRESETS, sampler_config
+        from maxdiff.schedulers.loading import name_problem
+
+        if source in PRESETS:
+            return source
+        problem = name_problem(source)
+        if problem is not None:
+            raise ValueError(problem)
+        return sampler_config(source, model_scheduler_config(self.model, self.single_file_config))
 
     def call_kwargs(self) -> dict:
         """Defaults for a pipeline call (only the ones the config sets)."""
@@ -143,6 +164,25 @@ class ModelDefaults(StrictConfig):
         if not isinstance(data, dict):
             raise ValueError(f"{path}: must be a JSON object")
         return validate(cls, data, str(path))
+
+
+def model_scheduler_config(model: str | os.PathLike | None,
+                           single_file_config: str | os.PathLike | None = None) -> dict:
+    """The scheduler config of ``model`` (None: the default model) as
+    :func:`pipelines.loading.load` reads it: a diffusers folder's ``scheduler/``, or for a
+    single file the configs describing it (``single_file_config``, else the family's shipped
+    ones) with what the file says of its prediction type."""
+    from maxdiff import single_file
+    from maxdiff.schedulers import read_scheduler_config
+    from pipelines.default_model import default_model_path
+
+    path = Path(model) if model is not None else default_model_path()
+    if not path.is_file():
+        return read_scheduler_config(path / "scheduler")
+    layout = single_file.inspect(path)
+    root = Path(single_file_config) if single_file_config is not None \
+        else single_file.shipped_config(layout.family.name)
+    return layout.scheduler_config(read_scheduler_config(root / "scheduler"))
 
 
 def available_configs() -> list[str]:

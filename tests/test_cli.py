@@ -392,6 +392,19 @@ def test_help_has_examples(capsys):
     assert cli.main([]) == 2
 
 
+def test_scheduler_help_names_every_sampler(capsys):
+    """--scheduler's help (a fixed text: the parser imports no JAX) lists every sampler's short
+    name maxdiff.schedulers.names knows."""
+    from maxdiff.schedulers import SAMPLERS
+
+    assert cli.main(["generate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    help_text = text[text.index("--scheduler NAME"):]
+    help_text = help_text[:help_text.index(" --dtype")]
+    assert set(SAMPLERS) <= set(help_text.replace(",", " ").split())
+    assert "'DPM++ 2M Karras'" in help_text and "lightning-1step" in help_text
+
+
 def test_seeds_do_not_shift_when_lines_are_added():
     s = RunSettings(model="m", scheduler="s", dtype="float32", steps=1, guidance=5.0,
                           width=32, height=32, run_seed=9, num_images=2)

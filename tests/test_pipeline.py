@@ -86,16 +86,13 @@ def test_guidance_zeroed_negative_and_rescale(pipe, torch_pipe):
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("name", ["ddim", "dpm++2m-karras"])
+@pytest.mark.parametrize("name", ["ddim"])  # DPM++ 2M Karras and UniPC: test_named_samplers
 def test_other_schedulers(sdxl_dir, torch_pipe, name):
-    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
+    """A scheduler config dict (``from_pretrained(scheduler={...})``)."""
+    from diffusers import DDIMScheduler
 
     base = dict(torch_pipe.scheduler.config)
-    if name == "ddim":
-        cls, extra = DDIMScheduler, {}
-    else:
-        cls, extra = DPMSolverMultistepScheduler, {"use_karras_sigmas": True,
-                                                   "algorithm_type": "dpmsolver++", "solver_order": 2}
+    cls, extra = DDIMScheduler, {}
     config = {**base, **extra, "_class_name": cls.__name__}
     ours_pipe = TextToImagePipeline.from_pretrained(sdxl_dir, scheduler=config,
                                                     compile_cache_dir=None)
@@ -104,6 +101,42 @@ def test_other_schedulers(sdxl_dir, torch_pipe, name):
               num_inference_steps=6, guidance_scale=3.0)
     ours = ours_pipe(**kw, latents=lat, output_type="np").images
     theirs = _theirs(torch_pipe, scheduler_cls=cls, sched_kw=extra, latents=lat, **kw)
+    assert np.abs(ours - theirs).max() <= 2e-3
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name, route", [("unipc", "run config"),
+                                         ("DPM++ 2M Karras", "pipe.scheduler")])
+def test_named_samplers(sdxl_dir, pipe, torch_pipe, name, route):
+    """A sampler by name gives diffusers' pixels with ``Class.from_config(pipe.scheduler.config,
+    **keys)``: through a run config (what the CLI's --scheduler and the service's scheduler=
+    use), or switched on a loaded pipeline, ``pipe.scheduler = load_scheduler(name,
+    base=pipe.scheduler)``."""
+    import diffusers
+
+    from maxdiff.schedulers import get_sampler, load_scheduler
+    from pipelines.config import RunConfig
+
+    sampler = get_sampler(name)
+    lat = _latents(2, seed=4)
+    kw = dict(prompt=["a red circle", "a white background"], negative_prompt="black",
+              num_inference_steps=5, guidance_scale=3.0)
+    if route == "run config":
+        ours_pipe = TextToImagePipeline.from_config(
+            RunConfig(model=str(sdxl_dir), scheduler=name, compile_cache_dir=""))
+        assert ours_pipe.default_steps == pipe.default_steps  # a sampler is no preset
+        sched = ours_pipe.scheduler
+        ours = ours_pipe(**kw, latents=lat, output_type="np").images
+    else:
+        euler = pipe.scheduler
+        sched = pipe.scheduler = load_scheduler(name, base=euler)
+        try:
+            ours = pipe(**kw, latents=lat, output_type="np").images
+        finally:
+            pipe.scheduler = euler
+    assert type(sched).__name__ == sampler.class_name
+    theirs = _theirs(torch_pipe, scheduler_cls=getattr(diffusers, sampler.class_name),
+                     sched_kw=dict(sampler.settings), latents=lat, **kw)
     assert np.abs(ours - theirs).max() <= 2e-3
 
 

@@ -21,6 +21,7 @@ over the whole run (each side feeding its own outputs back). Tolerances, and why
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -30,7 +31,9 @@ import pytest
 
 from maxdiff.schedulers import (
     PRESETS,
+    SCHEDULERS,
     SDXL_BASE_SCHEDULER_CONFIG,
+    DDIMScheduler,
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
@@ -38,9 +41,15 @@ from maxdiff.schedulers import (
     PNDMScheduler,
     PNDMState,
     Preset,
+    UniPCMultistepScheduler,
+    find_sampler,
     get_preset,
+    get_sampler,
     load_scheduler,
+    resolve_scheduler,
+    sampler_config,
 )
+from maxdiff.schedulers import SAMPLERS as SAMPLER_NAMES
 
 try:  # the PyTorch reference, for the parity tests only
     import diffusers
@@ -302,6 +311,89 @@ def test_dpm_solver_parity_options(variant, n):
                   sigma_rtol=1e-5 if config.get("rescale_betas_zero_snr") else 1e-6)
 
 
+# UniPC, diffusers' defaults: bh2, solver order 2, lower_order_final (the last step first order
+# whatever the run's length, unlike DPM-Solver's rule for runs under 15 steps).
+UNIPC_SDXL = {k: v for k, v in SDXL_BASE_SCHEDULER_CONFIG.items() if not k.startswith("_")}
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", STEPS)
+@pytest.mark.parametrize("spacing", SPACINGS)
+@pytest.mark.parametrize("karras", [False, True], ids=["plain", "karras"])
+def test_unipc_parity(karras, spacing, n):
+    config = dict(SD, steps_offset=1, timestep_spacing=spacing, use_karras_sigmas=karras)
+    assert_parity("UniPCMultistepScheduler", config, n)
+
+
+UNIPC_EXTRA = {
+    "sdxl-base": UNIPC_SDXL,
+    "sdxl-base-karras": dict(UNIPC_SDXL, use_karras_sigmas=True),
+    "v_prediction": dict(SD, prediction_type="v_prediction", use_karras_sigmas=True),
+    "sample": dict(SD, prediction_type="sample"),
+    "sigma-min-final": dict(SD, final_sigmas_type="sigma_min", timestep_spacing="trailing"),
+    "karras-sigma-min-final": dict(SD, final_sigmas_type="sigma_min", use_karras_sigmas=True),
+    # second order to the end (at sigma 0 that would be inf - inf, in diffusers too)
+    "no-lower-order-final": dict(SD, lower_order_final=False, final_sigmas_type="sigma_min"),
+    "bh1": dict(SD, solver_type="bh1", final_sigmas_type="sigma_min", use_karras_sigmas=True),
+    "first-order": dict(SD, solver_order=1),
+    "dpm-solver-type": dict(SD, solver_type="midpoint"),  # a DPM-Solver config's: run as bh2
+    "karras-custom-range": dict(SD, use_karras_sigmas=True, sigma_min=0.05, sigma_max=10.0),
+    "zero-snr-v": dict(SD, rescale_betas_zero_snr=True, prediction_type="v_prediction",
+                       timestep_spacing="trailing"),
+    "cosine": dict(beta_schedule="squaredcos_cap_v2", timestep_spacing="trailing"),
+    "cosine-karras": dict(beta_schedule="squaredcos_cap_v2", use_karras_sigmas=True),
+}
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 25])
+@pytest.mark.parametrize("variant", sorted(UNIPC_EXTRA))
+def test_unipc_parity_options(variant, n):
+    config = UNIPC_EXTRA[variant]
+    assert_parity("UniPCMultistepScheduler", config, n,
+                  sigma_rtol=1e-5 if config.get("rescale_betas_zero_snr") else 1e-6)
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", [3, 12, 25])
+@pytest.mark.parametrize("karras", [False, True], ids=["plain", "karras"])
+def test_unipc_scan_parity(karras, n):
+    """A traced step index in a jitted lax.scan: the order and corrector choices are selects."""
+    assert_scan_parity("UniPCMultistepScheduler", dict(UNIPC_SDXL, use_karras_sigmas=karras), n)
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("start", [1, 3, 7])
+def test_unipc_loop_from_a_later_step_matches_diffusers(start):
+    """img2img starts at a later step with a fresh state: first order there, no corrector, as
+    diffusers' set_begin_index leaves it."""
+    config = dict(UNIPC_SDXL, use_karras_sigmas=True)
+    ref = diffusers.UniPCMultistepScheduler.from_config(config)
+    ref.set_timesteps(10)
+    ref.set_begin_index(start)
+    ours = load_scheduler({"_class_name": "UniPCMultistepScheduler", **config})
+    state = ours.set_timesteps(10, sample_shape=SHAPE)
+    rng = np.random.default_rng(4)
+    clean, noise = (rng.standard_normal(SHAPE).astype(np.float32) for _ in range(2))
+    t = ref.timesteps[start:start + 1].repeat(SHAPE[0])
+    x = ref.add_noise(torch.from_numpy(clean), torch.from_numpy(noise), t)
+    got_x = ours.add_noise(state, jnp.asarray(clean), jnp.asarray(noise), start)
+    np.testing.assert_allclose(np.asarray(got_x), x.numpy(), rtol=1e-6, atol=1e-5)
+    want = []
+    for t in ref.timesteps[start:]:
+        x = ref.step(torch.from_numpy(fake_model(x.numpy(), float(t))), t, x).prev_sample
+        want.append(x.numpy())
+    got = scan_samples(ours, state, got_x, start)
+    assert got.shape == (len(want), *SHAPE)
+    for i, (a, b) in enumerate(zip(got, want)):
+        err = float(np.abs(a - b).max())
+        assert err <= 1e-5 * (1 + np.abs(b).max()), f"step {start + i}: max error {err:.3g}"
+
+
 LCM_VARIANTS = {
     "epsilon": {},
     "v_prediction": dict(prediction_type="v_prediction"),
@@ -479,6 +571,7 @@ def test_lightning_presets_match_diffusers(name):
     ("DPMSolverMultistepScheduler", dict(SD, use_karras_sigmas=True)),
     ("LCMScheduler", dict(SD)),
     ("PNDMScheduler", dict(PLMS, timestep_spacing="leading", steps_offset=1)),
+    ("UniPCMultistepScheduler", dict(SD, use_karras_sigmas=True)),
 ])
 def test_add_noise_parity(name, config):
     """add_noise(step i) is diffusers' add_noise at timesteps[i] (the img2img starting point)."""
@@ -546,6 +639,7 @@ def test_lightning_4step_scan_matches_python_loop():
     ("LCMScheduler", dict(SD)),
     ("PNDMScheduler", dict(PLMS, timestep_spacing="leading", steps_offset=1)),
     ("PNDMScheduler", dict(PLMS, timestep_spacing="linspace", prediction_type="v_prediction")),
+    ("UniPCMultistepScheduler", dict(SD, use_karras_sigmas=True)),
 ])
 def test_scan_matches_python_loop(name, config):
     """Every sampler's step works with a traced step index inside a jitted lax.scan."""
@@ -612,6 +706,22 @@ def test_load_scheduler_from_files(tmp_path):
         load_scheduler("no-such-preset")
 
 
+def test_load_a_unipc_scheduler_folder(tmp_path):
+    """A model folder whose scheduler_config.json names UniPCMultistepScheduler (as diffusers'
+    ``save_pretrained`` writes it after ``pipe.scheduler = UniPCMultistepScheduler...``)."""
+    ref = diffusers.UniPCMultistepScheduler.from_config(dict(SDXL_BASE_SCHEDULER_CONFIG)) \
+        if diffusers is not None else None
+    config = dict(ref.config) if ref is not None else dict(
+        SDXL_BASE_SCHEDULER_CONFIG, _class_name="UniPCMultistepScheduler")
+    (tmp_path / "scheduler").mkdir()
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+    scheduler = load_scheduler(tmp_path)
+    assert scheduler == UniPCMultistepScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1,
+        timestep_spacing="leading")
+    assert (scheduler.solver_type, scheduler.solver_order, scheduler.lower_order_final) == ("bh2", 2, True)
+
+
 def test_load_sd15_scheduler_config(tmp_path):
     """Stable Diffusion 1.5's scheduler folder gives PLMS (its `clip_sample` is DDIM's: ignored)."""
     (tmp_path / "scheduler").mkdir()
@@ -654,8 +764,9 @@ def test_config_keys_of_other_schedulers_are_ignored():
 
 
 SAMPLERS = ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DDIMScheduler",
-            "DPMSolverMultistepScheduler", "LCMScheduler", "PNDMScheduler")
-EULER, ANCESTRAL, DDIM, DPM, LCM, PNDM = SAMPLERS
+            "DPMSolverMultistepScheduler", "LCMScheduler", "PNDMScheduler",
+            "UniPCMultistepScheduler")
+EULER, ANCESTRAL, DDIM, DPM, LCM, PNDM, UNIPC = SAMPLERS
 # What a sampler needs beyond its defaults to be built (diffusers' PNDM default is the
 # Runge-Kutta warm-up, which is not implemented).
 BASE_CONFIGS = {PNDM: {"skip_prk_steps": True}}
@@ -692,6 +803,14 @@ BAD_CONFIGS = [
     ({"_class_name": PNDM, "skip_prk_steps": True, "set_alpha_to_one": "yes"}, "set_alpha_to_one"),
     ({"_class_name": PNDM, "skip_prk_steps": True, "steps_offset": -1}, "steps_offset"),
     ({"_class_name": PNDM, "skip_prk_steps": True, "pndm_order": 4}, "unknown config key `pndm_order`"),
+    ({"_class_name": UNIPC, "solver_order": 3}, "solver_order.*1, 2"),
+    ({"_class_name": UNIPC, "solver_type": "bh3"}, "solver_type.*bh1"),
+    ({"_class_name": UNIPC, "solver_type": "bh1"}, "bh1.*sigma_min"),
+    ({"_class_name": UNIPC, "predict_x0": False}, "predict_x0.*True"),
+    ({"_class_name": UNIPC, "disable_corrector": [0]}, "disable_corrector"),
+    ({"_class_name": UNIPC, "prediction_type": "flow_prediction"}, "prediction_type.*epsilon"),
+    ({"_class_name": UNIPC, "use_flow_sigmas": True}, "use_flow_sigmas"),
+    ({"_class_name": UNIPC, "thresholding": True}, "thresholding"),
 ]
 
 
@@ -714,8 +833,8 @@ def test_lcm_steps_beyond_original_schedule_are_refused():
         LCMScheduler().set_timesteps(51)
 
 
-@pytest.mark.parametrize("scheduler", [DPMSolverMultistepScheduler(), PNDMScheduler(skip_prk_steps=True)],
-                         ids=["dpm_solver", "pndm"])
+@pytest.mark.parametrize("scheduler", [DPMSolverMultistepScheduler(), PNDMScheduler(skip_prk_steps=True),
+                                       UniPCMultistepScheduler()], ids=["dpm_solver", "pndm", "unipc"])
 def test_multistep_samplers_need_sample_shape(scheduler):
     with pytest.raises(ValueError, match="sample_shape"):
         scheduler.set_timesteps(10)
@@ -739,6 +858,147 @@ def test_step_keeps_the_sample_dtype(name):
     assert jax.tree.structure(new_state) == jax.tree.structure(state)
     for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state)):
         assert a.shape == b.shape and a.dtype == b.dtype
+
+
+# --------------------------------------------------------------------------------------------
+# Samplers by name (maxdiff/schedulers/names.py).
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("name", sorted(SAMPLER_NAMES))
+def test_a_sampler_name_is_diffusers_from_config(name, monkeypatch):
+    """Each name is diffusers' ``Class.from_config(model_config, **keys)``, the way its docs map
+    A1111's names: the SDXL base config switched by it builds the scheduler diffusers builds
+    (every argument equal) and runs as diffusers' does."""
+    sampler = SAMPLER_NAMES[name]
+    config = sampler_config(name, SDXL_BASE_SCHEDULER_CONFIG)
+    assert config["_class_name"] == sampler.class_name
+    ours = load_scheduler(config)
+    assert type(ours).__name__ == sampler.class_name
+    ref = getattr(diffusers, sampler.class_name).from_config(dict(SDXL_BASE_SCHEDULER_CONFIG),
+                                                             **sampler.settings)
+    for field in dataclasses.fields(ours):  # (diffusers' PNDM has no rescale_betas_zero_snr)
+        if field.name in ref.config:
+            assert getattr(ours, field.name) == ref.config[field.name], field.name
+    stochastic = monkeypatch if ours.stochastic else None
+    assert_parity(sampler.class_name, {k: v for k, v in config.items() if not k.startswith("_")},
+                  8, stochastic, timestep_atol=1e-3 if name == "euler_karras" else 0.0)
+
+
+@pytest.mark.parametrize("spellings", [
+    ("dpmpp_2m_karras", "DPM++ 2M Karras", "dpm++2m-karras", " Dpm++ 2m  KARRAS ", "DPMPP-2M-Karras"),
+    ("dpmpp_2m", "DPM++ 2M", "dpm++_2m"),
+    ("euler_a", "Euler a", "euler_ancestral", "Euler Ancestral", "EULER-A"),
+    ("euler", "Euler"),
+    ("pndm", "PLMS", "plms"),
+    ("unipc", "UniPC", "uni_pc", "uni_pc_bh2"),
+    ("unipc_karras", "UniPC Karras"),
+    ("UniPCMultistepScheduler", "unipcmultistepscheduler"),
+    ("DPMSolverMultistepScheduler", "dpm_solver_multistep_scheduler"),
+])
+def test_sampler_names_match_loosely(spellings):
+    found = {find_sampler(s) for s in spellings}
+    assert len(found) == 1 and None not in found, spellings
+
+
+def test_sampler_names_cover_what_the_brief_lists():
+    for name in ("euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", "ddim", "lcm", "unipc", "pndm",
+                 "Euler a", "DPM++ 2M Karras", *SCHEDULERS):
+        assert find_sampler(name) is not None, name
+    for cls in SCHEDULERS:  # a class name alone: the model's config, that class
+        assert get_sampler(cls).class_name == cls
+
+
+def test_a_sampler_keeps_the_models_schedule():
+    """The model's training schedule stays (betas, prediction type, spacing, zero SNR); the
+    name decides the sampler, Karras sigmas included, whatever the model's config said."""
+    model = dict(SD, _class_name="EulerDiscreteScheduler", prediction_type="v_prediction",
+                 rescale_betas_zero_snr=True, timestep_spacing="trailing", steps_offset=1,
+                 use_karras_sigmas=True, clip_sample=True)
+    for name, karras in (("dpmpp_2m", False), ("DPM++ 2M Karras", True), ("unipc", False),
+                         ("unipc_karras", True), ("euler", False), ("euler_karras", True)):
+        sched = load_scheduler(name, base=model)
+        assert sched.use_karras_sigmas is karras, name
+        assert (sched.prediction_type, sched.rescale_betas_zero_snr, sched.timestep_spacing,
+                sched.beta_schedule, sched.beta_end) == ("v_prediction", True, "trailing",
+                                                         "scaled_linear", 0.012), name
+    ddim = load_scheduler("ddim", base=model)
+    assert isinstance(ddim, DDIMScheduler) and ddim.clip_sample is False  # latents: never clipped
+    assert load_scheduler("DDIMScheduler", base=model).clip_sample is True  # diffusers' from_config
+    dpm = load_scheduler("dpmpp_2m", base=dict(model, algorithm_type="sde-dpmsolver++"))
+    assert (dpm.solver_order, dpm.solver_type) == (2, "midpoint")
+
+
+def test_a_sampler_from_a_loaded_scheduler():
+    """``base=`` a loaded scheduler: its ``config`` is the one it was built from, keys of other
+    samplers included (SDXL's ``clip_sample`` and ``set_alpha_to_one`` reach DDIM), as diffusers'
+    ``scheduler.config``."""
+    euler = load_scheduler(dict(SDXL_BASE_SCHEDULER_CONFIG))
+    assert euler.config["clip_sample"] is False and euler.config["use_karras_sigmas"] is False
+    assert euler.config["_class_name"] == "EulerDiscreteScheduler"
+    ddim = load_scheduler("DDIMScheduler", base=euler)
+    assert ddim == load_scheduler(dict(SDXL_BASE_SCHEDULER_CONFIG, _class_name="DDIMScheduler"))
+    assert (ddim.clip_sample, ddim.set_alpha_to_one, ddim.steps_offset) == (False, False, 1)
+    assert load_scheduler("unipc", base=load_scheduler("lightning-4step")).timestep_spacing == "trailing"
+    built = UniPCMultistepScheduler(**SD)  # built by its constructor: its own arguments
+    assert load_scheduler(dict(built.config)) == built
+    assert load_scheduler("euler", base=built).beta_schedule == "scaled_linear"
+
+
+def test_diffusers_default_values_are_left_out():
+    """A diffusers ``scheduler.config`` lists in ``_use_default_values`` the keys it did not
+    set: the new class takes its own defaults there, as diffusers' ``from_config`` does."""
+    base = dict(SD, _class_name="EulerDiscreteScheduler", final_sigmas_type="sigma_min",
+                _use_default_values=["final_sigmas_type"])
+    config = sampler_config("unipc", base)
+    assert "final_sigmas_type" not in config and "_use_default_values" not in config
+    assert sampler_config("unipc", dict(base, _use_default_values=[]))["final_sigmas_type"] == "sigma_min"
+
+
+@pytest.mark.parametrize("name,message", [
+    ("dpmpp_2m_karas", "unknown sampler 'dpmpp_2m_karas' \\(did you mean 'dpmpp_2m_karras'\\?\\)"),
+    ("DPM++ SDE", "DPM\\+\\+ SDE \\(diffusers' DPMSolverSinglestepScheduler\\) is not implemented"),
+    ("heun", "HeunDiscreteScheduler.*not implemented"),
+    ("dpmpp_2m_sde_karras", "not implemented"),
+    ("nonsense", "unknown sampler 'nonsense'; the samplers are euler, .*dpmpp_2m_karras.*unipc.*"
+                 "'Euler a'.*'DPM\\+\\+ 2M Karras'.*UniPCMultistepScheduler"),
+])
+def test_unknown_sampler_names_list_the_choices(name, message):
+    with pytest.raises(ValueError, match=message):
+        get_sampler(name)
+    with pytest.raises(ValueError, match="no preset \\(lightning-1step.*" + message):
+        load_scheduler(name, base=dict(SDXL_BASE_SCHEDULER_CONFIG))
+
+
+def test_a_sampler_name_needs_the_models_config():
+    with pytest.raises(ValueError, match="names a sampler.*base="):
+        load_scheduler("unipc")
+    with pytest.raises(ValueError, match="names a sampler \\(UniPC\\), not a preset.*base=pipe.scheduler"):
+        get_preset("unipc")
+    with pytest.raises(ValueError, match="base: a scheduler config dict"):
+        load_scheduler("unipc", base=3)
+
+
+def test_resolve_scheduler(tmp_path):
+    """What a pipeline loads for its ``scheduler`` argument: None the model's own, a preset
+    (with its steps and guidance), a sampler name on the model's config, a dict or a path on
+    their own (the model's config is then not read)."""
+    model = tmp_path / "scheduler"
+    model.mkdir()
+    (model / "scheduler_config.json").write_text(json.dumps(dict(SDXL_BASE_SCHEDULER_CONFIG)))
+    assert resolve_scheduler(None, model) == (load_scheduler(dict(SDXL_BASE_SCHEDULER_CONFIG)), None)
+    sched, preset = resolve_scheduler("lightning-4step", model)
+    assert preset is get_preset("lightning-4step") and sched == load_scheduler("lightning-4step")
+    sched, preset = resolve_scheduler("DPM++ 2M Karras", model)
+    assert preset is None and sched == load_scheduler(
+        sampler_config("dpmpp_2m_karras", SDXL_BASE_SCHEDULER_CONFIG))
+    missing = tmp_path / "no-model"
+    dpm = dict(SD, _class_name="DPMSolverMultistepScheduler")
+    assert resolve_scheduler(dpm, missing) == (load_scheduler(dpm), None)
+    assert resolve_scheduler(str(model), missing)[0] == load_scheduler(model)
+    with pytest.raises(ValueError, match="model's scheduler config .*no-model'. no such file"):
+        resolve_scheduler("unipc", missing)
 
 
 def test_runtime_code_does_not_import_torch():

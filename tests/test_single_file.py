@@ -206,3 +206,20 @@ def test_convert_both_ways_and_generate_from_a_single_file(model, tmp_path, caps
     assert info["format"] == "single file (Stable Diffusion XL base)"
     assert info["components"]["unet"]["weights"].endswith("(its UNet, model.diffusion_model.*)")
     shutil.rmtree(back)
+
+
+def test_a_sampler_name_on_a_single_file(model):
+    """A sampler name switches the scheduler config that describes the file: the shipped SDXL
+    base one, or config='s (the folder the file came from)."""
+    from maxdiff.schedulers import read_scheduler_config, sampler_config
+    from pipelines.config import RunConfig
+
+    root, _ = model
+    file = str(root / "model.safetensors")
+    shipped = read_scheduler_config(single_file.shipped_config("sdxl-base") / "scheduler")
+    got = RunConfig(model=file, scheduler="unipc").pipeline_kwargs()["scheduler"]
+    assert got == sampler_config("unipc", shipped)
+    own = read_scheduler_config(root / "folder" / "scheduler")
+    got = RunConfig(model=file, single_file_config=str(root / "folder"),
+                    scheduler="DPM++ 2M Karras").pipeline_kwargs()["scheduler"]
+    assert got == sampler_config("dpmpp_2m_karras", own) and got["use_karras_sigmas"] is True

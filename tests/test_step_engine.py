@@ -23,6 +23,8 @@ SCHEDULERS = {
     # sigma_min makes the last step's order depend on the step count (< 15: first order)
     "dpm++2m": dict(BASE, _class_name="DPMSolverMultistepScheduler", final_sigmas_type="sigma_min"),
     "lcm": dict(_class_name="LCMScheduler"),
+    # corrector and predictor history per slot; the last step first order at every length
+    "unipc": dict(BASE, _class_name="UniPCMultistepScheduler", use_karras_sigmas=True),
 }
 # (request, steps), submitted at ticks 0, 1, 2, 2 into 2 slots: the second joins the first
 # mid-way, the last two wait for free slots and then share their steps; CFG on and off mixed
@@ -124,6 +126,12 @@ def test_ddim(engines):
 @pytest.mark.slow
 def test_lcm(engines):
     _check(engines("lcm"))
+
+
+@pytest.mark.slow
+def test_unipc(engines):
+    _check(engines("unipc"), REQUESTS + [(ImageRequest("a white cat", seed=15,
+                                                      guidance_scale=2.0), 16)])
 
 
 def test_cancel_progress_preview_and_programs(engines):

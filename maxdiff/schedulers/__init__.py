@@ -26,7 +26,11 @@ sampler.
 Every step is elementwise in the sample, so any layout works (maxdiff keeps latents NHWC).
 Samplers: ``euler`` (Euler), ``euler_ancestral``, ``ddim``, ``dpm_solver`` (DPM-Solver++ 2M,
 with Karras sigmas "DPM++ 2M Karras"), ``lcm``, ``pndm`` (PLMS, Stable Diffusion 1.5's
-default). Named presets live in ``presets``.
+default), ``unipc`` (UniPC). Named presets (a config with its steps and guidance) live in
+``presets``; the names people type for samplers ("DPM++ 2M Karras", ``euler_a``, ``unipc``),
+each a change to a model's own scheduler config, in ``names``::
+
+    pipe.scheduler = load_scheduler("dpmpp_2m_karras", base=pipe.scheduler)
 """
 
 from maxdiff.schedulers.common import AlphaState, Scheduler, SigmaState, max_inference_steps
@@ -37,17 +41,22 @@ from maxdiff.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
 from maxdiff.schedulers.lcm import LCMScheduler
 from maxdiff.schedulers.loading import (
     SCHEDULERS,
+    base_config,
     load_scheduler,
     read_scheduler_config,
+    resolve_scheduler,
     scheduler_from_config,
 )
+from maxdiff.schedulers.names import SAMPLERS, Sampler, find_sampler, get_sampler, sampler_config
 from maxdiff.schedulers.pndm import PNDMScheduler, PNDMState
 from maxdiff.schedulers.presets import PRESETS, SDXL_BASE_SCHEDULER_CONFIG, Preset, get_preset
+from maxdiff.schedulers.unipc import UniPCMultistepScheduler, UniPCState
 
 __all__ = [
     "AlphaState", "DDIMScheduler", "DPMSolverMultistepScheduler", "DPMSolverState",
     "EulerAncestralDiscreteScheduler", "EulerDiscreteScheduler", "LCMScheduler", "PNDMScheduler",
-    "PNDMState", "PRESETS", "Preset", "SCHEDULERS", "SDXL_BASE_SCHEDULER_CONFIG", "Scheduler",
-    "SigmaState", "get_preset", "load_scheduler", "max_inference_steps", "read_scheduler_config",
-    "scheduler_from_config",
+    "PNDMState", "PRESETS", "Preset", "SAMPLERS", "SCHEDULERS", "SDXL_BASE_SCHEDULER_CONFIG",
+    "Sampler", "Scheduler", "SigmaState", "UniPCMultistepScheduler", "UniPCState", "base_config",
+    "find_sampler", "get_preset", "get_sampler", "load_scheduler", "max_inference_steps",
+    "read_scheduler_config", "resolve_scheduler", "sampler_config", "scheduler_from_config",
 ]

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar, Protocol
 
 import jax
@@ -122,6 +123,10 @@ class Scheduler(Protocol):
     # the model's estimate of the clean sample at a step (previews)
     def denoised(self, state: Any, model_output: jax.Array, sample: jax.Array,
                  step_index: jax.Array | int) -> jax.Array: ...
+
+    # the diffusers scheduler config it was built from (diffusers' ``scheduler.config``)
+    @property
+    def config(self) -> Mapping[str, Any]: ...
 
     # samplers whose step reads the run's length statically (DPM++ 2M's lower-order final
     # step): the variants that do not, and which one a run of ``steps`` takes (the step engine
@@ -400,7 +405,20 @@ class TrainSchedule:
                 known = sorted(fields | set(cls.INERT))
                 raise ValueError(
                     f"{cls.__name__}: unknown config key `{key}`; the keys it understands are {known}")
-        return cls(**kwargs)
+        scheduler = cls(**kwargs)
+        object.__setattr__(scheduler, "_source_config", MappingProxyType(dict(config)))
+        return scheduler
+
+    @property
+    def config(self) -> Mapping[str, Any]:
+        """The diffusers scheduler config of this sampler, as diffusers keeps it in
+        ``scheduler.config``: the config it was built from (keys of other samplers included,
+        which a switch to another sampler may need: SDXL's ``clip_sample`` for DDIM), with its
+        own arguments as it reads them and its ``_class_name``. For a sampler built by its
+        constructor: its arguments and ``_class_name``."""
+        source = self.__dict__.get("_source_config", {})
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return MappingProxyType({**source, **own, "_class_name": type(self).__name__})
 
     def num_model_calls(self, num_inference_steps: int) -> int:
         """How many model calls (denoising loop iterations, ``step`` calls) ``num_inference_steps``

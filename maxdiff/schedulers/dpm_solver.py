@@ -54,6 +54,22 @@ class DPMSolverState:
     lower_order_nums: jax.Array
 
 
+def multistep_timesteps(spacing: str, last: int, num_train_timesteps: int, n: int,
+                        steps_offset: int) -> np.ndarray:
+    """The ``n`` integer timesteps (int64, descending) of the multistep samplers (DPM-Solver,
+    UniPC): ``n + 1`` points over ``[0, last)`` without the lowest for ``linspace`` and
+    ``leading``, as diffusers spaces them; ``trailing`` counts down from ``last`` by
+    ``num_train_timesteps / n``. ``last`` is ``num_train_timesteps`` unless timesteps with a
+    too-low lambda are dropped (``lambda_min_clipped``)."""
+    if spacing == "linspace":
+        timesteps = np.linspace(0, last - 1, n + 1).round()[::-1][:-1]
+    elif spacing == "leading":
+        timesteps = (np.arange(0, n + 1) * (last // (n + 1))).round()[::-1][:-1] + steps_offset
+    else:
+        timesteps = np.arange(last, 0, -num_train_timesteps / n).round() - 1
+    return timesteps.astype(np.int64)
+
+
 def vp_alpha_sigma(sigma: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(alpha_t, sigma_t) of the variance-preserving process with ``sigma_t / alpha_t = sigma``."""
     alpha_t = 1 / jnp.sqrt(sigma ** 2 + 1)
@@ -127,14 +143,8 @@ class DPMSolverMultistepScheduler(UnscaledInput, TrainSchedule):
                              "model-output history it carries from step to step")
         t = self.num_train_timesteps
         n = check_num_inference_steps(name, num_inference_steps, t)
-        last = self._last_timestep()
-        if self.timestep_spacing == "linspace":
-            timesteps = np.linspace(0, last - 1, n + 1).round()[::-1][:-1]
-        elif self.timestep_spacing == "leading":
-            timesteps = (np.arange(0, n + 1) * (last // (n + 1))).round()[::-1][:-1] + self.steps_offset
-        else:
-            timesteps = np.arange(last, 0, -t / n).round() - 1
-        timesteps = timesteps.astype(np.int64)
+        timesteps = multistep_timesteps(self.timestep_spacing, self._last_timestep(), t, n,
+                                        self.steps_offset)
         train_sigmas = self.train_sigmas
         if self.use_karras_sigmas:
             sigmas = karras_sigmas(float(train_sigmas[0]), float(train_sigmas[-1]), n)

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from maxdiff.schedulers.names import find_sampler
+
 # `scheduler/scheduler_config.json` of stabilityai/stable-diffusion-xl-base-1.0.
 SDXL_BASE_SCHEDULER_CONFIG: Mapping[str, Any] = MappingProxyType({
     "_class_name": "EulerDiscreteScheduler",
@@ -57,8 +59,18 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({
 
 
 def get_preset(name: str) -> Preset:
-    """The preset called ``name``; a ValueError lists the known names otherwise."""
+    """The preset called ``name``; a ValueError lists the known names otherwise (and for a
+    sampler name, says how to use one)."""
     try:
         return PRESETS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown scheduler preset {name!r}; known presets: {sorted(PRESETS)}") from None
+        pass
+    sampler = find_sampler(name)
+    if sampler is not None:
+        raise ValueError(
+            f"{name!r} names a sampler ({sampler.title}), not a preset ({sorted(PRESETS)}): a "
+            "sampler changes a model's scheduler config; give it in a run config "
+            "(TextToImagePipeline.from_config(..., ['scheduler=NAME']), the CLI's --scheduler) "
+            "or switch a loaded pipeline's: pipe.scheduler = "
+            f"maxdiff.schedulers.load_scheduler({name!r}, base=pipe.scheduler)")
+    raise ValueError(f"unknown scheduler preset {name!r}; known presets: {sorted(PRESETS)}")

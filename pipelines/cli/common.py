@@ -120,8 +120,9 @@ def _step_limit(cfg) -> tuple[int, str] | None:
     None where it cannot be read here (then loading reports the problem)."""
     from maxdiff.schedulers import load_scheduler, max_inference_steps
 
-    try:
-        sched = load_scheduler(cfg.scheduler or Path(cfg.model) / "scheduler")
+    model = Path(cfg.model) / "scheduler"
+    try:  # a sampler name (dpmpp_2m_karras) changes the model's own scheduler config
+        sched = load_scheduler(cfg.scheduler or model, base=model)
     except Exception:
         return None
     return max_inference_steps(sched), type(sched).__name__

@@ -118,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vae", metavar="FILE|DIR", help="VAE replacing the model's: a file "
                    "(sdxl_vae.safetensors) or a diffusers VAE folder")
     g.add_argument("--scheduler", metavar="NAME",
-                   help="preset (lightning-1step/2step/4step/8step) or a scheduler config "
+                   help="sampler: euler, euler_karras, euler_a, dpmpp_2m, dpmpp_2m_karras, "
+                        "ddim, pndm, lcm, unipc, unipc_karras, A1111's names ('DPM++ 2M "
+                        "Karras', 'Euler a', ...) or a diffusers class name, applied to the "
+                        "model's own scheduler config; a preset (lightning-1step/2step/4step/"
+                        "8step: scheduler, steps and guidance); or a scheduler config "
                         "file/folder")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
     g.add_argument("--quantization", choices=QUANTIZATION_MODES,
