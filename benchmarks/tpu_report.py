@@ -59,7 +59,6 @@ def _save_hlo(hlo_dir: Path | None, name: str, entry: dict) -> None:
 def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dtype: str,
         config: str, log, fit_only: bool = False, hlo_dir: Path | None = None) -> dict:
     from pipelines import aot
-    from pipelines import program as program_lib
 
     preset, steps, guidance = PROGRAMS[program]
     row = {"topology": topology, "program": program, "batch_per_chip": per_chip, "size": size,
@@ -70,7 +69,7 @@ def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dty
     chips = pipe.mesh.size
     n = per_chip * chips
     row.update(chip=chip.name, chips=chips, images=n)
-    with program_lib.recording() as whole:
+    with aot.recording() as whole:
         pipe(["a photo of a cat"] * n, num_inference_steps=steps, guidance_scale=guidance,
              height=size, width=size, seed=0)
     row["compile_whole_s"] = time.perf_counter() - t0
@@ -86,7 +85,7 @@ def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dty
         return row
     t1 = time.perf_counter()
     cfg = guidance > 1
-    with program_lib.recording() as unet:
+    with aot.recording() as unet:
         aot.unet_call(pipe, n * (2 if cfg else 1), size, size)
     row["compile_unet_s"] = time.perf_counter() - t1
     log(f"  one UNet call compiled in {row['compile_unet_s']:.0f} s")

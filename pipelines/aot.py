@@ -7,7 +7,7 @@ analysis without a device, so GPU programs report HBM and collectives only). :fu
 reads a model's configs only (no weights: :func:`maxdiff.checkpoint.shapes_only`) onto a
 compile-only mesh of the topology's chips; the pipeline it returns, and any
 pipeline made from it (``from_pipe``, the step engine), compiles its programs when called
-instead of running them, and draws black images. Inside :func:`pipelines.program.recording`
+instead of running them (:class:`CompileOnly`), and draws black images. Inside :func:`recording`
 each call yields the compiled programs; :func:`analyse` turns one into the figures a platform
 engineer asks for: HBM per chip, flops and bytes per chip, the roofline time on the chip's
 published peaks, which bound, and the collectives in the compiled HLO.
@@ -33,8 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from maxdiff import checkpoint
 from maxdiff import mesh as meshlib
+from pipelines.compile_only import CompileOnly, recording  # noqa: F401 (the report's API)
 
 GIB = 1 << 30
 # collective ops as they appear in compiled HLO text (async ones as -start / -done pairs)
@@ -100,7 +103,7 @@ def load(path: str | Path, topology: str, dtype: str = "bfloat16", **kwargs: Any
     """A :class:`pipelines.TextToImagePipeline` of the model at ``path`` (configs only; weights,
     if present, are not read) on a compile-only mesh of ``topology``'s chips (``"v5e:2x2"``,
     ``"h200:1"``):
-    its calls compile and record programs (:func:`pipelines.program.recording`)."""
+    its calls compile and record programs (:func:`recording`)."""
     from pipelines.text_to_image import TextToImagePipeline
 
     mesh = meshlib.topology_mesh(topology)
@@ -191,7 +194,7 @@ def memory_traffic(hlo_text: str) -> dict[str, float]:
 
 
 def analyse(entry: dict, chip: Chip, images_per_chip: float) -> dict:
-    """A recorded program (:func:`pipelines.program.recording`) -> per-chip figures: HBM it
+    """A recorded program (:func:`recording`) -> per-chip figures: HBM it
     needs, flops and HBM bytes (XLA's count plus the Pallas kernels'), roofline seconds on
     ``chip``, the bound, images/s per chip at ``images_per_chip`` images a call, collectives."""
     compiled = entry["compiled"]
@@ -239,8 +242,7 @@ def unet_call(pipe, rows: int, height: int, width: int):
     """Compile one UNet call on ``rows`` rows (the batch, twice over with CFG) at this size:
     the body of every program's denoising loop. XLA's cost analysis counts a loop's body once,
     whatever its trip count, so a program's cost is its own plus ``calls - 1`` of these.
-    Records like any program (:func:`pipelines.program.recording`)."""
-    import jax
+    Records like any program (:func:`recording`)."""
 
     from pipelines import program as program_lib
 

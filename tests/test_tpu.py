@@ -21,7 +21,6 @@ from maxdiff import mesh as meshlib
 from maxdiff.models import conv  # noqa: E402
 from maxdiff.models.attention import resolve_kernel  # noqa: E402
 from pipelines import aot  # noqa: E402
-from pipelines import program as program_lib
 
 TOPOLOGY = "v5e:2x2"
 SIZE = 64  # tiny VAE (factor 2): 32² latents, 16² = 256 tokens where the UNet attends
@@ -71,7 +70,7 @@ def test_a_compile_only_mesh_loads_shapes_in_bfloat16(pipe, tpu_mesh):
 
 @pytest.mark.parametrize("guidance", [pytest.param(0.0, marks=pytest.mark.slow), 5.0])
 def test_text_to_image_is_data_parallel_with_splash(pipe, guidance):
-    with program_lib.recording() as rec:
+    with aot.recording() as rec:
         out = pipe(["a red circle"] * 4, num_inference_steps=2, guidance_scale=guidance,
                    height=SIZE, width=SIZE, seed=1)
     assert len(out.images) == 4 and out.images[0].size == (SIZE, SIZE)
@@ -89,7 +88,7 @@ def test_image_to_image_and_inpainting_compile(pipe):
 
     image = np.zeros((SIZE, SIZE, 3), np.float32)
     mask = np.zeros((SIZE, SIZE), np.float32)
-    with program_lib.recording() as rec:
+    with aot.recording() as rec:
         ImageToImagePipeline.from_pipe(pipe)(["a cat"] * 4, image=image, strength=0.5,
                                              num_inference_steps=2, guidance_scale=5.0)
         InpaintPipeline.from_pipe(pipe)(["a cat"] * 4, image=image, mask_image=mask,
@@ -109,7 +108,7 @@ def test_controlnet_compiles(pipe, tmp_path):
                          conditioning_embedding_out_channels=(8, 16))
     with checkpoint.shapes_only():
         cn = ControlNetPipeline.from_pipe(pipe, controlnet=tmp_path / "cn")
-    with program_lib.recording() as rec:
+    with aot.recording() as rec:
         cn(["a cat"] * 4, image=np.zeros((SIZE, SIZE, 3), np.float32), num_inference_steps=2,
            guidance_scale=5.0, height=SIZE, width=SIZE)
     hlo = _only(rec)
@@ -124,7 +123,7 @@ def test_controlnet_compiles(pipe, tmp_path):
 def test_base_and_refiner_compile_as_one_program(sdxl_dir, tmp_path):
     tiny.make_sdxl_refiner(tmp_path / "refiner")
     both = aot.load(sdxl_dir, TOPOLOGY, refiner=tmp_path / "refiner")
-    with program_lib.recording() as rec:
+    with aot.recording() as rec:
         both(["a cat"] * 4, num_inference_steps=4, guidance_scale=5.0, height=SIZE, width=SIZE)
     hlo = _only(rec)
     assert aot.collectives(hlo) == {} and SPLASH in hlo
@@ -137,7 +136,7 @@ def test_the_step_engine_compiles_every_program(pipe):
     from pipelines.step_engine import StepEngine
 
     engine = StepEngine(pipe, SIZE, SIZE, slots=4, cfg=True, max_steps=4)
-    with program_lib.recording() as rec:
+    with aot.recording() as rec:
         n = engine.warmup()
     assert n == len({id(e["compiled"]) for e in rec}) > 0
     assert any(SPLASH in e["compiled"].as_text() for e in rec)
