@@ -51,6 +51,7 @@ from pipelines.composed import ComposedPipeline
 from pipelines.images import image_list, is_image, size_of
 from pipelines.limits import describe
 from pipelines.program import PipelineOutput
+from pipelines.prompting import prompt_items
 from pipelines.requests import ControlImage, ImageRequest
 from pipelines.runner import Job, checked_items, run
 from pipelines.tasks.controlnet import CONTROLNET, control_inputs, control_keep, control_residuals
@@ -260,7 +261,7 @@ class ControlNetPipeline(ComposedPipeline):
         if negative_original_size is not None and negative_target_size is not None:
             neg_size = (tuple(negative_original_size), tuple(negative_crops_coords_top_left),
                         tuple(negative_target_size))
-        items, picked = self.pipe.prompt_items(
+        items, picked = prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             per_prompt=per_prompt, guidance_scale=guidance_scale,
             guidance_rescale=guidance_rescale, original_size=original_size,

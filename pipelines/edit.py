@@ -71,6 +71,7 @@ from pipelines.limits import (
     strength_problem,
 )
 from pipelines.program import PipelineOutput
+from pipelines.prompting import prompt_items
 from pipelines.requests import ImageRequest
 from pipelines.runner import Job, checked_items, run
 from pipelines.tasks.edit import EDIT
@@ -109,7 +110,7 @@ class _EditPipeline(ComposedPipeline):
             if mask_image is None:
                 raise ValueError("mask_image is required: white (>= 0.5) marks what to repaint")
             per_prompt["mask_image"] = image_list(mask_image, "mask_image")
-        items, picked = self.pipe.prompt_items(
+        items, picked = prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             per_prompt=per_prompt, guidance_scale=guidance_scale,
             guidance_rescale=guidance_rescale, original_size=original_size,

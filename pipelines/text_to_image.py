@@ -54,27 +54,16 @@ from pipelines.limits import (
     cfg_on,
     check,
     denoising_fraction_problem,
-    n_problem,
     output_type_problem,
     problems,
-    seed_problem,
 )
 from pipelines.loading import DEFAULT_COMPILE_CACHE, enable_compile_cache, model_root
 from pipelines.program import HostInputs, PipelineOutput
-from pipelines.requests import ImageRequest, image_seeds
+from pipelines.prompting import prompt_items
+from pipelines.requests import ImageRequest
 from pipelines.runner import TEXT, Job, checked_items, run
 
 __all__ = ["TextToImagePipeline", "PipelineOutput", "enable_compile_cache", "model_root"]
-
-def _as_list(x, name: str) -> list[str] | None:
-    if x is None:
-        return None
-    if isinstance(x, str):
-        return [x]
-    if isinstance(x, (list, tuple)) and all(isinstance(p, str) for p in x):
-        return list(x)
-    raise ValueError(f"{name} must be a string or a list of strings, got {type(x).__name__}")
-
 
 _abs_sum = jax.jit(lambda x: jnp.sum(jnp.abs(x.astype(jnp.float32))))
 
@@ -141,10 +130,21 @@ class TextToImagePipeline(LoraAdapters):
                         vae: str | os.PathLike | None = None,
                         config: str | os.PathLike | None = None,
                         quantization: str = "none", refiner: Any = None,
-                        high_noise_frac: float = HIGH_NOISE_FRAC) -> TextToImagePipeline:
+                        high_noise_frac: float = HIGH_NOISE_FRAC,
+                        revision: str | None = None) -> TextToImagePipeline:
         """Load a diffusers SDXL folder (``model_index.json``, ``unet/``, ``vae/``,
         ``text_encoder/``, ``text_encoder_2/``, ``tokenizer*/``, ``scheduler/``), or a
         single-file SDXL checkpoint (see :meth:`from_single_file`; ``config`` applies to it).
+
+        ``path`` may also name a model on the Hugging Face Hub, ``"org/name"``: its snapshot in
+        the local Hugging Face cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``) is loaded, at
+        ``revision`` (a branch or tag recorded in the cache, or a commit hash; default
+        ``main``); a name not cached is downloaded (the files maxdiff reads) unless
+        ``HF_HUB_OFFLINE=1``, which raises an error saying how to download it
+        (:func:`maxdiff.hub.resolve`). An existing local path always wins over a name.
+        ``variant``: read ``*.{variant}.safetensors`` weights (``"fp16"``) where a component
+        has them, its plain weights where it has not, as diffusers does. ``vae``, ``config``
+        and ``refiner`` take names too.
 
         ``unet``: a UNet file that replaces the model's: diffusers keys (the SDXL-Lightning
         files) or a whole single-file checkpoint. ``vae``: a VAE that replaces the model's: a
@@ -178,7 +178,7 @@ class TextToImagePipeline(LoraAdapters):
             path, dtype, unet=unet, scheduler=scheduler, devices=devices,
             attention_kernel=attention_kernel, attention_chunk=attention_chunk,
             compile_cache_dir=compile_cache_dir, variant=variant, vae=vae, config=config,
-            quantization=quantization)
+            quantization=quantization, revision=revision)
         pipe = cls(**parts)
         pipe.default_height = height or pipe.default_height
         pipe.default_width = width or pipe.default_width
@@ -327,7 +327,7 @@ class TextToImagePipeline(LoraAdapters):
         if negative_original_size is not None and negative_target_size is not None:
             neg_size = (tuple(negative_original_size), tuple(negative_crops_coords_top_left),
                         tuple(negative_target_size))
-        items, _ = self.prompt_items(
+        items, _ = prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             guidance_scale=guidance_scale, guidance_rescale=guidance_rescale,
             original_size=original_size, crops_coords_top_left=tuple(crops_coords_top_left),
@@ -336,45 +336,6 @@ class TextToImagePipeline(LoraAdapters):
         return self.generate(items, height=height, width=width, num_inference_steps=num_inference_steps,
                              latents=latents, output_type=output_type,
                              denoising_end=denoising_end)
-
-    def prompt_items(self, prompt, prompt_2, negative_prompt, negative_prompt_2,
-                      num_images_per_prompt: int, seed, *, per_prompt: dict | None = None,
-                      guidance_scale: float | None, **fields) -> tuple[list[ImageRequest], dict]:
-        """The diffusers-style ``__call__`` arguments -> one :class:`ImageRequest` per image.
-
-        ``prompt_2`` and the negatives (and each list in ``per_prompt``, e.g. the edit
-        pipelines' images) give one entry per prompt or a single one for all; image k gets
-        prompt ``k // num_images_per_prompt``. ``fields`` go to every request as they are.
-        Returns the requests and, per ``per_prompt`` name, each image's entry."""
-        prompts = _as_list(prompt, "prompt")
-        if not prompts:
-            raise ValueError("prompt is empty: give a prompt string or a non-empty list of prompts")
-        n_prompts = len(prompts)
-        check([n_problem(num_images_per_prompt)])
-        lists = {"prompt_2": _as_list(prompt_2, "prompt_2") or prompts,
-                 "negative_prompt": _as_list(negative_prompt, "negative_prompt"),
-                 "negative_prompt_2": _as_list(negative_prompt_2, "negative_prompt_2"),
-                 **(per_prompt or {})}
-        for name, lst in lists.items():
-            if lst is not None and len(lst) == 1 and n_prompts > 1:
-                lists[name] = lst * n_prompts
-            if lists[name] is not None and len(lists[name]) != n_prompts:
-                raise ValueError(f"{name} has {len(lst)} entries but prompt has {n_prompts}; "
-                                 "give one per prompt (or a single one)")
-        n = n_prompts * num_images_per_prompt
-        seeds = self._seeds(seed, n)
-        guidance = self.default_guidance if guidance_scale is None else guidance_scale
-        per_image = [k // num_images_per_prompt for k in range(n)]
-
-        def pick(name, i):
-            return None if lists[name] is None else lists[name][i]
-
-        items = [ImageRequest(prompt=prompts[i], prompt_2=pick("prompt_2", i),
-                              negative_prompt=pick("negative_prompt", i),
-                              negative_prompt_2=pick("negative_prompt_2", i), seed=seeds[k],
-                              guidance_scale=guidance, **fields)
-                 for k, i in enumerate(per_image)]
-        return items, {name: [pick(name, i) for i in per_image] for name in (per_prompt or {})}
 
     def generate(self, items: Sequence[ImageRequest], *, height: int | None = None,
                  width: int | None = None, num_inference_steps: int | None = None,
@@ -450,22 +411,6 @@ class TextToImagePipeline(LoraAdapters):
         second = first if self.tokenizer_2 is None else (
             tokenize(self.tokenizer_2, prompts_2), tokenize(self.tokenizer_2, negatives_2))
         return np.stack([first[0], second[0]]), np.stack([first[1], second[1]])
-
-    def _seeds(self, seed, n: int) -> list[int | None]:
-        """Per-image seeds from ``seed``: one int (image k gets seed + k), one per image, or None
-        (stays None: :meth:`generate` draws them)."""
-        if seed is None or isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-            return image_seeds(seed, n)
-        if not isinstance(seed, (list, tuple, np.ndarray)):
-            raise ValueError(f"seed={seed!r}; give one int in 0..{MAX_SEED}, a list of one int "
-                             "per image, or None")
-        seeds = list(seed)
-        check(seed_problem(s) for s in seeds)
-        seeds = [int(s) for s in seeds]
-        if len(seeds) != n:
-            raise ValueError(f"seed has {len(seeds)} values but {n} image(s) are generated; "
-                             "give one int, or one per image")
-        return seeds
 
     @property
     def limits(self) -> Limits:

@@ -218,7 +218,7 @@ def test_bad_arguments(pipe, kw, match):
 def test_nothing_outside_the_pipeline_uses_its_private_members():
     """The step engine, the edit pipelines and the service reach the pipeline through its
     public surface only (check_request, adapter_index, adapter_tables, uses_vae_tiling,
-    encode_tiled, decode_tiled, host_inputs, prompt_items): no ``x._name`` outside
+    encode_tiled, decode_tiled, host_inputs): no ``x._name`` outside
     text_to_image.py names a private member of TextToImagePipeline, unless ``x`` is ``self``."""
     import ast
 
