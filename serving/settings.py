@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from maxdiff.config import StrictConfig, parse_overrides, validate, yaml_scalar
+from maxdiff.config import parse_overrides, validate, yaml_scalar
 from pipelines.config import RunConfig
 from pipelines.step_scheduler import POLICIES
 from serving.specs import (
@@ -22,6 +22,7 @@ from serving.specs import (
     ControlNetSpec,
     ModelSpec,
     WarmupShape,
+    WithAdapters,
     as_list,
     split_run_args,
 )
@@ -33,7 +34,7 @@ __all__ = ["AdapterSpec", "ControlNetSpec", "ServeSettings", "STEP_REFINER", "St
 StepPolicy = Literal[tuple(POLICIES)]
 
 
-class ServeSettings(StrictConfig):
+class ServeSettings(WithAdapters):
     """How the service batches, places replicas and bounds requests (see docs/service.md).
 
     ``build_app`` args that are :class:`pipelines.config.RunConfig` keys (model, unet, scheduler,
@@ -84,12 +85,7 @@ class ServeSettings(StrictConfig):
     retry_after_s: int = Field(2, ge=1)  # Retry-After on a 503
     warmup_shapes: tuple[WarmupShape, ...] = (WarmupShape(),)  # compiled before ready
     warmup_batch_sizes: tuple[int, ...] | None = None  # None: every padded batch size
-    # per-request LoRA adapters, preloaded unfused by every generator replica before warm-up:
-    # name -> path (or {path, scale}), or "name=path[:scale],..."; requests pick one by name
-    adapters: tuple[AdapterSpec, ...] = ()
-    # ControlNets every generator replica loads with the model (name -> a diffusers ControlNet
-    # folder, or "name=path,..."); requests name them in control_images
-    controlnets: tuple[ControlNetSpec, ...] = ()
+    # adapters, controlnets: WithAdapters'
     max_n: int = Field(4, ge=1)  # images per request
     max_steps: int = Field(100, ge=1)
     max_guidance: float = Field(30.0, ge=0)
@@ -142,16 +138,6 @@ class ServeSettings(StrictConfig):
         if not isinstance(v, dict):
             raise ValueError("give a mapping, e.g. {min_replicas: 0, max_replicas: 4}")
         return validate(Autoscaling, v, "autoscaling")
-
-    @field_validator("adapters", mode="before")
-    @classmethod
-    def _adapters(cls, v):
-        return AdapterSpec.parse_all(v)
-
-    @field_validator("controlnets", mode="before")
-    @classmethod
-    def _controlnets(cls, v):
-        return ControlNetSpec.parse_all(v)
 
     @field_validator("models", mode="before")
     @classmethod

@@ -180,17 +180,15 @@ STEP_REFINER = ("serve arg refiner: engine=step does not run an SDXL refiner yet
 MODEL_ARGS = ("config", "model_name", "adapters", "controlnets", *RUN_CONFIG_KEYS)
 
 
-class ModelSpec(StrictConfig):
-    """One entry of the serve arg ``models`` (docs/multi-model.md): a name, its run config
-    (``config``, a shipped name or a YAML path) and run-config keys (model, vae,
-    single_file_config, loras, scheduler, steps, dtype, ...), its per-request LoRA
-    ``adapters`` and its ``controlnets``, all as the single-model serve args have them."""
+class WithAdapters(StrictConfig):
+    """A model's per-request LoRA adapters (preloaded unfused by every generator replica before
+    warm-up: name -> path, or {path, scale}, or "name=path[:scale],..."; requests pick one by
+    name) and its ControlNets (name -> a diffusers ControlNet folder, or "name=path,...";
+    requests name them in control_images): the single-model serve args and each ``models``
+    entry alike."""
 
-    name: str = Field(pattern=MODEL_NAME)
-    config: str | None = None
     adapters: tuple[AdapterSpec, ...] = ()
     controlnets: tuple[ControlNetSpec, ...] = ()
-    run_overrides: dict = {}
 
     @field_validator("adapters", mode="before")
     @classmethod
@@ -201,6 +199,17 @@ class ModelSpec(StrictConfig):
     @classmethod
     def _controlnets(cls, v):
         return ControlNetSpec.parse_all(v)
+
+
+class ModelSpec(WithAdapters):
+    """One entry of the serve arg ``models`` (docs/multi-model.md): a name, its run config
+    (``config``, a shipped name or a YAML path) and run-config keys (model, vae,
+    single_file_config, loras, scheduler, steps, dtype, ...), its per-request LoRA
+    ``adapters`` and its ``controlnets``, all as the single-model serve args have them."""
+
+    name: str = Field(pattern=MODEL_NAME)
+    config: str | None = None
+    run_overrides: dict = {}
 
     @classmethod
     def parse(cls, entry: Any, where: str) -> ModelSpec:
