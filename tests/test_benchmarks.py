@@ -231,6 +231,15 @@ def test_step_model_prices_calls_on_the_roofline_and_replays_both_engines():
     assert sm.run_step(alone, c, 8) == [pytest.approx(want)]
     long_then_short = [(0.0, 30, False), (0.01, 4, False)]
     assert sm.run_step(long_then_short, c, 8)[1] < sm.run_batch(long_then_short, c, 8)[1]
+    # a report row prices calls from XLA's count of bytes or from the bytes that touch HBM
+    row = {"chip": "v5e", "batch_per_chip": 2, "guidance": 0.0, "steps": 4, "size": 1024,
+           "roofline_s": 0.6, "hbm_roofline_s": 0.4,
+           "unet_call": {"tflop": 14.0, "gbytes": 70.0, "hbm_gbytes": 16.0}}
+    everything, hbm = sm.costs_from_report(row, 1024), sm.costs_from_report(row, 1024, "hbm")
+    assert everything.bytes_per_row == pytest.approx((70e9 - sm.UNET_PARAMS * 2) / 2)
+    assert hbm.bytes_per_row == pytest.approx((16e9 - sm.UNET_PARAMS * 2) / 2)
+    assert hbm.call(2) == pytest.approx(14e12 / 197e12)  # compute-bound by the HBM count
+    assert everything.call(2) == pytest.approx(70e9 / 819e9)
 
 
 def test_precision_bar_is_stated_and_judged():
