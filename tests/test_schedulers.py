@@ -394,6 +394,27 @@ def test_unipc_loop_from_a_later_step_matches_diffusers(start):
         assert err <= 1e-5 * (1 + np.abs(b).max()), f"step {start + i}: max error {err:.3g}"
 
 
+DPM_SDE = {  # DPM++ 2M SDE: algorithm_type="sde-dpmsolver++", fresh noise every step
+    "plain": dict(SD, algorithm_type="sde-dpmsolver++"),
+    "karras": dict(SD, algorithm_type="sde-dpmsolver++", use_karras_sigmas=True),
+    "heun-sigma-min": dict(SD, algorithm_type="sde-dpmsolver++", solver_type="heun",
+                           final_sigmas_type="sigma_min", timestep_spacing="trailing"),
+    "v_prediction-leading": dict(SD, algorithm_type="sde-dpmsolver++", prediction_type="v_prediction",
+                                 timestep_spacing="leading", steps_offset=1),
+    "first-order": dict(SD, algorithm_type="sde-dpmsolver++", solver_order=1),
+}
+
+
+@pytest.mark.parity
+@needs_reference
+@pytest.mark.parametrize("n", STEPS)
+@pytest.mark.parametrize("variant", sorted(DPM_SDE))
+def test_dpm_solver_sde_parity(variant, n, monkeypatch):
+    scheduler = load_scheduler({"_class_name": "DPMSolverMultistepScheduler", **DPM_SDE[variant]})
+    assert scheduler.stochastic
+    assert_parity("DPMSolverMultistepScheduler", DPM_SDE[variant], n, monkeypatch)
+
+
 LCM_VARIANTS = {
     "epsilon": {},
     "v_prediction": dict(prediction_type="v_prediction"),
@@ -640,6 +661,7 @@ def test_lightning_4step_scan_matches_python_loop():
     ("PNDMScheduler", dict(PLMS, timestep_spacing="leading", steps_offset=1)),
     ("PNDMScheduler", dict(PLMS, timestep_spacing="linspace", prediction_type="v_prediction")),
     ("UniPCMultistepScheduler", dict(SD, use_karras_sigmas=True)),
+    ("DPMSolverMultistepScheduler", dict(SD, use_karras_sigmas=True, algorithm_type="sde-dpmsolver++")),
 ])
 def test_scan_matches_python_loop(name, config):
     """Every sampler's step works with a traced step index inside a jitted lax.scan."""
@@ -784,7 +806,7 @@ BAD_CONFIGS = [
     ({"_class_name": EULER, "final_sigmas_type": "one"}, "final_sigmas_type.*sigma_min"),
     ({"_class_name": EULER, "beta_shedule": "linear"}, "unknown config key `beta_shedule`"),
     ({"_class_name": DDIM, "thresholding": True}, "thresholding.*False"),
-    ({"_class_name": DPM, "algorithm_type": "sde-dpmsolver++"}, "algorithm_type.*dpmsolver\\+\\+"),
+    ({"_class_name": DPM, "algorithm_type": "dpmsolver"}, "algorithm_type.*dpmsolver\\+\\+"),
     ({"_class_name": DPM, "solver_order": 3}, "solver_order.*1, 2"),
     ({"_class_name": DPM, "solver_type": "bh2"}, "solver_type.*midpoint"),
     ({"_class_name": DPM, "variance_type": "learned_range"}, "variance_type"),
@@ -960,7 +982,7 @@ def test_diffusers_default_values_are_left_out():
     ("dpmpp_2m_karas", "unknown sampler 'dpmpp_2m_karas' \\(did you mean 'dpmpp_2m_karras'\\?\\)"),
     ("DPM++ SDE", "DPM\\+\\+ SDE \\(diffusers' DPMSolverSinglestepScheduler\\) is not implemented"),
     ("heun", "HeunDiscreteScheduler.*not implemented"),
-    ("dpmpp_2m_sde_karras", "not implemented"),
+    ("dpmpp_3m_sde_karras", "not implemented"),
     ("nonsense", "unknown sampler 'nonsense'; the samplers are euler, .*dpmpp_2m_karras.*unipc.*"
                  "'Euler a'.*'DPM\\+\\+ 2M Karras'.*UniPCMultistepScheduler"),
 ])

@@ -25,6 +25,9 @@ SCHEDULERS = {
     "lcm": dict(_class_name="LCMScheduler"),
     # corrector and predictor history per slot; the last step first order at every length
     "unipc": dict(BASE, _class_name="UniPCMultistepScheduler", use_karras_sigmas=True),
+    # DPM++ 2M SDE: history per slot and fresh noise per image-step
+    "dpm++2m-sde": dict(BASE, _class_name="DPMSolverMultistepScheduler",
+                        algorithm_type="sde-dpmsolver++", use_karras_sigmas=True),
 }
 # (request, steps), submitted at ticks 0, 1, 2, 2 into 2 slots: the second joins the first
 # mid-way, the last two wait for free slots and then share their steps; CFG on and off mixed
@@ -126,6 +129,11 @@ def test_ddim(engines):
 @pytest.mark.slow
 def test_lcm(engines):
     _check(engines("lcm"))
+
+
+@pytest.mark.slow
+def test_dpm_solver_2m_sde(engines):
+    _check(engines("dpm++2m-sde"))
 
 
 @pytest.mark.slow

@@ -25,10 +25,11 @@ sampler.
 
 Every step is elementwise in the sample, so any layout works (maxdiff keeps latents NHWC).
 Samplers: ``euler`` (Euler), ``euler_ancestral``, ``ddim``, ``dpm_solver`` (DPM-Solver++ 2M,
-with Karras sigmas "DPM++ 2M Karras"), ``lcm``, ``pndm`` (PLMS, Stable Diffusion 1.5's
-default), ``unipc`` (UniPC). Named presets (a config with its steps and guidance) live in
-``presets``; the names people type for samplers ("DPM++ 2M Karras", ``euler_a``, ``unipc``),
-each a change to a model's own scheduler config, in ``names``::
+with Karras sigmas "DPM++ 2M Karras", and its SDE variant "DPM++ 2M SDE"), ``lcm``, ``pndm``
+(PLMS, Stable Diffusion 1.5's default), ``unipc`` (UniPC). Named presets (a config with its
+steps and guidance) live in ``presets``; the names people type for samplers ("DPM++ 2M
+Karras", ``euler_a``, ``unipc``), each a change to a model's own scheduler config, in
+``names``::
 
     pipe.scheduler = load_scheduler("dpmpp_2m_karras", base=pipe.scheduler)
 """

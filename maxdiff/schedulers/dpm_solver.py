@@ -7,6 +7,11 @@ uses the current data prediction x0 and, from the second step on, the previous o
 state). The first step, and the last step under ``lower_order_final`` / ``euler_at_final`` /
 ``final_sigmas_type="zero"``, are first order (DDIM). Matches diffusers'
 ``DPMSolverMultistepScheduler`` with ``algorithm_type="dpmsolver++"`` and ``solver_order`` 1 or 2.
+
+``algorithm_type="sde-dpmsolver++"`` is "DPM++ 2M SDE" (Lu et al. 2022, appendix: the SDE
+variant of DPM-Solver++): the same multistep data-prediction update of the variance-preserving
+SDE rather than the ODE, which keeps ``exp(-2h)`` of the noise, refills the rest with fresh
+Gaussian noise each step (``noise=``), and weights x0 by ``1 - exp(-2h)``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from maxdiff.schedulers.common import (
     karras_sigmas,
     sigma_to_t,
 )
+from maxdiff.schedulers.euler_ancestral import step_noise
 
 # diffusers' DPMSolverMultistepScheduler: ``lower_order_final`` applies to runs of fewer steps
 LOWER_ORDER_FINAL_BELOW = 15
@@ -79,13 +85,15 @@ def vp_alpha_sigma(sigma: jax.Array) -> tuple[jax.Array, jax.Array]:
 @dataclasses.dataclass(frozen=True)
 class DPMSolverMultistepScheduler(UnscaledInput, TrainSchedule):
     """DPM-Solver++(2M) (Lu et al. 2022, Algorithm 2). Fields are diffusers' constructor arguments
-    of ``DPMSolverMultistepScheduler`` with its defaults; only ``algorithm_type="dpmsolver++"``,
-    ``solver_order`` 1 or 2, no thresholding and no learned variance are implemented.
+    of ``DPMSolverMultistepScheduler`` with its defaults; only ``algorithm_type``
+    ``"dpmsolver++"`` and ``"sde-dpmsolver++"`` (stochastic: pass ``noise=``), ``solver_order`` 1
+    or 2, no thresholding and no learned variance are implemented.
 
     ``lambda_min_clipped`` drops the timesteps whose lambda is below it (used with the cosine
     schedule); ``use_karras_sigmas`` spaces the noise levels as in Karras et al. 2022, eq. 5.
     """
 
+    algorithm_type: str = "dpmsolver++"
     solver_order: int = 2
     solver_type: str = "midpoint"
     lower_order_final: bool = True
@@ -97,7 +105,6 @@ class DPMSolverMultistepScheduler(UnscaledInput, TrainSchedule):
     steps_offset: int = 0
 
     INERT: ClassVar = {
-        "algorithm_type": ("dpmsolver++",),
         "thresholding": (False,),
         "dynamic_thresholding_ratio": None,
         "sample_max_value": None,
@@ -117,6 +124,7 @@ class DPMSolverMultistepScheduler(UnscaledInput, TrainSchedule):
         name = type(self).__name__
         if self.use_karras_sigmas is None:
             object.__setattr__(self, "use_karras_sigmas", False)
+        check_choice(name, "algorithm_type", self.algorithm_type, ("dpmsolver++", "sde-dpmsolver++"))
         check_choice(name, "solver_order", self.solver_order, (1, 2))
         check_choice(name, "solver_type", self.solver_type, ("midpoint", "heun"))
         check_choice(name, "lower_order_final", self.lower_order_final, (False, True))
@@ -125,6 +133,11 @@ class DPMSolverMultistepScheduler(UnscaledInput, TrainSchedule):
         check_choice(name, "final_sigmas_type", self.final_sigmas_type, FINAL_SIGMAS_TYPES)
         check_choice(name, "timestep_spacing", self.timestep_spacing, TIMESTEP_SPACINGS)
         check_steps_offset(name, self.steps_offset)
+
+    @property
+    def stochastic(self) -> bool:
+        """DPM++ 2M SDE adds fresh noise every step (``step(..., noise=)``)."""
+        return self.algorithm_type == "sde-dpmsolver++"
 
     def _last_timestep(self) -> int:
         """One past the last timestep whose lambda is at least ``lambda_min_clipped``."""
@@ -194,9 +207,10 @@ class DPMSolverMultistepScheduler(UnscaledInput, TrainSchedule):
     def step(self, state: DPMSolverState, model_output: jax.Array, sample: jax.Array, step_index,
              key: jax.Array | None = None,
              noise: jax.Array | None = None) -> tuple[DPMSolverState, jax.Array]:
-        """One DPM-Solver++ step from ``sigmas[i]`` to ``sigmas[i + 1]`` (deterministic; ``key``
-        and ``noise`` are ignored). Returns the updated state (x0 memory) and the sample in
-        ``sample.dtype``."""
+        """One DPM-Solver++ step from ``sigmas[i]`` to ``sigmas[i + 1]``. Deterministic (``key``
+        and ``noise`` ignored) but for ``sde-dpmsolver++``, which needs ``noise`` (standard
+        normal, shaped like ``sample``) or a ``key`` to draw it from. Returns the updated state
+        (x0 memory) and the sample in ``sample.dtype``."""
         n = state.timesteps.shape[0]
         i = jnp.asarray(step_index, jnp.int32)
         sigma_s0, sigma_t = at(state.sigmas, i), at(state.sigmas, i + 1)
@@ -213,16 +227,23 @@ class DPMSolverMultistepScheduler(UnscaledInput, TrainSchedule):
         h = lambda_t - lambda_s0
 
         # First order (DPM-Solver++(1), i.e. DDIM), then the second-order correction on top.
-        first = (sig_t / sig_s0) * x - (alpha_t * (jnp.exp(-h) - 1.0)) * x0
+        if self.stochastic:  # the SDE: exp(-h) of the sample and noise, x0 weighted 1 - exp(-2h)
+            eps = step_noise(sample, key, noise, type(self).__name__)
+            x0_weight = alpha_t * (1.0 - jnp.exp(-2.0 * h))
+            first = (sig_t / sig_s0 * jnp.exp(-h)) * x + x0_weight * x0 \
+                + sig_t * jnp.sqrt(1.0 - jnp.exp(-2.0 * h)) * eps
+            midpoint = 0.5 * x0_weight
+            heun = alpha_t * ((1.0 - jnp.exp(-2.0 * h)) / (-2.0 * h) + 1.0)
+        else:
+            first = (sig_t / sig_s0) * x - (alpha_t * (jnp.exp(-h) - 1.0)) * x0
+            midpoint = -0.5 * (alpha_t * (jnp.exp(-h) - 1.0))
+            heun = alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)
         if self.solver_order == 1:
             prev = first
         else:
             r0 = (lambda_s0 - lambda_s1) / h
             d1 = (1.0 / r0) * (x0 - state.prev_x0)
-            if self.solver_type == "midpoint":
-                second = first - 0.5 * (alpha_t * (jnp.exp(-h) - 1.0)) * d1
-            else:  # heun
-                second = first + (alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0)) * d1
+            second = first + (midpoint if self.solver_type == "midpoint" else heun) * d1
             final_first_order = self.euler_at_final or (
                 self.lower_order_final and n < LOWER_ORDER_FINAL_BELOW) \
                 or self.final_sigmas_type == "zero"

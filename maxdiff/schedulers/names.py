@@ -68,6 +68,7 @@ class Sampler:
 
 
 _DPMPP = {"algorithm_type": "dpmsolver++", "solver_order": 2, "solver_type": "midpoint"}
+_DPMPP_SDE = dict(_DPMPP, algorithm_type="sde-dpmsolver++")
 _UNIPC = {"solver_type": "bh2", "solver_order": 2, "predict_x0": True}
 
 # The samplers, by short name. Karras variants set use_karras_sigmas, the others unset it (a
@@ -78,6 +79,10 @@ SAMPLERS: Mapping[str, Sampler] = MappingProxyType({s.name: s for s in (
     Sampler("euler_a", "Euler a", ANCESTRAL, {}, ("euler_ancestral",)),
     Sampler("dpmpp_2m", "DPM++ 2M", DPM, {**_DPMPP, "use_karras_sigmas": False}),
     Sampler("dpmpp_2m_karras", "DPM++ 2M Karras", DPM, {**_DPMPP, "use_karras_sigmas": True}),
+    # diffusers' SDE noise is Gaussian per step (A1111 and ComfyUI draw it from a Brownian tree)
+    Sampler("dpmpp_2m_sde", "DPM++ 2M SDE", DPM, {**_DPMPP_SDE, "use_karras_sigmas": False}),
+    Sampler("dpmpp_2m_sde_karras", "DPM++ 2M SDE Karras", DPM,
+            {**_DPMPP_SDE, "use_karras_sigmas": True}),
     # x0 is never clipped: latents are not images in [-1, 1] (A1111's DDIM does not clip;
     # diffusers' DDIMScheduler does by default, and SD / SDXL configs turn it off)
     Sampler("ddim", "DDIM", DDIM, {"clip_sample": False}),
@@ -89,7 +94,7 @@ SAMPLERS: Mapping[str, Sampler] = MappingProxyType({s.name: s for s in (
 
 # Names people know that maxdiff does not implement, and diffusers' class for each (None: none).
 NOT_IMPLEMENTED: Mapping[str, str | None] = MappingProxyType({
-    "DPM++ 2M SDE": DPM, "DPM++ 2M SDE Karras": DPM, "DPM++ 3M SDE": DPM,
+    "DPM++ 3M SDE": DPM, "DPM++ 3M SDE Karras": DPM,
     "DPM++ SDE": "DPMSolverSinglestepScheduler", "DPM++ SDE Karras": "DPMSolverSinglestepScheduler",
     "DPM++ 2S a": None, "DPM++ 2S ancestral": None,
     "DPM2": "KDPM2DiscreteScheduler", "DPM2 Karras": "KDPM2DiscreteScheduler",

@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(sdxl_vae.safetensors) or a diffusers VAE folder")
     g.add_argument("--scheduler", metavar="NAME",
                    help="sampler: euler, euler_karras, euler_a, dpmpp_2m, dpmpp_2m_karras, "
-                        "ddim, pndm, lcm, unipc, unipc_karras, A1111's names ('DPM++ 2M "
+                        "dpmpp_2m_sde, dpmpp_2m_sde_karras, ddim, pndm, lcm, unipc, "
+                        "unipc_karras, A1111's names ('DPM++ 2M "
                         "Karras', 'Euler a', ...) or a diffusers class name, applied to the "
                         "model's own scheduler config; a preset (lightning-1step/2step/4step/"
                         "8step: scheduler, steps and guidance); or a scheduler config "
