@@ -29,9 +29,6 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from pipelines.image_files import (  # noqa: F401 (until pipelines/cli/parser.py imports it there)
-    FORMATS,
-)
 from pipelines.limits import (
     AESTHETIC_SCORE,
     NEGATIVE_AESTHETIC_SCORE,

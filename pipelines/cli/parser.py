@@ -7,6 +7,7 @@ import argparse
 
 from maxdiff.quantization import MODES as QUANTIZATION_MODES
 from pipelines.cli.lines import MAX_IMAGES_PER_LINE
+from pipelines.image_files import FORMATS
 from pipelines.limits import (
     CONTROL_SCALE_MAX,
     STRENGTH,
@@ -16,7 +17,7 @@ from pipelines.limits import (
     seed_problem,
     steps_problem,
 )
-from pipelines.requests import FORMATS, parse_size
+from pipelines.requests import parse_size
 
 PROG = "maxdiff"
 
