@@ -5,12 +5,15 @@
 
 For each topology, program and per-chip batch: the whole program (text encoders, every
 denoising step, VAE decode) compiled for the topology's chips through ``libtpu`` with the
-model's configs only (:mod:`pipelines.aot`), and one UNet call compiled alone (XLA's cost
-analysis counts a loop's body once, so a program's work is its own count plus ``calls - 1``
-UNet calls). Per chip: compiled or the compiler's error, HBM needed against the chip's, flops
-and HBM bytes per image (Pallas kernels' added analytically), flops per byte against the
-chip's ridge, the roofline time on the chip's published peaks, images/s per chip, and the
-collectives in the compiled HLO. These are the compiler's estimates, never measurements.
+model's configs only (:mod:`pipelines.aot`), then one UNet call and one image's VAE decode
+compiled alone (XLA's cost analysis counts a loop's body once, so a program's work is its own
+count plus ``calls - 1`` UNet calls and, as each chip decodes its images one at a time,
+``images per chip - 1`` decodes). Per chip: compiled or the compiler's error, HBM needed
+against the chip's, flops and bytes per image (Pallas kernels' added analytically; bytes by
+XLA's count, every memory level, and the part that touches HBM:
+:func:`pipelines.aot.memory_traffic`), flops per byte against the chip's ridge, the roofline
+time on the chip's published peaks, images/s per chip, and the collectives in the compiled
+HLO. These are the compiler's estimates, never measurements.
 
 Programs: ``lightning`` (SDXL-Lightning 4 steps, Euler trailing, no CFG: MaxDiffusion's
 published workload), ``base`` (20 Euler steps, CFG 8: MLPerf's SDXL setting). A full-size SDXL
@@ -93,9 +96,20 @@ def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dty
     w = aot.analyse(whole[-1], chip, per_chip)
     u = aot.analyse(unet[-1], chip, per_chip)
     calls = steps  # Euler: one UNet call a step
-    tflop = w["tflop"] + (calls - 1) * u["tflop"]
-    gbytes = w["gbytes"] + (calls - 1) * u["gbytes"]
-    hbm = w["hbm_gbytes"] + (calls - 1) * u["hbm_gbytes"]
+    parts = [(w, 1), (u, calls - 1)]
+    if per_chip > 1:  # the decode loop runs per image; XLA counts its body once
+        t2 = time.perf_counter()
+        with aot.recording() as vae:
+            aot.vae_call(pipe, size, size)
+        row["compile_vae_s"] = time.perf_counter() - t2
+        log(f"  one image's VAE decode compiled in {row['compile_vae_s']:.0f} s")
+        _save_hlo(hlo_dir, name + "-vae", vae[-1])
+        v = aot.analyse(vae[-1], chip, 1)
+        parts.append((v, per_chip - 1))
+        row["vae_decode"] = {k: v[k] for k in ("tflop", "gbytes", "hbm_gbytes", "roofline_s",
+                                               "hbm_roofline_s", "bound", "hbm_bound")}
+    tflop, gbytes, hbm = (sum(n * p[k] for p, n in parts)
+                          for k in ("tflop", "gbytes", "hbm_gbytes"))
     seconds = max(tflop * 1e12 / chip.flops, gbytes * 1e9 / chip.hbm_bytes_per_s)
     hbm_seconds = max(tflop * 1e12 / chip.flops, hbm * 1e9 / chip.hbm_bytes_per_s)
     row.update(

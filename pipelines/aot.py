@@ -264,3 +264,25 @@ def unet_call(pipe, rows: int, height: int, width: int):
                                        dt="float32"),
               arg(rows, dt="float32"), arg(rows, 77, cfg.cross_attention_dim),
               arg(rows, pooled), arg(rows, n_ids, dt="float32"))
+
+
+def vae_call(pipe, height: int, width: int):
+    """Compile one image's VAE decode per chip at this size: the body of every accelerator
+    program's decode loop (:func:`pipelines.program.decode` decodes a chip's images one at a
+    time), which XLA's cost analysis counts once whatever the batch, so a program's cost is its
+    own plus ``images per chip - 1`` of these. Records like any program (:func:`recording`)."""
+    import jax
+
+    from pipelines import program as program_lib
+
+    f = pipe.vae_scale_factor
+    # float32 latents, as the denoising loop hands them to the decoder
+    z = jax.ShapeDtypeStruct((pipe.mesh.size, height // f, width // f,
+                              pipe.vae.config.latent_channels),
+                             "float32", sharding=meshlib.batch_sharded(pipe.mesh))
+
+    def call(p, z):
+        return pipe.vae.apply({"params": p}, z, method=pipe.vae.latents_to_image)
+
+    return program_lib.jit(pipe.mesh, call)(pipe.params["vae"], z)
+
