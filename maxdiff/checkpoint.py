@@ -28,7 +28,7 @@ import contextvars
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -42,6 +42,7 @@ __all__ = [
     "SafetensorsFile",
     "WeightSource",
     "open_weights",
+    "weight_candidates",
     "check_links",
     "refuse_pickle",
     "flax_to_torch_key",
@@ -287,15 +288,36 @@ def shapes_only():
         _SHAPES_ONLY.reset(token)
 
 
+def weight_candidates(variant: str | None = None) -> Iterator[tuple[str, str | None, bool]]:
+    """The weight files :func:`open_weights` looks for in a component folder, in its order of
+    preference: (file name, its variant or None, whether it is a shard index). ``variant``
+    given: that variant's files, then the plain ones (as diffusers' pipelines load a component
+    that has no such variant); None: the plain files, then an fp16 variant. A variant's shard
+    index has three names: diffusers' and transformers' ``{stem}.safetensors.index.{v}.json``,
+    their older ``{stem}.safetensors.{v}.index.json``, and ``{stem}.{v}.safetensors.index.json``."""
+    for v in ([variant, None] if variant else [None, "fp16"]):
+        for stem in _WEIGHT_STEMS:
+            if v is None:
+                yield f"{stem}.safetensors", None, False
+                yield f"{stem}.safetensors.index.json", None, True
+            else:
+                yield f"{stem}.{v}.safetensors", v, False
+                yield f"{stem}.{v}.safetensors.index.json", v, True
+                yield f"{stem}.safetensors.index.{v}.json", v, True
+                yield f"{stem}.safetensors.{v}.index.json", v, True
+
+
 def open_weights(path: str | os.PathLike, variant: str | None = None) -> WeightSource:
     """Find and open the safetensors weights of one component (inside :func:`shapes_only`:
     a :class:`ShapesOnly` source, whatever the folder holds).
 
     ``path`` is a single ``.safetensors`` file or a component folder holding
     ``diffusion_pytorch_model[.{variant}].safetensors`` / ``model[.{variant}].safetensors``
-    or a sharded set described by ``*.safetensors.index.json``. With
-    ``variant=None`` the plain files are preferred and an fp16 variant is used
-    when it is the only one present.
+    or a sharded set described by a ``*.safetensors.index*.json`` shard index
+    (:func:`weight_candidates` gives the names and their order). With ``variant`` the
+    variant's files are preferred and the plain ones read where the folder has none; with
+    ``variant=None`` the plain files are preferred and an fp16 variant is used when it is the
+    only one present. Pickle-based files (``.bin``) are never read.
     """
     if _SHAPES_ONLY.get():
         return ShapesOnly()
@@ -305,39 +327,34 @@ def open_weights(path: str | os.PathLike, variant: str | None = None) -> WeightS
         return WeightSource.from_files([p])
     if not p.is_dir():
         raise CheckpointError(f"{p}: no such file or folder")
-    variants = [variant] if variant else [None, "fp16"]
-    for v in variants:
-        for stem in _WEIGHT_STEMS:
-            suffix = f".{v}.safetensors" if v else ".safetensors"
-            single = p / f"{stem}{suffix}"
-            if single.is_file():
-                return WeightSource.from_files([single])
-            idx = p / f"{stem}{suffix}.index.json"
-            if idx.is_file():
-                try:
-                    weight_map = json.loads(idx.read_text())["weight_map"]
-                except (json.JSONDecodeError, KeyError) as e:
-                    raise CheckpointError(f"{idx}: unreadable shard index ({e})") from None
-                missing = sorted({f for f in weight_map.values() if not (p / f).is_file()})
-                if missing:
-                    raise CheckpointError(f"{idx}: shard file(s) missing: {', '.join(missing)}")
-                src = WeightSource.from_files(p / f for f in sorted(set(weight_map.values())))
-                stray = sorted(set(weight_map) - set(src.index))
-                if stray:
-                    raise CheckpointError(
-                        f"{idx}: index names keys no shard holds, e.g. {stray[0]!r}"
-                    )
-                return src
+    for name, _, index in weight_candidates(variant):
+        if not (p / name).is_file():
+            continue
+        if not index:
+            return WeightSource.from_files([p / name])
+        idx = p / name
+        try:
+            weight_map = json.loads(idx.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{idx}: unreadable shard index ({e})") from None
+        missing = sorted({f for f in weight_map.values() if not (p / f).is_file()})
+        if missing:
+            raise CheckpointError(f"{idx}: shard file(s) missing: {', '.join(missing)}")
+        src = WeightSource.from_files(p / f for f in sorted(set(weight_map.values())))
+        stray = sorted(set(weight_map) - set(src.index))
+        if stray:
+            raise CheckpointError(f"{idx}: index names keys no shard holds, e.g. {stray[0]!r}")
+        return src
     found = sorted(x.name for x in p.iterdir())
     pickles = [x for x in found if Path(x).suffix.lower() in PICKLE_SUFFIXES]
     if pickles:
         raise CheckpointError(f"{p / pickles[0]}: only pickle-based weights here "
                               f"({', '.join(pickles)}), no safetensors; {_CONVERT}")
-    want = f"variant {variant!r} of " if variant else ""
+    want = f", variant {variant!r} first" if variant else ""
     raise CheckpointError(
-        f"{p}: no {want}safetensors weights found (looked for diffusion_pytorch_model*.safetensors "
-        f"and model*.safetensors, single or sharded); the folder holds: {found or 'nothing'}. "
-        "maxdiff reads safetensors only."
+        f"{p}: no safetensors weights found (looked for diffusion_pytorch_model*.safetensors "
+        f"and model*.safetensors, single or sharded{want}); the folder holds: "
+        f"{found or 'nothing'}. maxdiff reads safetensors only."
     )
 
 

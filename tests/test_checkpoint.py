@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax
 import ml_dtypes
@@ -128,6 +129,31 @@ def test_sharded_and_fp16_variant(unet_dir, tmp_path):
     (out / "diffusion_pytorch_model-00002-of-00002.fp16.safetensors").unlink()
     with pytest.raises(CheckpointError, match="shard file.*00002-of-00002"):
         load_unet(out)
+
+
+@pytest.mark.parametrize("shard, index", [
+    ("diffusion_pytorch_model.fp16-0000{}-of-00002.safetensors",  # diffusers' and
+     "diffusion_pytorch_model.safetensors.index.fp16.json"),      # transformers' names
+    ("diffusion_pytorch_model-0000{}-of-00002.fp16.safetensors",  # their earlier ones
+     "diffusion_pytorch_model.safetensors.fp16.index.json")])
+def test_sharded_variant_names_and_the_plain_fallback(unet_dir, tmp_path, shard, index):
+    """A variant's shard index under the names diffusers and transformers write loads with
+    variant="fp16" and, as the only weights, without one; variant="fp16" on a folder without
+    that variant reads the plain weights (as diffusers' pipelines load such a component)."""
+    f = SafetensorsFile(unet_dir / "diffusion_pytorch_model.safetensors")
+    keys = sorted(f.keys())
+    out = tmp_path / "u"
+    out.mkdir()
+    weight_map = {}
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        save_safetensors({k: np.asarray(f.get(k)) for k in part}, out / shard.format(i + 1))
+        weight_map.update(dict.fromkeys(part, shard.format(i + 1)))
+    (out / index).write_text(json.dumps({"weight_map": weight_map}))
+    for variant in ("fp16", None):
+        src = open_weights(out, variant)
+        assert len(src.files) == 2 and sorted(src.keys()) == keys
+    assert [Path(p).name for p in open_weights(unet_dir, "fp16").files] == [
+        "diffusion_pytorch_model.safetensors"]
 
 
 def test_load_params_casts_each_tensor(unet_dir):
