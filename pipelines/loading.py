@@ -1,6 +1,7 @@
-"""Loading a model: where its configs are (a diffusers folder, or a single file with shipped or
-given configs; :func:`model_root`), its components read from the folder or the file
-(:func:`load`), and JAX's persistent compilation cache (:func:`enable_compile_cache`)."""
+"""Loading a model: where its configs are (a diffusers folder, a Hugging Face model name through
+the local cache: :func:`maxdiff.hub.resolve`, or a single file with shipped or given configs;
+:func:`model_root`), its components read from the folder or the file (:func:`load`), and JAX's
+persistent compilation cache (:func:`enable_compile_cache`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import jax
 
-from maxdiff import checkpoint, single_file, target
+from maxdiff import checkpoint, hub, single_file, target
 from maxdiff import mesh as meshlib
 from maxdiff import quantization as quantlib
 from maxdiff.family import Family, folder_family
@@ -129,17 +130,25 @@ def _tokenizer_folder(root: Path, name: str, layout: single_file.Layout | None) 
 
 
 def load(path, dtype, *, unet, scheduler, devices, attention_kernel, attention_chunk,
-         compile_cache_dir, variant, vae, config, quantization) -> tuple[dict, tuple]:
+         compile_cache_dir, variant, vae, config, quantization,
+         revision=None) -> tuple[dict, tuple]:
     """What :meth:`pipelines.TextToImagePipeline.from_pretrained` loads (its arguments mean
     the same; ``dtype`` one dtype or one per component: :func:`component_dtypes`): the
     pipeline's constructor arguments, and the model's (default height, default width, largest
-    side) from its configs and ``maxdiff.json`` (None where unknown)."""
+    side) from its configs and ``maxdiff.json`` (None where unknown). ``path``, ``vae`` and
+    ``config`` may be Hugging Face model names (``org/name``), found in the local cache or
+    downloaded (:func:`maxdiff.hub.resolve`; ``revision`` applies to ``path``)."""
     quantlib.check_quantization(quantization)
     if path is None:
         from pipelines.default_model import default_model_path
 
         path = default_model_path()
-    root, layout, family = model_root(Path(path), config)
+    if config is not None:  # configs only: a name's weights are not fetched
+        config = hub.resolve(config, weights=False)
+    if vae is not None:
+        vae = hub.resolve(vae)
+    root, layout, family = model_root(hub.resolve(path, revision=revision, variant=variant),
+                                      config)
     model_index = json.loads((root / "model_index.json").read_text())
     enable_compile_cache(compile_cache_dir)
     mesh = meshlib.make_mesh(devices)

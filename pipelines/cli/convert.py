@@ -20,8 +20,11 @@ _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.ind
 
 def cmd_convert(args) -> int:
     from maxdiff.checkpoint import SafetensorsFile, open_weights, resolve_dtype, save_safetensors
+    from maxdiff.hub import resolve
 
-    src, dst = Path(args.src), Path(args.dst)
+    with _usage_errors():  # a Hugging Face model name: its snapshot in the local cache
+        src = resolve(args.src)
+    dst = Path(args.dst)
     if dst.exists() and not args.force:
         raise InputError([f"DST {dst} exists; pass --force to replace it"])
     if src.is_file() or dst.suffix == ".safetensors":
