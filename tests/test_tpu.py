@@ -152,3 +152,15 @@ def test_a_topology_this_machine_cannot_describe_is_a_clear_error():
             meshlib.topology_mesh("h200:1")
     with pytest.raises(ValueError, match="topology 'v5e:9x9'"):
         meshlib.topology_mesh("v5e:9x9")
+
+
+@pytest.mark.slow
+def test_one_images_decode_compiles_alone(pipe):
+    """pipelines.aot.vae_call: one image a chip, the decode loop's body (what the report adds
+    images-per-chip - 1 times): compiles with no collectives, and costs what the HLO says."""
+    with aot.recording() as rec:
+        aot.vae_call(pipe, SIZE, SIZE)
+    hlo = _only(rec)
+    assert aot.collectives(hlo) == {}
+    a = aot.analyse(rec[0], aot.chip_of(pipe.mesh), 1)
+    assert a["tflop"] > 0 and 0 < a["hbm_gbytes"] <= a["gbytes"] * 1.5
