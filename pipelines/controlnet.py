@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from maxdiff import hub
 from maxdiff import mesh as meshlib
 from maxdiff.models.controlnet import ControlNetModel, load_controlnet
 from pipelines.composed import ComposedPipeline
@@ -102,9 +103,10 @@ class ControlNetPipeline(ComposedPipeline):
                 model, cn_params = spec
                 cn_params = meshlib.place(cn_params, rep)
                 name = "ControlNet"
-            else:
+            else:  # a folder, a file, or a Hugging Face name: its snapshot in the local cache
                 model, cn_params = load_controlnet(  # a single file: the UNet's config
-                    spec, dtype, unet_config=p.unet.config, attention_kernel=p.unet.attention_kernel,
+                    hub.resolve(spec), dtype, unet_config=p.unet.config,
+                    attention_kernel=p.unet.attention_kernel,
                     attention_chunk=p.unet.attention_chunk, put=meshlib.put_replicated(p.mesh))
                 name = str(spec)
             self._check_fits(model, name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from maxdiff.hub import resolve
 from maxdiff.quantization import lora_problem
 from pipelines.config import RunConfig, load_run_config
 from serving.errors import ApiError
@@ -109,9 +110,13 @@ def _check_adapters(run: RunConfig, adapters, what: str) -> None:
 
 
 def _check_controlnets(controlnets, what: str) -> None:
-    """Each ControlNet's folder or file exists (once, here, rather than in every replica)."""
+    """Each ControlNet's folder or file exists (once, here, rather than in every replica); a
+    Hugging Face name (``org/name``) is found in the local cache, or downloaded."""
     for c in controlnets:
-        path = Path(c.path).expanduser()
+        try:
+            path = resolve(c.path)
+        except ValueError as e:
+            raise ValueError(f"{what}: {c.name}: {e}") from None
         if not (path.is_dir() or path.is_file() and path.suffix == ".safetensors"):
             raise ValueError(f"{what}: {c.name}: {c.path}: no such folder or .safetensors file "
                              "(a diffusers ControlNet folder: config.json and its weights; or "

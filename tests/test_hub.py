@@ -293,6 +293,38 @@ def test_convert_takes_a_name(offline, sdxl_dir, tmp_path, capsys):
     assert "hf download tiny-org/absent" in capsys.readouterr().err
 
 
+def test_controlnet_names_in_python_the_cli_and_the_service(offline, sdxl_dir, tmp_path):
+    """A ControlNet repository (its config and weights at the root) named org/name: the Python
+    API, the CLI's --controlnet NAME=PATH and the service's controlnets read its snapshot."""
+    from pipelines.cli.controls import parse_controlnets
+    from pipelines.controlnet import ControlNetPipeline
+    from serving.models import _check_controlnets
+    from serving.specs import ControlNetSpec
+
+    config = json.loads((sdxl_dir / "unet" / "config.json").read_text())
+    made = tmp_path / "cn"
+    tiny.make_controlnet(made, {k: v for k, v in config.items() if not k.startswith("_")},
+                         conditioning_embedding_out_channels=(8, 16))  # image 2x the latents
+    repo = offline.parent / "models--tiny-org--tiny-controlnet"
+    snap = _snapshot(repo, MAIN, {p.name: p for p in made.iterdir()})
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(MAIN)
+
+    pipe = _load(NAME)
+    by_name = ControlNetPipeline.from_pipe(pipe, controlnet="tiny-org/tiny-controlnet")
+    by_folder = ControlNetPipeline.from_pipe(pipe, controlnet=made)
+    a, b = (jax.tree_util.tree_leaves(p.controlnet_params) for p in (by_name, by_folder))
+    assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+    names, errors = parse_controlnets(["canny=tiny-org/tiny-controlnet",
+                                       "depth=tiny-org/absent"])
+    assert names == {"canny": str(snap.resolve())}
+    assert len(errors) == 1 and "hf download tiny-org/absent" in errors[0]
+    _check_controlnets([ControlNetSpec(name="canny", path="tiny-org/tiny-controlnet")], "x")
+    with pytest.raises(ValueError, match="x: depth: .*hf download tiny-org/absent"):
+        _check_controlnets([ControlNetSpec(name="depth", path="tiny-org/absent")], "x")
+
+
 @pytest.mark.xfail(strict=True, reason="#41: pipelines/cli/common.py's _model_path still "
                    "refuses a --model that is no local folder or file")
 def test_the_cli_takes_a_name(offline, capsys):

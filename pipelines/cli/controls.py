@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from maxdiff.hub import resolve
 from pipelines.cli.lines import CONTROL_FIELDS, ControlSpec, edit_size
 from pipelines.image_files import decode_image
 from pipelines.limits import (
@@ -21,7 +22,8 @@ from pipelines.limits import (
 
 
 def parse_controlnets(specs: Iterable[str]) -> tuple[dict[str, str], list[str]]:
-    """``--controlnet NAME=PATH`` (repeatable) -> ({name: absolute path}, problems)."""
+    """``--controlnet NAME=PATH`` (repeatable) -> ({name: absolute path}, problems). PATH may
+    be a Hugging Face model name, ``org/name`` (:func:`maxdiff.hub.resolve`)."""
     names: dict[str, str] = {}
     errors = []
     for spec in specs:
@@ -32,10 +34,16 @@ def parse_controlnets(specs: Iterable[str]) -> tuple[dict[str, str], list[str]]:
                           "or .safetensors file)")
         elif name in names:
             errors.append(f"--controlnet {spec}: the name {name!r} is given twice")
-        elif not Path(path).expanduser().exists():
-            errors.append(f"--controlnet {spec}: {path}: no such folder")
         else:
-            names[name] = str(Path(path).expanduser().resolve())
+            try:  # a Hugging Face name (org/name): its snapshot in the local cache
+                found = resolve(path.strip())
+            except ValueError as e:
+                errors.append(f"--controlnet {spec}: {e}")
+                continue
+            if not found.exists():
+                errors.append(f"--controlnet {spec}: {path}: no such folder")
+            else:
+                names[name] = str(found.resolve())
     return names, errors
 
 
