@@ -117,23 +117,18 @@ class RunConfig(StrictConfig):
         return kw
 
     def scheduler_source(self):
-        """``scheduler`` as ``from_pretrained`` takes it: a sampler name becomes the model's own
-        scheduler config switched to that sampler (:mod:`maxdiff.schedulers.names`), so that
-        the CLI, run configs and the service take the names; a preset, a path or None stays
-        as it is. Reads the model's scheduler config (no weights); an unknown name raises a
-        ValueError listing the presets and samplers."""
+        """``scheduler`` as ``from_pretrained`` takes it (None, a preset, a sampler name, a
+        path), checked: an unknown name raises a ValueError listing the presets and samplers
+        before any model is read."""
         source = self.scheduler
         if source is None or Path(source).exists():
             return source
-        from maxdiff.schedulers import PRESETS, sampler_config
+        from maxdiff.schedulers import PRESETS
         from maxdiff.schedulers.loading import name_problem
 
-        if source in PRESETS:
-            return source
-        problem = name_problem(source)
-        if problem is not None:
+        if source not in PRESETS and (problem := name_problem(source)) is not None:
             raise ValueError(problem)
-        return sampler_config(source, model_scheduler_config(self.model, self.single_file_config))
+        return source
 
     def call_kwargs(self) -> dict:
         """Defaults for a pipeline call (only the ones the config sets)."""
@@ -164,25 +159,6 @@ class ModelDefaults(StrictConfig):
         if not isinstance(data, dict):
             raise ValueError(f"{path}: must be a JSON object")
         return validate(cls, data, str(path))
-
-
-def model_scheduler_config(model: str | os.PathLike | None,
-                           single_file_config: str | os.PathLike | None = None) -> dict:
-    """The scheduler config of ``model`` (None: the default model) as
-    :func:`pipelines.loading.load` reads it: a diffusers folder's ``scheduler/``, or for a
-    single file the configs describing it (``single_file_config``, else the family's shipped
-    ones) with what the file says of its prediction type."""
-    from maxdiff import single_file
-    from maxdiff.schedulers import read_scheduler_config
-    from pipelines.default_model import default_model_path
-
-    path = Path(model) if model is not None else default_model_path()
-    if not path.is_file():
-        return read_scheduler_config(path / "scheduler")
-    layout = single_file.inspect(path)
-    root = Path(single_file_config) if single_file_config is not None \
-        else single_file.shipped_config(layout.family.name)
-    return layout.scheduler_config(read_scheduler_config(root / "scheduler"))
 
 
 def available_configs() -> list[str]:

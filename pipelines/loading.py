@@ -20,7 +20,7 @@ from maxdiff.family import Family, folder_family
 from maxdiff.loaders import load_unet, load_vae
 from maxdiff.models.clip import load_text_encoder
 from maxdiff.models.unet import unet_module
-from maxdiff.schedulers import get_preset, load_scheduler, read_scheduler_config
+from maxdiff.schedulers import read_scheduler_config, resolve_scheduler
 from maxdiff.tokenizers import load_tokenizer
 from pipelines.config import ModelDefaults
 
@@ -204,15 +204,13 @@ def load(path, dtype, *, unet, scheduler, devices, attention_kernel, attention_c
     measured = ModelDefaults.read(root)
     steps = measured.steps or family.steps
     guidance = family.guidance if measured.guidance is None else measured.guidance
-    if scheduler is None:
-        sched = load_scheduler(layout.scheduler_config(read_scheduler_config(root)) if layout
-                               else root / "scheduler")
-    elif isinstance(scheduler, str) and not Path(scheduler).exists():
-        preset = get_preset(scheduler)
-        sched = load_scheduler(scheduler)
+    # the model's own scheduler (None), a preset (its steps and guidance become the defaults),
+    # a sampler name (the model's config switched to it), a config or a path
+    model_sched = (layout.scheduler_config(read_scheduler_config(root)) if layout
+                   else root / "scheduler")
+    sched, preset = resolve_scheduler(scheduler, model_sched)
+    if preset is not None:
         steps, guidance = preset.num_inference_steps, preset.guidance_scale
-    else:
-        sched = load_scheduler(scheduler)
 
     # the refiner's five time ids (size, crop, aesthetic score) or the base's six
     n_ids = family.n_time_ids

@@ -149,8 +149,10 @@ class TextToImagePipeline(LoraAdapters):
         ``unet``: a UNet file that replaces the model's: diffusers keys (the SDXL-Lightning
         files) or a whole single-file checkpoint. ``vae``: a VAE that replaces the model's: a
         diffusers VAE folder, or a file (``sdxl_vae.safetensors``, original or diffusers keys).
-        ``scheduler``: a diffusers scheduler config dict, a folder or json file, or a preset
-        name such as ``"lightning-4step"`` (which also sets the default steps and guidance).
+        ``scheduler``: a diffusers scheduler config dict, a folder or json file, a preset
+        name such as ``"lightning-4step"`` (which also sets the default steps and guidance), or
+        a sampler name (``"dpmpp_2m_karras"``, ``"DPM++ 2M Karras"``, ``"euler_a"``, ``"unipc"``,
+        ...: :mod:`maxdiff.schedulers.names`), the model's own scheduler switched to it.
         ``dtype``: ``"auto"`` (bfloat16 on TPUs and GPUs, float32 on CPUs: the mesh's devices
         decide, :func:`maxdiff.target.default_dtype`), ``"float32"``, ``"bfloat16"`` or
         ``"float16"``; or one per component, ``{"unet": "bfloat16", "vae": "float32", ...}``

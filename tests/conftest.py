@@ -31,6 +31,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu takes a lock file that lets one process at a time load it; the suite's two workers (and
 # a benchmark compiling beside it) only compile with it, never touch a chip.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# Nothing in the suite downloads: a Hugging Face model name that is not in a test's own cache
+# is an error (maxdiff.hub), never a request to the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def shipped_env(pythonpath, **extra: str) -> dict:

@@ -148,19 +148,22 @@ def test_the_ingress_side_imports_no_jax():
 
 def test_a_sampler_name_becomes_the_models_scheduler_config(tmp_path):
     """``scheduler: dpmpp_2m_karras`` in a run config (the CLI's --scheduler, the service's
-    scheduler=): from_pretrained gets the model's own scheduler config switched to that
-    sampler; presets, paths and None go through as they are; an unknown name lists the
-    choices."""
-    from maxdiff.schedulers import SDXL_BASE_SCHEDULER_CONFIG, sampler_config
+    scheduler=) goes to from_pretrained as it is, which loads the model's own scheduler config
+    switched to that sampler (maxdiff.schedulers.resolve_scheduler, what pipelines.loading
+    calls); presets, paths and None go through as they are; an unknown name lists the choices
+    before any model is read."""
+    from maxdiff.schedulers import SDXL_BASE_SCHEDULER_CONFIG, resolve_scheduler, sampler_config
 
     model = tmp_path / "model"
     (model / "scheduler").mkdir(parents=True)
     own = dict(SDXL_BASE_SCHEDULER_CONFIG, prediction_type="v_prediction")
     (model / "scheduler" / "scheduler_config.json").write_text(json.dumps(own))
     for name in ("dpmpp_2m_karras", "DPM++ 2M Karras", "unipc", "Euler a"):
-        got = RunConfig(model=str(model), scheduler=name).pipeline_kwargs()["scheduler"]
-        assert got == sampler_config(name, own)
-        assert got["prediction_type"] == "v_prediction"
+        assert RunConfig(model=str(model), scheduler=name).pipeline_kwargs()["scheduler"] == name
+        sched, preset = resolve_scheduler(name, model / "scheduler")
+        want = sampler_config(name, own)  # the scheduler's config adds its defaults to these
+        assert preset is None and {k: sched.config[k] for k in want} == want
+        assert sched.config["prediction_type"] == "v_prediction"
     for source in (None, "lightning-4step", str(model / "scheduler")):
         assert RunConfig(model=str(model), scheduler=source).pipeline_kwargs()["scheduler"] == source
     cfg = load_run_config(None, [f"model={model}", "scheduler=dpmpp_2m_karas"])

@@ -325,8 +325,6 @@ def test_controlnet_names_in_python_the_cli_and_the_service(offline, sdxl_dir, t
         _check_controlnets([ControlNetSpec(name="depth", path="tiny-org/absent")], "x")
 
 
-@pytest.mark.xfail(strict=True, reason="#41: pipelines/cli/common.py's _model_path still "
-                   "refuses a --model that is no local folder or file")
 def test_the_cli_takes_a_name(offline, capsys):
     assert cli.main(["info", "--model", NAME, "--json"]) == 0, capsys.readouterr().err
     report = json.loads(capsys.readouterr().out)

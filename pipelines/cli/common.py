@@ -82,7 +82,12 @@ def _model_path(model: str | None) -> Path:
         from pipelines.default_model import default_model_path
 
         return default_model_path().resolve()  # FileNotFoundError names the path: exit 2
-    path = Path(model).expanduser()
+    from maxdiff.hub import resolve
+
+    try:  # a Hugging Face name (org/name): its snapshot in the local cache, or downloaded
+        path = resolve(model)
+    except ValueError as e:
+        raise InputError([f"{e} (--model / config key 'model')"]) from None
     if path.is_file():
         return path.resolve()  # a single file: the loader recognises it or says what it is
     if not path.is_dir():
@@ -100,6 +105,13 @@ def _existing(value: str | None, key: str, flag: str, *, file: bool = False,
     if not value:
         return None
     path = Path(value).expanduser()
+    if not file:  # a folder may be a Hugging Face name (org/name): its cached snapshot
+        from maxdiff.hub import resolve
+
+        try:
+            path = resolve(value, weights=key != "single_file_config")
+        except ValueError as e:
+            raise InputError([f"{e} ({flag} / config key '{key}')"]) from None
     ok = path.is_file() if file else path.is_dir() if folder else path.exists()
     if not ok:
         kind = "file" if file else "folder" if folder else "file or folder"

@@ -107,9 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "sdxl-lightning-4step, ...); flags below override it")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key (repeatable), e.g. --set attention=chunked")
-    g.add_argument("--model", metavar="DIR|FILE",
-                   help="diffusers SDXL folder, or a single-file SDXL checkpoint (.safetensors "
-                        "as A1111/ComfyUI use) (default: the embedded model, or "
+    g.add_argument("--model", metavar="DIR|FILE|NAME",
+                   help="diffusers SDXL folder, a single-file SDXL checkpoint (.safetensors as "
+                        "A1111/ComfyUI use), or a Hugging Face model name (org/name, e.g. "
+                        "stabilityai/stable-diffusion-xl-base-1.0: read from the Hugging Face "
+                        "cache, $HF_HUB_CACHE or $HF_HOME/hub; downloaded when not cached unless "
+                        "HF_HUB_OFFLINE=1) (default: the embedded model, or "
                         "$MAXDIFF_DEFAULT_MODEL)")
     g.add_argument("--single-file-config", metavar="DIR",
                    help="diffusers folder whose config.json files describe a single-file "
@@ -222,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                "  maxdiff convert /models/sdxl-base /models/sdxl-base-int8 --quantize int8\n"
                "  maxdiff convert /models/sdxl-base /models/sdxl-base.safetensors --dtype fp16\n"
                "  maxdiff convert /models/juggernaut-xl.safetensors /models/juggernaut-xl")
-    conv.add_argument("src", metavar="SRC", help="diffusers SDXL folder or single file")
+    conv.add_argument("src", metavar="SRC",
+                      help="diffusers SDXL folder, single file, or Hugging Face model name "
+                           "(org/name)")
     conv.add_argument("dst", metavar="DST",
                       help="new folder, or a .safetensors file (must not exist unless --force)")
     conv.add_argument("--dtype", default=None,
