@@ -50,6 +50,65 @@ def analytic_tflop(program: str, size: int, config: str) -> float | None:
     return steps * rows * t["unet"] + t["vae"] + rows * t["clip"]
 
 
+def compose(whole: dict, unet: dict, vae: dict, loops: dict, *, calls: int, per_chip: int,
+            chip) -> dict:
+    """A program's figures per image from its compiled parts (:func:`pipelines.aot.analyse`
+    of the whole program, one UNet call on its rows, one image's decode as the program runs
+    it) and ``loops``, the whole program's HBM traffic per loop in GB (``"unet"``, ``"vae"``,
+    ``"entry"``: :func:`pipelines.aot.loop_traffic`). XLA counts a loop's body once, so the
+    program is ``calls`` UNet calls, ``per_chip`` decodes and the rest (text encoders, glue:
+    the whole less one of each). Flops come from the parts (they do not depend on layout);
+    bytes two ways: XLA's count (every memory level) of the parts compiled alone, and
+    (``hbm_`` keys) the bytes that touch HBM in the loops as the whole program runs them, plus
+    the Pallas kernels' own. Its time is the sum of each part's roofline (a compute-bound UNet
+    does not hide a memory-bound decode)."""
+    def rest(key):
+        return max(whole[key] - unet[key] - vae[key], 0.0)
+
+    hbm = {"unet": loops["unet"] + unet["kernel_gbytes"], "vae": loops["vae"] + vae["kernel_gbytes"],
+           "rest": loops["entry"] + rest("kernel_gbytes")}
+    parts = [({"tflop": unet["tflop"], "gbytes": unet["gbytes"], "hbm_gbytes": hbm["unet"]}, calls),
+             ({"tflop": vae["tflop"], "gbytes": vae["gbytes"], "hbm_gbytes": hbm["vae"]}, per_chip),
+             ({"tflop": rest("tflop"), "gbytes": rest("gbytes"), "hbm_gbytes": hbm["rest"]}, 1)]
+
+    def times(part, key):  # (compute seconds, memory seconds)
+        return part["tflop"] * 1e12 / chip.flops, part[key] * 1e9 / chip.hbm_bytes_per_s
+
+    tflop = sum(n * p["tflop"] for p, n in parts)
+    out = {"tflop_per_image": tflop / per_chip, "ridge": chip.ridge}
+    for name, (p, n) in zip(("unet_call", "vae_decode", "rest"), parts):
+        out[name] = {**p, "times": n,
+                     "flops_per_byte": p["tflop"] * 1e3 / p["gbytes"] if p["gbytes"] else None,
+                     "hbm_flops_per_byte": (p["tflop"] * 1e3 / p["hbm_gbytes"]
+                                            if p["hbm_gbytes"] else None)}
+    for pre, key in (("", "gbytes"), ("hbm_", "hbm_gbytes")):
+        nbytes = sum(n * p[key] for p, n in parts)
+        spent = [(n * max(times(p, key)), times(p, key)) for p, n in parts]
+        total_s = sum(t for t, _ in spent)
+        compute_s, memory_s = max(spent)[1]  # the part that takes the most time sets the bound
+        out.update({
+            pre + "gbytes_per_image": nbytes / per_chip,
+            pre + "flops_per_byte": tflop * 1e3 / nbytes,
+            pre + "bound": "compute" if compute_s >= memory_s else "memory",
+            pre + "roofline_s": total_s,
+            pre + "images_per_s_per_chip": per_chip / total_s})
+        for name, (p, _) in zip(("unet_call", "vae_decode", "rest"), parts):
+            c, m = times(p, key)
+            out[name][pre + "bound"] = "compute" if c >= m else "memory"
+            out[name][pre + "roofline_s"] = max(c, m)
+    return out
+
+
+def loops_gb(entry: dict) -> dict:
+    """A recorded whole program's HBM traffic per loop, GB (:func:`pipelines.aot.loop_traffic`):
+    ``"unet"`` (the denoising loop's body), ``"vae"`` (the decode loop's), ``"entry"``."""
+    from pipelines import aot
+
+    t = aot.loop_traffic(entry["compiled"].as_text())
+    return {"unet": t["UNet2DConditionModel"]["hbm"] / 1e9,
+            "vae": t["AutoencoderKL"]["hbm"] / 1e9, "entry": t["entry"]["hbm"] / 1e9}
+
+
 def _save_hlo(hlo_dir: Path | None, name: str, entry: dict) -> None:
     if hlo_dir is not None:
         import gzip
@@ -93,45 +152,24 @@ def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dty
     row["compile_unet_s"] = time.perf_counter() - t1
     log(f"  one UNet call compiled in {row['compile_unet_s']:.0f} s")
     _save_hlo(hlo_dir, name + "-unet", unet[-1])
+    t2 = time.perf_counter()
+    with aot.recording() as vae:
+        aot.vae_call(pipe, size, size)
+    row["compile_vae_s"] = time.perf_counter() - t2
+    log(f"  one image's VAE decode compiled in {row['compile_vae_s']:.0f} s")
+    _save_hlo(hlo_dir, name + "-vae", vae[-1])
     w = aot.analyse(whole[-1], chip, per_chip)
     u = aot.analyse(unet[-1], chip, per_chip)
-    calls = steps  # Euler: one UNet call a step
-    parts = [(w, 1), (u, calls - 1)]
-    if per_chip > 1:  # the decode loop runs per image; XLA counts its body once
-        t2 = time.perf_counter()
-        with aot.recording() as vae:
-            aot.vae_call(pipe, size, size)
-        row["compile_vae_s"] = time.perf_counter() - t2
-        log(f"  one image's VAE decode compiled in {row['compile_vae_s']:.0f} s")
-        _save_hlo(hlo_dir, name + "-vae", vae[-1])
-        v = aot.analyse(vae[-1], chip, 1)
-        parts.append((v, per_chip - 1))
-        row["vae_decode"] = {k: v[k] for k in ("tflop", "gbytes", "hbm_gbytes", "roofline_s",
-                                               "hbm_roofline_s", "bound", "hbm_bound")}
-    tflop, gbytes, hbm = (sum(n * p[k] for p, n in parts)
-                          for k in ("tflop", "gbytes", "hbm_gbytes"))
-    seconds = max(tflop * 1e12 / chip.flops, gbytes * 1e9 / chip.hbm_bytes_per_s)
-    hbm_seconds = max(tflop * 1e12 / chip.flops, hbm * 1e9 / chip.hbm_bytes_per_s)
+    v = aot.analyse(vae[-1], chip, 1)
     row.update(
         compiled=True, hbm_gib=w["hbm_gib"], hbm_fraction=w["hbm_fraction"], fits=w["fits"],
         weights_gib=w["arguments_gib"], temp_gib=w["temp_gib"],
         collectives=w["collectives"], collective_ops=w["collective_ops"],
         unet_collective_ops=u["collective_ops"],
-        tflop_per_image=tflop / per_chip, gbytes_per_image=gbytes / per_chip,
-        unet_call={k: u[k] for k in ("tflop", "gbytes", "kernel_tflop", "flops_per_byte",
-                                     "bound", "roofline_s", "hbm_gbytes", "hbm_flops_per_byte",
-                                     "hbm_bound", "hbm_roofline_s")},
-        flops_per_byte=tflop * 1e12 / (gbytes * 1e9), ridge=chip.ridge,
-        bound="compute" if tflop * 1e12 / chip.flops >= gbytes * 1e9 / chip.hbm_bytes_per_s
-        else "memory",
-        roofline_s=seconds, images_per_s_per_chip=per_chip / seconds,
-        images_per_s=per_chip * chips / seconds,
-        # the same counting only the bytes that touch HBM (pipelines.aot.memory_traffic)
-        hbm_gbytes_per_image=hbm / per_chip, hbm_flops_per_byte=tflop * 1e3 / hbm,
-        hbm_bound="compute" if tflop * 1e12 / chip.flops >= hbm * 1e9 / chip.hbm_bytes_per_s
-        else "memory", hbm_roofline_s=hbm_seconds,
-        hbm_images_per_s_per_chip=per_chip / hbm_seconds,
+        **compose(w, u, v, loops_gb(whole[-1]), calls=steps, per_chip=per_chip,
+                  chip=chip),  # Euler: one UNet call a step
         analytic_tflop_per_image=analytic_tflop(program, size, config))
+    row["images_per_s"] = row["images_per_s_per_chip"] * chips
     if row["analytic_tflop_per_image"]:
         row["tflop_vs_analytic"] = row["tflop_per_image"] / row["analytic_tflop_per_image"]
     return row

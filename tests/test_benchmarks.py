@@ -288,3 +288,27 @@ def test_precision_smoke_reports_every_mode(sdxl_dir, tmp_path):
     lines = log.read_text().splitlines()
     assert lines and all(line in proc.stdout.splitlines() for line in lines)
     assert sum(line.endswith((": pass", ": FAIL")) for line in lines) == 4
+
+
+def test_tpu_report_sums_each_parts_roofline():
+    """benchmarks.tpu_report.compose: the whole program holds one UNet call and one decode
+    (XLA counts a loop's body once); the program is ``calls`` UNet calls, ``per_chip`` decodes
+    and the rest, each on its own roofline (a compute-bound UNet does not hide a memory-bound
+    decode), with HBM bytes from the whole program's loops."""
+    from benchmarks.tpu_report import compose
+    from pipelines.aot import CHIPS
+
+    chip = CHIPS["TPU v5 lite"]  # 197 TFLOP/s, 819 GB/s
+    unet = dict(tflop=19.7, gbytes=81.9, kernel_gbytes=0.19)  # 0.1 s compute, 0.1 s by XLA
+    vae = dict(tflop=1.97, gbytes=81.9, kernel_gbytes=0.0)  # 0.01 s compute, 0.1 s memory
+    whole = dict(tflop=19.7 + 1.97 + 0.197, gbytes=81.9 * 2, kernel_gbytes=0.19)
+    loops = {"unet": 8.0, "vae": 81.9, "entry": 0.0}  # HBM in the program's own loops, GB
+    got = compose(whole, unet, vae, loops, calls=4, per_chip=2, chip=chip)
+    assert got["tflop_per_image"] == pytest.approx((4 * 19.7 + 2 * 1.97 + 0.197) / 2)
+    # by HBM bytes: 4 calls x 0.1 s (compute) + 2 decodes x 0.1 s (memory) + the rest 1 ms
+    assert got["hbm_roofline_s"] == pytest.approx(0.4 + 0.2 + 0.001, rel=1e-3)
+    assert got["hbm_gbytes_per_image"] == pytest.approx((4 * 8.19 + 2 * 81.9) / 2)
+    assert got["hbm_bound"] == "compute" and got["hbm_images_per_s_per_chip"] == pytest.approx(
+        2 / 0.601, rel=1e-3)
+    assert got["roofline_s"] == pytest.approx(0.601, rel=1e-3)  # XLA's count: 0.1 s both ways
+    assert got["vae_decode"]["hbm_bound"] == "memory" and got["unet_call"]["hbm_bound"] == "compute"
