@@ -259,16 +259,14 @@ class ControlNetPipeline(ComposedPipeline):
         if not isinstance(guess_mode, (bool, np.bool_)):
             raise ValueError(f"guess_mode={guess_mode!r}; give True or False")
         guess = bool(guess_mode) or bool(self._nets[0].config.global_pool_conditions)
-        neg_size = None
-        if negative_original_size is not None and negative_target_size is not None:
-            neg_size = (tuple(negative_original_size), tuple(negative_crops_coords_top_left),
-                        tuple(negative_target_size))
         items, picked = prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             per_prompt=per_prompt, guidance_scale=guidance_scale,
             guidance_rescale=guidance_rescale, original_size=original_size,
             crops_coords_top_left=tuple(crops_coords_top_left), target_size=target_size,
-            negative_size=neg_size)
+            negative_original_size=negative_original_size,
+            negative_crops_coords_top_left=negative_crops_coords_top_left,
+            negative_target_size=negative_target_size)
         controls = [[ControlImage(picked[name][row], scales[j], starts[j], ends[j], guess)
                      for j, name in enumerate(names)] for row in range(len(items))]
         return self.generate(items, controls, height=height, width=width,

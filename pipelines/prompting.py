@@ -24,13 +24,17 @@ def _as_list(x, name: str) -> list[str] | None:
 
 def prompt_items(prompt, prompt_2, negative_prompt, negative_prompt_2,
                  num_images_per_prompt: int, seed, *, per_prompt: dict | None = None,
-                 guidance_scale: float | None, **fields) -> tuple[list[ImageRequest], dict]:
+                 guidance_scale: float | None, negative_original_size=None,
+                 negative_crops_coords_top_left=(0, 0), negative_target_size=None,
+                 **fields) -> tuple[list[ImageRequest], dict]:
     """The diffusers-style ``__call__`` arguments -> one :class:`ImageRequest` per image.
 
     ``prompt_2`` and the negatives (and each list in ``per_prompt``, e.g. the edit
     pipelines' images) give one entry per prompt or a single one for all; image k gets
     prompt ``k // num_images_per_prompt``. ``fields`` go to every request as they are;
-    ``guidance_scale`` None is the pipeline's default, set where the items are checked.
+    ``guidance_scale`` None is the pipeline's default, set where the items are checked. The
+    ``negative_*`` size conditioning (SDXL's, as diffusers names it) applies when both sizes
+    are given.
     Returns the requests and, per ``per_prompt`` name, each image's entry."""
     prompts = _as_list(prompt, "prompt")
     if not prompts:
@@ -47,6 +51,10 @@ def prompt_items(prompt, prompt_2, negative_prompt, negative_prompt_2,
         if lists[name] is not None and len(lists[name]) != n_prompts:
             raise ValueError(f"{name} has {len(lst)} entries but prompt has {n_prompts}; "
                              "give one per prompt (or a single one)")
+    if negative_original_size is not None and negative_target_size is not None:
+        fields["negative_size"] = (tuple(negative_original_size),
+                                   tuple(negative_crops_coords_top_left),
+                                   tuple(negative_target_size))
     n = n_prompts * num_images_per_prompt
     seeds = call_seeds(seed, n)
     per_image = [k // num_images_per_prompt for k in range(n)]

@@ -325,15 +325,13 @@ class TextToImagePipeline(LoraAdapters):
         defaults to :attr:`high_noise_frac`; ``aesthetic_score`` / ``negative_aesthetic_score``
         are the refiner's); without one, ``output_type="latent"`` returns the latents
         (N, C, H/f, W/f) for a refiner's ``image=`` (``denoising_start``), as in diffusers."""
-        neg_size = None
-        if negative_original_size is not None and negative_target_size is not None:
-            neg_size = (tuple(negative_original_size), tuple(negative_crops_coords_top_left),
-                        tuple(negative_target_size))
         items, _ = prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             guidance_scale=guidance_scale, guidance_rescale=guidance_rescale,
             original_size=original_size, crops_coords_top_left=tuple(crops_coords_top_left),
-            target_size=target_size, negative_size=neg_size, aesthetic_score=aesthetic_score,
+            target_size=target_size, negative_original_size=negative_original_size,
+            negative_crops_coords_top_left=negative_crops_coords_top_left,
+            negative_target_size=negative_target_size, aesthetic_score=aesthetic_score,
             negative_aesthetic_score=negative_aesthetic_score)
         return self.generate(items, height=height, width=width, num_inference_steps=num_inference_steps,
                              latents=latents, output_type=output_type,

@@ -140,3 +140,27 @@ def test_decode_image_and_repaint_masks():
         "inpaint", 8, 16, 2, False)
     with pytest.raises(ValueError, match="mask is 5x8 but image is 16x8"):
         EditRequest("x", None, 1, 1, 16, 8, 2, 0.0, image=pixels, mask=white[:, :5]).validate()
+
+
+def test_prompt_items_fan_out_prompts_seeds_and_sizes():
+    """pipelines.prompting.prompt_items: image k gets prompt k // num_images_per_prompt and
+    seed + k; a single negative serves every prompt; SDXL's negative size conditioning applies
+    when both sizes are given; guidance left out stays None (the pipeline's default)."""
+    from pipelines.prompting import prompt_items
+
+    items, picked = prompt_items(["a", "b"], None, "blurry", None, 2, 10,
+                                 per_prompt={"image": ["x", "y"]}, guidance_scale=None,
+                                 negative_original_size=(512, 512),
+                                 negative_crops_coords_top_left=(4, 8),
+                                 negative_target_size=(1024, 1024))
+    assert [(it.prompt, it.prompt_2, it.negative_prompt, it.seed) for it in items] == [
+        ("a", "a", "blurry", 10), ("a", "a", "blurry", 11), ("b", "b", "blurry", 12),
+        ("b", "b", "blurry", 13)]
+    assert picked == {"image": ["x", "x", "y", "y"]}
+    assert all(it.negative_size == ((512, 512), (4, 8), (1024, 1024)) for it in items)
+    assert all(it.guidance_scale is None for it in items)
+    one, _ = prompt_items("a", None, None, None, 1, [7], guidance_scale=3.0,
+                          negative_original_size=(512, 512))
+    assert one[0].negative_size is None and one[0].seed == 7 and one[0].guidance_scale == 3.0
+    with pytest.raises(ValueError, match="negative_prompt has 3 entries but prompt has 2"):
+        prompt_items(["a", "b"], None, ["x", "y", "z"], None, 1, None, guidance_scale=None)
