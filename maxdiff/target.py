@@ -54,6 +54,13 @@ def data_shards() -> int:
     return dict(zip(mesh.axis_names, mesh.axis_sizes))[DATA]
 
 
+def per_device() -> bool:
+    """Whether the code being traced sees one device's rows (inside a ``shard_map`` over the
+    ``data`` axis) rather than the whole batch."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return DATA in (getattr(mesh, "manual_axes", ()) or ())
+
+
 def traced_under(mesh, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` traced with ``mesh`` as JAX's abstract mesh, so the kernels chosen inside are the
     mesh's devices' (wrap a program before ``jax.jit``)."""

@@ -154,6 +154,7 @@ def _count_splash(q, k):
         return
     b, lq, h, d = q.shape
     lk = k.shape[1]
+    b *= target.data_shards() if target.per_device() else 1  # the whole batch's work
     size = jnp.dtype(q.dtype).itemsize
     # QK^T and PV (2 flops a multiply-add each); q and o once, k and v once per query block
     costs.append({"flops": 4 * b * h * lq * lk * d,
@@ -170,7 +171,7 @@ def _splash(q, k, v, scale):
         return jax.vmap(kernel)(q, k, v).transpose(0, 2, 1, 3)
 
     shards = target.data_shards()
-    if shards > 1 and b % shards == 0:  # each device its own images: no collectives
+    if shards > 1 and b % shards == 0 and not target.per_device():  # each device its images
         spec = jax.sharding.PartitionSpec(DATA)
         local = jax.shard_map(local, in_specs=spec, out_specs=spec, check_vma=False)
     return local(q, k, v).astype(q.dtype)
