@@ -210,16 +210,22 @@ def test_convert_both_ways_and_generate_from_a_single_file(model, tmp_path, caps
 
 def test_a_sampler_name_on_a_single_file(model):
     """A sampler name switches the scheduler config that describes the file: the shipped SDXL
-    base one, or config='s (the folder the file came from)."""
-    from maxdiff.schedulers import read_scheduler_config, sampler_config
+    base one, or config='s (the folder the file came from); run configs pass the name on."""
+    from maxdiff.schedulers import read_scheduler_config, resolve_scheduler, sampler_config
     from pipelines.config import RunConfig
 
     root, _ = model
     file = str(root / "model.safetensors")
-    shipped = read_scheduler_config(single_file.shipped_config("sdxl-base") / "scheduler")
-    got = RunConfig(model=file, scheduler="unipc").pipeline_kwargs()["scheduler"]
-    assert got == sampler_config("unipc", shipped)
+    assert RunConfig(model=file, scheduler="unipc").pipeline_kwargs()["scheduler"] == "unipc"
+    # the shipped configs describe the file when config= names none (as pipelines.loading does)
+    shipped = single_file.inspect(file).scheduler_config(
+        read_scheduler_config(single_file.shipped_config("sdxl-base") / "scheduler"))
+    sched, _ = resolve_scheduler("unipc", shipped)
+    want = sampler_config("unipc", shipped)
+    assert {k: sched.config[k] for k in want} == want
     own = read_scheduler_config(root / "folder" / "scheduler")
-    got = RunConfig(model=file, single_file_config=str(root / "folder"),
-                    scheduler="DPM++ 2M Karras").pipeline_kwargs()["scheduler"]
-    assert got == sampler_config("dpmpp_2m_karras", own) and got["use_karras_sigmas"] is True
+    pipe = TextToImagePipeline.from_pretrained(file, config=str(root / "folder"),
+                                               scheduler="DPM++ 2M Karras", compile_cache_dir=None)
+    want = sampler_config("DPM++ 2M Karras", own)
+    assert {k: pipe.scheduler.config[k] for k in want} == want
+    assert pipe.scheduler.config["use_karras_sigmas"] is True
