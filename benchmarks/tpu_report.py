@@ -5,15 +5,14 @@
 
 For each topology, program and per-chip batch: the whole program (text encoders, every
 denoising step, VAE decode) compiled for the topology's chips through ``libtpu`` with the
-model's configs only (:mod:`pipelines.aot`), then one UNet call and one image's VAE decode
-compiled alone (XLA's cost analysis counts a loop's body once, so a program's work is its own
-count plus ``calls - 1`` UNet calls and, as each chip decodes its images one at a time,
-``images per chip - 1`` decodes). Per chip: compiled or the compiler's error, HBM needed
-against the chip's, flops and bytes per image (Pallas kernels' added analytically; bytes by
-XLA's count, every memory level, and the part that touches HBM:
-:func:`pipelines.aot.memory_traffic`), flops per byte against the chip's ridge, the roofline
-time on the chip's published peaks, images/s per chip, and the collectives in the compiled
-HLO. These are the compiler's estimates, never measurements.
+model's configs only (:mod:`pipelines.aot`), then one UNet call compiled alone and the decode
+loop as the programs run it (XLA's cost analysis counts a loop's body once: a program is priced
+as ``calls`` UNet calls, ``images per chip`` decodes and the rest, :func:`compose`). Per chip:
+compiled or the compiler's error, HBM needed against the chip's, flops and bytes per image
+(Pallas kernels' added analytically; bytes by XLA's count, every memory level, and the part
+that touches HBM: :func:`pipelines.aot.memory_traffic`), flops per byte against the chip's
+ridge, the roofline time on the chip's published peaks, images/s per chip, and the collectives
+in the compiled HLO. These are the compiler's estimates, never measurements.
 
 Programs: ``lightning`` (SDXL-Lightning 4 steps, Euler trailing, no CFG: MaxDiffusion's
 published workload), ``base`` (20 Euler steps, CFG 8: MLPerf's SDXL setting). A full-size SDXL
@@ -99,14 +98,11 @@ def compose(whole: dict, unet: dict, vae: dict, loops: dict, *, calls: int, per_
     return out
 
 
-def loops_gb(entry: dict) -> dict:
-    """A recorded whole program's HBM traffic per loop, GB (:func:`pipelines.aot.loop_traffic`):
+def loops_gb(whole: dict) -> dict:
+    """The whole program's HBM traffic per loop, GB, from its :func:`pipelines.aot.analyse`:
     ``"unet"`` (the denoising loop's body), ``"vae"`` (the decode loop's), ``"entry"``."""
-    from pipelines import aot
-
-    t = aot.loop_traffic(entry["compiled"].as_text())
-    return {"unet": t["UNet2DConditionModel"]["hbm"] / 1e9,
-            "vae": t["AutoencoderKL"]["hbm"] / 1e9, "entry": t["entry"]["hbm"] / 1e9}
+    t = whole["hbm_gbytes_by_loop"]
+    return {"unet": t["UNet2DConditionModel"], "vae": t["AutoencoderKL"], "entry": t["entry"]}
 
 
 def _save_hlo(hlo_dir: Path | None, name: str, entry: dict) -> None:
@@ -166,7 +162,7 @@ def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dty
         weights_gib=w["arguments_gib"], temp_gib=w["temp_gib"],
         collectives=w["collectives"], collective_ops=w["collective_ops"],
         unet_collective_ops=u["collective_ops"],
-        **compose(w, u, v, loops_gb(whole[-1]), calls=steps, per_chip=per_chip,
+        **compose(w, u, v, loops_gb(w), calls=steps, per_chip=per_chip,
                   chip=chip),  # Euler: one UNet call a step
         analytic_tflop_per_image=analytic_tflop(program, size, config))
     row["images_per_s"] = row["images_per_s_per_chip"] * chips

@@ -225,7 +225,8 @@ def analyse(entry: dict, chip: Chip, images_per_chip: float) -> dict:
     flops = float(cost.get("flops", 0.0)) + entry["kernel_flops"] / entry["shards"]
     nbytes = float(cost.get("bytes accessed", 0.0)) + entry["kernel_bytes"] / entry["shards"]
     # the Pallas kernels' own HBM traffic is analytic (their operands are counted below too)
-    hbm = memory_traffic(compiled.as_text())["hbm"] + entry["kernel_bytes"] / entry["shards"]
+    loops = loop_traffic(compiled.as_text())
+    hbm = sum(part["hbm"] for part in loops.values()) + entry["kernel_bytes"] / entry["shards"]
     compute_s = flops / chip.flops
     memory_s, hbm_s = nbytes / chip.hbm_bytes_per_s, hbm / chip.hbm_bytes_per_s
     seconds, hbm_seconds = max(compute_s, memory_s), max(compute_s, hbm_s)
@@ -233,6 +234,8 @@ def analyse(entry: dict, chip: Chip, images_per_chip: float) -> dict:
         **fit(entry, chip), "tflop": flops / 1e12, "gbytes": nbytes / 1e9,
         "kernel_tflop": entry["kernel_flops"] / entry["shards"] / 1e12,
         "kernel_gbytes": entry["kernel_bytes"] / entry["shards"] / 1e9,
+        # HBM traffic per loop (loop_traffic), GB: "entry" and each of LOOP_NAMES
+        "hbm_gbytes_by_loop": {k: part["hbm"] / 1e9 for k, part in loops.items()},
         "flops_per_byte": flops / nbytes if nbytes else float("inf"),
         "ridge": chip.ridge, "bound": "compute" if compute_s >= memory_s else "memory",
         "roofline_s": seconds,
