@@ -86,23 +86,56 @@ class Family:
         """Whether the denoiser takes a pooled text embedding (the last encoder's projection)."""
         return self.n_time_ids > 0
 
-    def encode(self, encoders: Mapping[str, Any], params: Mapping, ids, ad=None, aidx=None):
-        """Token ids (2, B, T) (row k: tokenizer k's ids; one tokenizer: its ids twice) ->
-        (context (B, T, D), pooled (B, P)). SDXL: both encoders' penultimate states side by
-        side and encoder 2's pooled projection; the refiner: encoder 2's alone; SD 1.x / 2.x:
-        the encoder's last state after its final layer norm and an empty pooled, as diffusers'
-        pipelines compute them. ``ad`` / ``aidx``: per-image adapter tables and indices."""
+    def encode(self, encoders: Mapping[str, Any], params: Mapping, text, ad=None, aidx=None):
+        """A batch's prompts -> (context (B, T, D), pooled (B, P)). ``text``: a
+        :class:`maxdiff.prompts.Text` (long and weighted prompts), or token ids (2, B, L) (row
+        k: tokenizer k's ids; one tokenizer: its ids twice). SDXL: both encoders' penultimate
+        states side by side and encoder 2's pooled projection; the refiner: encoder 2's alone;
+        SD 1.x / 2.x: the encoder's last state after its final layer norm and an empty pooled,
+        as diffusers' pipelines compute them. Each chunk of a long prompt is encoded on its own
+        and the chunks' states are concatenated; weights and masked encodings are applied as
+        :mod:`maxdiff.prompts` describes. ``ad`` / ``aidx``: per-image adapter tables and
+        indices."""
+        from maxdiff.prompts import Text
+
+        if not isinstance(text, Text):
+            ids = jnp.asarray(text)
+            text = Text(ids=jnp.moveaxis(ids, 0, 1), weights=None, masks=None, coefs=None,
+                        empty=None, pooled_ids=ids[-1], lerp=None, used=None)
         ad = ad or {}
-        outs = []
+        b, _, size = text.ids.shape
+        n = text.pooled_ids.shape[-1]
+        c = size // n
+        v = text.masks.shape[2] if text.weighted else 1
+        outs, pooled = [], None
         for k, name in enumerate(self.encoders):
-            row = ids[k if len(self.encoders) > 1 else (1 if name == "text_encoder_2" else 0)]
-            with adapterlib.applied(ad.get(name), aidx):
-                outs.append(encoders[name].apply({"params": params[name]}, row))
+            r = k if len(self.encoders) > 1 else (1 if name == "text_encoder_2" else 0)
+            rows = jnp.broadcast_to(text.ids[:, r, None], (b, v, size)).reshape(b * v * c, n)
+            mask = text.masks[:, r].reshape(b * v * c, n) if v > 1 else None
+            idx = None if aidx is None else jnp.repeat(aidx, v * c)
+            if text.weighted:  # and each image's empty prompt: compel's pivot
+                rows = jnp.concatenate([rows, text.empty[:, r]])
+                mask = None if mask is None else jnp.concatenate(
+                    [mask, jnp.ones((b, n), mask.dtype)])
+                idx = None if idx is None else jnp.concatenate([idx, aidx])
+            with adapterlib.applied(ad.get(name), idx):
+                out = encoders[name].apply({"params": params[name]}, rows, mask)
+            z = out.hidden_states[-2] if self.pooled else out.last_hidden_state
+            if name == self.encoders[-1] and self.pooled:
+                pooled = out.text_embeds[: b * v * c].reshape(b, v, c, -1)[:, 0, 0]
+            if text.weighted:
+                z = _weighted(z, text, r, b, v, c, n)
+            else:
+                z = z.reshape(b, size, z.shape[-1])
+            outs.append(z)
         if not self.pooled:
-            last = outs[-1].last_hidden_state
-            return last, jnp.zeros((last.shape[0], 0), last.dtype)
-        context = jnp.concatenate([o.hidden_states[-2] for o in outs], axis=-1)
-        return context, outs[-1].text_embeds
+            return outs[-1], jnp.zeros((b, 0), outs[-1].dtype)
+        if text.own_pooled:
+            last = self.encoders[-1]
+            with adapterlib.applied(ad.get(last), aidx):
+                pooled = encoders[last].apply({"params": params[last]},
+                                              text.pooled_ids).text_embeds
+        return jnp.concatenate(outs, axis=-1), pooled
 
     def denoise(self, unet, params: Mapping, cond: Cond, x, t, **extras):
         """The denoiser's prediction for latents ``x`` at timesteps ``t`` (``extras``: e.g.
@@ -118,6 +151,24 @@ class Family:
         if self.n_time_ids == 5:
             return item.aesthetic_time_ids(height, width)
         return [], []
+
+
+def _weighted(z, text, r: int, b: int, v: int, c: int, n: int):
+    """Encoder states of a weighted batch (its b*v*c chunk rows, then b empty prompts) ->
+    (b, c*n, D): weights applied (compel's pivot at the empty prompt for compel rows, A1111's
+    mean-restoring scale for the others), the masked encodings mixed (:mod:`maxdiff.prompts`)."""
+    dtype, d = z.dtype, z.shape[-1]
+    z = z.astype(jnp.float32)
+    empty = z[b * v * c:][:, None, None]  # (b, 1, 1, n, D)
+    z = z[: b * v * c].reshape(b, v, c, n, d)
+    w = text.weights[:, r].reshape(b, 1, c, n, 1).astype(jnp.float32)
+    pivot = jnp.where(w == 1, z, empty + (z - empty) * w)
+    scaled = z * w
+    scaled = scaled * (jnp.mean(z, axis=(3, 4), keepdims=True)
+                       / jnp.mean(scaled, axis=(3, 4), keepdims=True))
+    z = jnp.where(text.lerp[:, None, None, None, None], pivot, scaled).reshape(b, v, c * n, d)
+    z = jnp.sum(z * text.coefs[:, r][:, :, None, None], axis=1)
+    return z.astype(dtype)
 
 
 FAMILIES = {f.name: f for f in (

@@ -63,6 +63,12 @@ FIELDS: dict[str, dict[str, str]] = {
                "openai": "size"},
     "prompt": {"python": "prompt", "cli": "prompt", "jsonl": "prompt", "native": "prompt",
                "openai": "prompt"},
+    "prompt_syntax": {"python": "prompt_syntax", "cli": "--prompt-syntax",
+                      "jsonl": "prompt_syntax", "native": "prompt_syntax",
+                      "openai": "prompt_syntax"},
+    "negative_prompt": {"python": "negative_prompt", "cli": "--negative-prompt",
+                        "jsonl": "negative_prompt", "native": "negative_prompt",
+                        "openai": "negative_prompt"},
     "adapter": {"python": "adapter", "cli": "--lora", "jsonl": "lora", "native": "lora",
                 "openai": "model"},
     # ControlNet: in a JSONL line and a JSON body they are fields of one entry of
@@ -129,6 +135,29 @@ def check(problems: Iterable[Problem | None], door: str = "python") -> None:
 
 
 # ---------------------------------------------------------------------------------- rules
+# A prompt is encoded in chunks of 75 tokens (maxdiff.prompts); A1111 and ComfyUI users write
+# 100-200-token prompts. Each chunk adds a text-encoder pass and 77 cross-attention keys.
+MAX_PROMPT_CHUNKS = 4
+
+
+def prompt_syntax_problem(syntax: Any) -> Problem | None:
+    """None (the model's default) or one of :data:`maxdiff.prompt_syntax.SYNTAXES`."""
+    from maxdiff.prompt_syntax import SYNTAXES
+
+    if syntax is None or syntax in SYNTAXES:
+        return None
+    return Problem("prompt_syntax", f"must be one of {', '.join(SYNTAXES)}", syntax)
+
+
+def prompt_length_problem(chunks: int, tokens: int, field: str = "prompt") -> Problem | None:
+    """A prompt may fill :data:`MAX_PROMPT_CHUNKS` chunks of 75 tokens."""
+    if chunks <= MAX_PROMPT_CHUNKS:
+        return None
+    return Problem(field, f"has {tokens} tokens in {chunks} chunks of 75; at most "
+                          f"{MAX_PROMPT_CHUNKS} chunks ({MAX_PROMPT_CHUNKS * 75} tokens) are "
+                          "allowed")
+
+
 def is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 

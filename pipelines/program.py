@@ -114,21 +114,33 @@ class Programs:
 @dataclass
 class HostInputs:
     """What every task's program takes for its images, made on the host: ``seeds`` (N,)
-    uint32; token ids ``ids`` / ``neg_ids`` (2, N, T) (row k: tokenizer k's; the images are
-    axis 1); ``zero_negative`` (N,): an omitted negative prompt that is zeros; ``time_ids`` /
-    ``neg_time_ids`` (N, n) micro-conditioning (n from the family); ``guidance`` (N,) (1 where
-    an image runs without CFG) and ``rescale`` (N,). ``cfg`` (static): whether the batch runs
-    classifier-free guidance (any image's guidance > 1)."""
+    uint32; the prompts and the negatives as the program encodes them (``text`` / ``neg_text``,
+    :class:`maxdiff.prompts.Text`: token ids, weights, chunks); ``zero_negative`` (N,): an
+    omitted negative prompt that is zeros; ``time_ids`` / ``neg_time_ids`` (N, n)
+    micro-conditioning (n from the family); ``guidance`` (N,) (1 where an image runs without
+    CFG) and ``rescale`` (N,). ``cfg`` (static): whether the batch runs classifier-free
+    guidance (any image's guidance > 1)."""
 
     seeds: Any
-    ids: Any
-    neg_ids: Any
+    text: Any
+    neg_text: Any
     zero_negative: Any
     time_ids: Any
     neg_time_ids: Any
     guidance: Any
     rescale: Any
     cfg: bool = field(default=False, metadata={"static": True})
+
+    def chunks(self) -> np.ndarray:
+        """(N,) the prompt chunks each image needs (its prompt's or its negative's)."""
+        return np.maximum(np.asarray(self.text.used), np.asarray(self.neg_text.used))
+
+    def take(self, idx) -> HostInputs:
+        """The images ``idx`` (host arrays; texts cut to what those images need)."""
+        return dataclasses.replace(self, **{
+            f.name: (getattr(self, f.name).take(idx) if f.name in ("text", "neg_text")
+                     else np.asarray(getattr(self, f.name))[idx])
+            for f in dataclasses.fields(self) if f.name != "cfg"})
 
 
 @dataclass
@@ -173,29 +185,21 @@ def pad_rows(a: np.ndarray | None, size: int, axis: int = 0) -> np.ndarray | Non
 
 class BatchPut:
     """Places per-image host arrays on the mesh, padded to ``size`` rows and split over its data
-    axis (``ids=True``: token ids, (encoders, N, tokens), whose images are axis 1)."""
+    axis (every leaf's images are its axis 0)."""
 
     def __init__(self, mesh, size: int):
         self.size = size
         self.rows = meshlib.batch_sharded(mesh)
-        self.ids_rows = jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec(None, meshlib.DATA))
 
-    def __call__(self, a, ids: bool = False):
+    def __call__(self, a):
         if a is None:
             return None
-        sharding = self.ids_rows if ids else self.rows
-        return meshlib.place(pad_rows(np.asarray(a), self.size, 1 if ids else 0), sharding)
+        return meshlib.place(pad_rows(np.asarray(a), self.size), self.rows)
 
     def tree(self, tree):
-        """A pytree of per-image arrays (a batch of scheduler states, a task's rows; None
-        leaves stay None), each placed as a row; :class:`HostInputs` with their token ids."""
-        if isinstance(tree, HostInputs):
-            return dataclasses.replace(
-                tree, **{f.name: self(getattr(tree, f.name), ids=f.name in ("ids", "neg_ids"))
-                         for f in dataclasses.fields(tree) if f.name != "cfg"})
-        return jax.tree.map(lambda a: self.tree(a) if isinstance(a, HostInputs) else self(a),
-                            tree, is_leaf=lambda x: isinstance(x, HostInputs))
+        """A pytree of per-image arrays (a batch of scheduler states, a task's rows,
+        :class:`HostInputs`; None leaves stay None), each placed as a row."""
+        return jax.tree.map(self, tree)
 
 
 def host_images(out, n: int, output_type: str) -> Sequence:
@@ -246,11 +250,11 @@ def conditioning(family, encoders, params, inputs: HostInputs, ad=None, aidx=Non
     ``zero_negative``), as diffusers concatenates them. ``encoders``: {component: module}."""
     from maxdiff.family import Cond
 
-    emb, pooled = family.encode(encoders, params, inputs.ids, ad, aidx)
+    emb, pooled = family.encode(encoders, params, inputs.text, ad, aidx)
     cond = Cond(emb, pooled, inputs.time_ids)
     if not inputs.cfg:
         return cond, aidx
-    nemb, npooled = family.encode(encoders, params, inputs.neg_ids, ad, aidx)
+    nemb, npooled = family.encode(encoders, params, inputs.neg_text, ad, aidx)
     zero = inputs.zero_negative
     uncond = Cond(jnp.where(zero[:, None, None], 0.0, nemb), jnp.where(zero[:, None], 0.0, npooled),
                   inputs.neg_time_ids)

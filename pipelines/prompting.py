@@ -1,15 +1,24 @@
 """diffusers-style call arguments -> one :class:`pipelines.requests.ImageRequest` per image
 (every pipeline's ``__call__``): prompts and their per-prompt lists fanned out over
-``num_images_per_prompt``, and the seeds (:func:`call_seeds`)."""
+``num_images_per_prompt``, and the seeds (:func:`call_seeds`); a batch's prompts -> what its
+program encodes (:func:`texts`: long and weighted prompts, :mod:`maxdiff.prompts`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from pipelines.limits import MAX_SEED, check, n_problem, seed_problem
+from maxdiff import prompts as promptlib
+from maxdiff.prompt_syntax import DEFAULT_SYNTAX, PromptSyntaxError
+from pipelines.limits import (
+    MAX_SEED,
+    check,
+    n_problem,
+    prompt_length_problem,
+    seed_problem,
+)
 from pipelines.requests import ImageRequest, image_seeds
 
-__all__ = ["prompt_items", "call_seeds"]
+__all__ = ["prompt_items", "call_seeds", "texts"]
 
 
 def _as_list(x, name: str) -> list[str] | None:
@@ -85,3 +94,56 @@ def call_seeds(seed, n: int) -> list[int | None]:
         raise ValueError(f"seed has {len(seeds)} values but {n} image(s) are generated; "
                          "give one int, or one per image")
     return seeds
+
+
+def check_prompts(pipe, items, max_chunks: int | None = None, why: str = "") -> None:
+    """ValueError naming the field of any item's prompt or negative that ``pipe`` cannot
+    encode: unreadable in its syntax, longer than the limit (``max_chunks`` chunks with
+    ``why``, else :data:`pipelines.limits.MAX_PROMPT_CHUNKS`)."""
+    for it in items:
+        for name, pair in zip(("prompt", "negative_prompt"), _plans(pipe, it)):
+            worst = max(pair, key=lambda p: p.chunks)
+            if max_chunks is not None and worst.chunks > max_chunks:
+                raise ValueError(f"{name}: has {worst.tokens} tokens in {worst.chunks} chunks of "
+                                 f"75; at most {max_chunks} here ({why})")
+
+
+def _plans(pipe, item: ImageRequest) -> tuple[tuple, tuple]:
+    """(prompt, negative) plans of one image, one per tokenizer row (:func:`texts`)."""
+    syntax = item.prompt_syntax or DEFAULT_SYNTAX
+    first, second = pipe.tokenizer or pipe.tokenizer_2, pipe.tokenizer_2 or pipe.tokenizer
+    refiner = pipe.tokenizer is None  # tokenizer_2 reads the prompt itself, as diffusers does
+    neg = item.negative_prompt or ""
+    fields = (("prompt", item.prompt, item.prompt if refiner else item.prompt_2 or item.prompt),
+              ("negative_prompt", neg, neg if refiner else item.negative_prompt_2 or neg))
+    pairs, problems = [], []
+    for name, text, text_2 in fields:
+        try:
+            one = promptlib.plan(text, first, syntax)
+            two = one if second is first and text_2 == text else promptlib.plan(text_2, second,
+                                                                                syntax)
+        except PromptSyntaxError as e:
+            raise ValueError(f"{name}: {e} (prompt_syntax={syntax!r})") from None
+        pairs.append((one, two))
+        worst = max((one, two), key=lambda p: p.chunks)
+        problems.append(prompt_length_problem(worst.chunks, worst.tokens, name))
+    check(problems)
+    return pairs[0], pairs[1]
+
+
+def texts(pipe, items) -> tuple[promptlib.Text, promptlib.Text]:
+    """The batch's prompts and negatives as its program encodes them
+    (:class:`maxdiff.prompts.Text`), each image padded to the chunks the longer of its prompt
+    and negative needs and the batch to its longest image (:func:`pipelines.runner.run` keeps
+    images with different chunk counts in separate device batches). ValueError naming the
+    field for a prompt its syntax cannot read or one over the length limit."""
+    plans = [_plans(pipe, it) for it in items]
+    first, second = pipe.tokenizer or pipe.tokenizer_2, pipe.tokenizer_2 or pipe.tokenizer
+    empties = (promptlib.empty_ids(first), promptlib.empty_ids(second))
+    pos = [p for p, _ in plans]
+    neg = [n for _, n in plans]
+    used = np.array([max(q.chunks for pair in (p, n) for q in pair) for p, n in plans])
+    chunks = int(used.max())
+    text, neg_text = promptlib.pack(pos, empties, chunks), promptlib.pack(neg, empties, chunks)
+    text.used = neg_text.used = used.astype(np.int32)
+    return text, neg_text

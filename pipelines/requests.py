@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
+from maxdiff.prompt_syntax import DEFAULT_SYNTAX, PromptSyntaxError, parse
 from pipelines.limits import (
     AESTHETIC_SCORE,
     NEGATIVE_AESTHETIC_SCORE,
@@ -40,6 +41,7 @@ from pipelines.limits import (
     describe,
     guidance_problem,
     n_problem,
+    prompt_syntax_problem,
     seed_problem,
     strength_problem,
     within,
@@ -113,6 +115,8 @@ class ImageRequest:
     ``TextToImagePipeline.add_adapter`` that this image uses (None: the base model); images with
     different adapters share a batch. ``aesthetic_score`` / ``negative_aesthetic_score``: the
     SDXL refiner's time ids (models with ``requires_aesthetics_score``; others ignore them).
+    ``prompt_syntax``: how the prompts' weights are written (``"a1111"``, ``"compel"``,
+    ``"none"``; None: ``"a1111"``; :mod:`maxdiff.prompt_syntax`).
     """
 
     prompt: str
@@ -129,6 +133,7 @@ class ImageRequest:
     adapter: str | None = None
     aesthetic_score: float = AESTHETIC_SCORE
     negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE
+    prompt_syntax: str | None = None
 
     def validate(self, index: int = 0) -> None:
         where = f"item {index}: " if index else ""
@@ -138,13 +143,20 @@ class ImageRequest:
                 raise ValueError(f"{where}{name} must be a string, got {type(v).__name__}")
         guidance = 0.0 if self.guidance_scale is None else self.guidance_scale
         for p in (seed_problem(self.seed), guidance_problem(guidance),
-                  aesthetic_problem(self.aesthetic_score),
+                  aesthetic_problem(self.aesthetic_score), prompt_syntax_problem(self.prompt_syntax),
                   aesthetic_problem(self.negative_aesthetic_score, "negative_aesthetic_score")):
             if p is not None:
                 raise ValueError(where + describe(p))
         r = self.guidance_rescale
         if not isinstance(r, (int, float, np.floating)) or not 0.0 <= r <= 1.0:
             raise ValueError(f"{where}guidance_rescale={r!r}; it must be in [0, 1]")
+        for name in ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2"):
+            text = getattr(self, name)
+            try:
+                None if text is None else parse(text, self.prompt_syntax or DEFAULT_SYNTAX)
+            except PromptSyntaxError as e:
+                raise ValueError(f"{where}{name}: {e} (prompt_syntax="
+                                 f"{self.prompt_syntax or DEFAULT_SYNTAX!r})") from None
 
     def with_defaults(self, guidance: float) -> ImageRequest:
         """This request with an omitted guidance scale set to ``guidance`` (the pipeline's)."""

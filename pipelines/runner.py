@@ -13,6 +13,7 @@ on the mesh -> the compiled program (made by :func:`build`, kept in the pipeline
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -199,6 +200,9 @@ def run(job: Job) -> program_lib.PipelineOutput:
     pipe, decoder = job.pipe, job.decoder or job.pipe
     inputs = job.inputs if job.inputs is not None else pipe.host_inputs(
         job.items, job.height, job.width)
+    groups = _chunk_groups(inputs, job.rows)
+    if len(groups) > 1:
+        return _run_groups(job, inputs, groups)
     aidx = pipe.adapter_index(job.items) if job.task.adapters else None
     f = pipe.vae_scale_factor
     lh, lw = job.height // f, job.width // f
@@ -228,3 +232,44 @@ def run(job: Job) -> program_lib.PipelineOutput:
     return program_lib.output(images, np.asarray(inputs.seeds), job.t0, t1, bucket,
                               **job.timings)
 
+
+
+def _is_inputs(x) -> bool:
+    return isinstance(x, program_lib.HostInputs)
+
+
+def _chunk_groups(inputs: program_lib.HostInputs, rows: dict) -> list[np.ndarray]:
+    """The job's images grouped by the prompt chunks they need (their own prompts' and, for a
+    refiner, its): each group is one device batch, so an image's conditioning never depends
+    on a longer prompt beside it."""
+    import jax
+
+    more = [x for x in jax.tree.leaves(rows, is_leaf=_is_inputs) if _is_inputs(x)]
+    keys = np.stack([h.chunks() for h in (inputs, *more)], axis=1)
+    firsts = sorted(np.unique(keys, axis=0, return_index=True)[1])
+    return [np.flatnonzero((keys == keys[k]).all(axis=1)) for k in firsts]
+
+
+def _run_groups(job: Job, inputs: program_lib.HostInputs, groups) -> program_lib.PipelineOutput:
+    """``job`` as one run per group of :func:`_chunk_groups`, merged in the items' order."""
+    import jax
+
+    def take(tree, idx):
+        return jax.tree.map(lambda a: a.take(idx) if _is_inputs(a) else np.asarray(a)[idx],
+                            tree, is_leaf=_is_inputs)
+
+    outs = [run(dataclasses.replace(job, items=[job.items[i] for i in idx], inputs=inputs.take(idx),
+                                    rows=take(job.rows, idx)))
+            for idx in groups]
+    order = np.argsort(np.concatenate(groups), kind="stable")
+    seeds = [s for o in outs for s in o.seeds]
+    if isinstance(outs[0].images, np.ndarray):
+        images = np.concatenate([o.images for o in outs])[order]
+    else:
+        flat = [im for o in outs for im in o.images]
+        images = [flat[k] for k in order]
+    timings = dict(outs[0].timings)
+    for key in ("prepare_s", "generate_s", "batch"):
+        timings[key] = sum(o.timings[key] for o in outs)
+    timings["device_batches"] = len(outs)
+    return program_lib.PipelineOutput(images, [seeds[k] for k in order], timings)

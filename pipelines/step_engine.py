@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from pipelines import prompting
 from pipelines.limits import cfg_on, check, steps_problem
 from pipelines.requests import ControlImage, ImageRequest
 from pipelines.step_runner import StepRunner
@@ -136,6 +137,9 @@ class StepEngine:
         check([steps_problem(steps, self.max_steps, "this engine's max_steps")])
         request = request.with_defaults(self.pipe.default_guidance)
         request.validate()
+        prompting.check_prompts(self.pipe, [request], max_chunks=1,
+                                why="the step engine holds one 75-token chunk per image; "
+                                    "engine=batch runs longer prompts")
         if self.runner.nets:
             if controls is None:
                 raise ValueError("controls is required: this engine runs ControlNets; give one "

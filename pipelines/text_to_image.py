@@ -39,8 +39,7 @@ from maxdiff.models.vae_tiling import (
     use_tiling,
 )
 from maxdiff.schedulers import max_inference_steps
-from maxdiff.tokenizers import tokenize
-from pipelines import loading
+from pipelines import loading, prompting
 from pipelines import program as program_lib
 from pipelines import refiner as refiner_lib
 from pipelines.adapting import LoraAdapters
@@ -313,7 +312,8 @@ class TextToImagePipeline(LoraAdapters):
                  negative_target_size: tuple[int, int] | None = None,
                  denoising_end: float | None = None,
                  aesthetic_score: float = AESTHETIC_SCORE,
-                 negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE) -> PipelineOutput:
+                 negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE,
+                 prompt_syntax: str | None = None) -> PipelineOutput:
         """Generate images; arguments mean what diffusers' ``StableDiffusionXLPipeline`` gives
         them. ``seed``: one int (image k gets ``seed + k``), one int per image, or None (random
         seeds, reported in the output). ``latents``: initial noise in diffusers' layout
@@ -324,10 +324,17 @@ class TextToImagePipeline(LoraAdapters):
         finishes each image from there in the same compiled program (``denoising_end``
         defaults to :attr:`high_noise_frac`; ``aesthetic_score`` / ``negative_aesthetic_score``
         are the refiner's); without one, ``output_type="latent"`` returns the latents
-        (N, C, H/f, W/f) for a refiner's ``image=`` (``denoising_start``), as in diffusers."""
+        (N, C, H/f, W/f) for a refiner's ``image=`` (``denoising_start``), as in diffusers.
+
+        ``prompt_syntax``: how the prompts' weights are written, ``"a1111"`` (default:
+        ``(word:1.3)``, ``(word)``, ``[word]``, ``BREAK``), ``"compel"`` (``word+``,
+        ``(words)1.3``) or ``"none"`` (the text as written). Prompts longer than 75 tokens are
+        encoded in chunks of 75, as A1111 and compel do (:mod:`maxdiff.prompts`), up to
+        :data:`pipelines.limits.MAX_PROMPT_CHUNKS` chunks."""
         items, _ = prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             guidance_scale=guidance_scale, guidance_rescale=guidance_rescale,
+            prompt_syntax=prompt_syntax,
             original_size=original_size, crops_coords_top_left=tuple(crops_coords_top_left),
             target_size=target_size, negative_original_size=negative_original_size,
             negative_crops_coords_top_left=negative_crops_coords_top_left,
@@ -380,15 +387,11 @@ class TextToImagePipeline(LoraAdapters):
         and guidance rescale."""
         seeds = [it.seed if it.seed is not None else secrets.randbelow(MAX_SEED + 1)
                  for it in items]
-        negs = [it.negative_prompt or "" for it in items]
-        ids, neg_ids = self.token_ids([it.prompt for it in items],
-                                      [it.prompt_2 or it.prompt for it in items],
-                                      negs, [it.negative_prompt_2 or neg
-                                             for it, neg in zip(items, negs)])
+        text, neg_text = prompting.texts(self, items)
         pairs = [self.family.time_ids(it, height, width) for it in items]
         n_ids = self.family.n_time_ids
         return HostInputs(
-            seeds=np.asarray(seeds, np.uint32), ids=ids, neg_ids=neg_ids,
+            seeds=np.asarray(seeds, np.uint32), text=text, neg_text=neg_text,
             zero_negative=np.array([it.negative_prompt is None
                                     and self.force_zeros_for_empty_prompt for it in items]),
             time_ids=np.array([pos for pos, _ in pairs], np.float32).reshape(len(items), n_ids),
@@ -397,20 +400,6 @@ class TextToImagePipeline(LoraAdapters):
                                for it in items], np.float32),
             rescale=np.array([it.guidance_rescale for it in items], np.float32),
             cfg=any(cfg_on(it.guidance_scale) for it in items))
-
-    def token_ids(self, prompts, prompts_2, negatives, negatives_2) -> tuple[np.ndarray, ...]:
-        """Token ids (2, N, 77) of the prompts and of the negatives, one row per tokenizer; a
-        model with one text encoder (SD 1.x / 2.x) repeats its ids in the second row, which
-        its program never reads. The SDXL refiner (``tokenizer_2`` only) tokenizes ``prompts``
-        and ``negatives`` with it, as diffusers does (``prompt_2`` is then unused), in both
-        rows."""
-        if self.tokenizer is None:
-            one = (tokenize(self.tokenizer_2, prompts), tokenize(self.tokenizer_2, negatives))
-            return np.stack([one[0], one[0]]), np.stack([one[1], one[1]])
-        first = (tokenize(self.tokenizer, prompts), tokenize(self.tokenizer, negatives))
-        second = first if self.tokenizer_2 is None else (
-            tokenize(self.tokenizer_2, prompts_2), tokenize(self.tokenizer_2, negatives_2))
-        return np.stack([first[0], second[0]]), np.stack([first[1], second[1]])
 
     @property
     def limits(self) -> Limits:

@@ -29,21 +29,29 @@ def test_programs_count_each_compilation_as_jax_does():
     assert programs.get(("double",), lambda: None) is double and list(programs) == [("double",)]
 
 
-def test_host_inputs_are_placed_as_padded_rows():
+def test_host_inputs_are_placed_as_padded_rows(sdxl_dir):
+    from maxdiff import prompts as promptlib
+    from maxdiff.tokenizers import load_tokenizer
+
     mesh = meshlib.make_mesh(1)
     n = 3
-    inputs = HostInputs(seeds=np.arange(n, dtype=np.uint32), ids=np.ones((2, n, 77), np.int32),
-                        neg_ids=np.zeros((2, n, 77), np.int32), zero_negative=np.ones(n, bool),
-                        time_ids=np.ones((n, 6), np.float32),
+    tok = load_tokenizer(sdxl_dir / "tokenizer")
+    pair = (promptlib.plan("a (cat)", tok), promptlib.plan("a (cat)", tok))
+    empty = promptlib.empty_ids(tok)
+    text = promptlib.pack([pair] * n, (empty, empty))
+    inputs = HostInputs(seeds=np.arange(n, dtype=np.uint32), text=text, neg_text=text,
+                        zero_negative=np.ones(n, bool), time_ids=np.ones((n, 6), np.float32),
                         neg_time_ids=np.ones((n, 6), np.float32),
                         guidance=np.ones(n, np.float32), rescale=np.zeros(n, np.float32), cfg=True)
     placed = BatchPut(mesh, 4).tree({"inputs": inputs, "latents": None})
     got = placed["inputs"]
-    assert placed["latents"] is None and got.cfg is True
-    assert got.ids.shape == (2, 4, 77) and got.seeds.shape == (4,) and got.time_ids.shape == (4, 6)
+    assert placed["latents"] is None and got.cfg is True and got.text.weighted is True
+    assert got.text.ids.shape == (4, 2, 77) and got.text.masks.shape == (4, 2, 1, 77)
+    assert got.seeds.shape == (4,) and got.time_ids.shape == (4, 6)
     assert int(got.seeds[3]) == 2  # padding repeats the last image
     leaves, tree = jax.tree.flatten(got)
-    assert len(leaves) == 8 and "True" in str(tree)  # cfg is static: part of the structure
+    # cfg and the texts' flags are static: part of the structure
+    assert len(leaves) == 6 + 2 * 8 and "True" in str(tree)
 
 
 class _FromZeros(Task):
