@@ -149,6 +149,35 @@ def prompt_syntax_problem(syntax: Any) -> Problem | None:
     return Problem("prompt_syntax", f"must be one of {', '.join(SYNTAXES)}", syntax)
 
 
+def sampler_problem(name: Any) -> Problem | None:
+    """None, or the problem of a ``scheduler`` that names no sampler (the closest name and the
+    choices: :mod:`maxdiff.sampler_names`)."""
+    from maxdiff.sampler_names import sampler_problem as why
+
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        return Problem("scheduler", "must be a sampler name (a string)", name)
+    reason = why(name)
+    return None if reason is None else Problem("scheduler", reason)
+
+
+def prompt_text_problems(syntax: Any, **texts: str | None) -> list[Problem]:
+    """Each of ``texts`` (field -> text; None skipped) that ``syntax`` (None: the default)
+    cannot read: its problem says where and why (:mod:`maxdiff.prompt_syntax`)."""
+    from maxdiff.prompt_syntax import DEFAULT_SYNTAX, PromptSyntaxError, parse
+
+    if (p := prompt_syntax_problem(syntax)) is not None:
+        return [p]
+    out = []
+    for field, text in texts.items():
+        try:
+            None if text is None else parse(text, syntax or DEFAULT_SYNTAX)
+        except PromptSyntaxError as e:
+            out.append(Problem(field, f"{e} (prompt_syntax={syntax or DEFAULT_SYNTAX!r})"))
+    return out
+
+
 def prompt_length_problem(chunks: int, tokens: int, field: str = "prompt") -> Problem | None:
     """A prompt may fill :data:`MAX_PROMPT_CHUNKS` chunks of 75 tokens."""
     if chunks <= MAX_PROMPT_CHUNKS:

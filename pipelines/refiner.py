@@ -74,6 +74,9 @@ def generate(base, items: Sequence[ImageRequest], *, height: int | None = None,
         refiner.check_request(steps, height, width)
     for k, it in enumerate(items):
         it.validate(k)
+        if it.scheduler is not None:
+            raise ValueError(f"scheduler={it.scheduler!r}: a sampler per request runs "
+                             "text-to-image without a refiner or denoising_end")
     if base.adapter_index(items) is not None and any(it.adapter for it in items):
         raise ValueError("per-image adapters (add_adapter) do not run with denoising_end or a "
                          "refiner; fuse the LoRA with load_lora_weights instead")

@@ -29,7 +29,6 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from maxdiff.prompt_syntax import DEFAULT_SYNTAX, PromptSyntaxError, parse
 from pipelines.limits import (
     AESTHETIC_SCORE,
     NEGATIVE_AESTHETIC_SCORE,
@@ -41,7 +40,7 @@ from pipelines.limits import (
     describe,
     guidance_problem,
     n_problem,
-    prompt_syntax_problem,
+    prompt_text_problems,
     seed_problem,
     strength_problem,
     within,
@@ -116,7 +115,10 @@ class ImageRequest:
     different adapters share a batch. ``aesthetic_score`` / ``negative_aesthetic_score``: the
     SDXL refiner's time ids (models with ``requires_aesthetics_score``; others ignore them).
     ``prompt_syntax``: how the prompts' weights are written (``"a1111"``, ``"compel"``,
-    ``"none"``; None: ``"a1111"``; :mod:`maxdiff.prompt_syntax`).
+    ``"none"``; None: ``"a1111"``; :mod:`maxdiff.prompt_syntax`). ``scheduler``: a sampler
+    name (``"dpmpp_2m_karras"``, ``"Euler a"``, ...: :mod:`maxdiff.schedulers.names`) that this
+    image is denoised with, the pipeline's scheduler switched to it (None: the pipeline's own;
+    text-to-image only).
     """
 
     prompt: str
@@ -134,29 +136,29 @@ class ImageRequest:
     aesthetic_score: float = AESTHETIC_SCORE
     negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE
     prompt_syntax: str | None = None
+    scheduler: str | None = None
 
     def validate(self, index: int = 0) -> None:
         where = f"item {index}: " if index else ""
-        for name in ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2", "adapter"):
+        for name in ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2", "adapter",
+                     "scheduler"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 raise ValueError(f"{where}{name} must be a string, got {type(v).__name__}")
         guidance = 0.0 if self.guidance_scale is None else self.guidance_scale
         for p in (seed_problem(self.seed), guidance_problem(guidance),
-                  aesthetic_problem(self.aesthetic_score), prompt_syntax_problem(self.prompt_syntax),
+                  aesthetic_problem(self.aesthetic_score),
                   aesthetic_problem(self.negative_aesthetic_score, "negative_aesthetic_score")):
             if p is not None:
                 raise ValueError(where + describe(p))
         r = self.guidance_rescale
         if not isinstance(r, (int, float, np.floating)) or not 0.0 <= r <= 1.0:
             raise ValueError(f"{where}guidance_rescale={r!r}; it must be in [0, 1]")
-        for name in ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2"):
-            text = getattr(self, name)
-            try:
-                None if text is None else parse(text, self.prompt_syntax or DEFAULT_SYNTAX)
-            except PromptSyntaxError as e:
-                raise ValueError(f"{where}{name}: {e} (prompt_syntax="
-                                 f"{self.prompt_syntax or DEFAULT_SYNTAX!r})") from None
+        found = prompt_text_problems(self.prompt_syntax, **{
+            name: getattr(self, name)
+            for name in ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2")})
+        if found:
+            raise ValueError(where + describe(found[0]))
 
     def with_defaults(self, guidance: float) -> ImageRequest:
         """This request with an omitted guidance scale set to ``guidance`` (the pipeline's)."""
@@ -197,6 +199,8 @@ class GenerationRequest:
     steps: int
     guidance_scale: float
     adapter: str | None = None  # a LoRA adapter the server added (add_adapter); not in the key
+    prompt_syntax: str | None = None  # how the prompts' weights are written (ImageRequest's)
+    scheduler: str | None = None  # a sampler name for this request (None: the model's)
 
     @property
     def key(self) -> ShapeKey:
@@ -207,7 +211,8 @@ class GenerationRequest:
     def images(self) -> list[ImageRequest]:
         """One :class:`ImageRequest` per image, seeds ``seed + k``."""
         return [ImageRequest(self.prompt, negative_prompt=self.negative_prompt, seed=s,
-                             guidance_scale=self.guidance_scale, adapter=self.adapter)
+                             guidance_scale=self.guidance_scale, adapter=self.adapter,
+                             prompt_syntax=self.prompt_syntax, scheduler=self.scheduler)
                 for s in image_seeds(self.seed, self.n)]
 
     def validate(self) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 from maxdiff import adapters as adapterlib
 from maxdiff import mesh as meshlib
 from pipelines import program as program_lib
+from pipelines.limits import check, sampler_problem
 from pipelines.requests import ImageRequest, bucket_size
 
 __all__ = ["Task", "TEXT", "Job", "Static", "Ctx", "build", "run", "checked_items"]
@@ -62,6 +63,7 @@ class Ctx:
     uidx: Any
     ad: Any
     keys: tuple
+    scheduler: Any = None  # the batch's scheduler (the pipeline's, or a request's sampler)
     memo: dict = field(default_factory=dict)  # what a task's hooks hand each other
 
     @property
@@ -93,7 +95,7 @@ class Task:
         latents = ctx.rows.get("latents")
         if latents is None:
             latents = program_lib.normal(ctx.keys[0], ctx.shape)
-        return latents.astype(jnp.float32) * ctx.pipe.scheduler.init_noise_sigma(ctx.state), 0
+        return latents.astype(jnp.float32) * ctx.scheduler.init_noise_sigma(ctx.state), 0
 
     def end(self, ctx: Ctx):
         """The model call the loop stops before (the whole schedule: a static length)."""
@@ -142,6 +144,7 @@ class Job:
     timings: dict = field(default_factory=dict)
     decoder: Any = None
     inputs: program_lib.HostInputs | None = None  # made by run() when None
+    scheduler: Any = None  # the sampler the items asked for (None: the pipeline's)
 
     @property
     def n(self) -> int:
@@ -149,7 +152,7 @@ class Job:
 
 
 def checked_items(pipe, items: Sequence[ImageRequest], steps, height, width,
-                  output_type: str | None, *, size_from=None):
+                  output_type: str | None, *, size_from=None, samplers: bool = False):
     """The checks and defaults every task shares: at least one item, the step count (default:
     the pipeline's), the size (default: ``size_from``'s (width, height) rounded down to the
     VAE's factor, else the pipeline's), then :meth:`check_request` and each item's
@@ -169,21 +172,30 @@ def checked_items(pipe, items: Sequence[ImageRequest], steps, height, width,
     pipe.check_request(steps, height, width, *(() if output_type is None else (output_type,)))
     for k, it in enumerate(items):
         it.validate(k)
+        check([sampler_problem(it.scheduler)])
+    for name in dict.fromkeys(it.scheduler for it in items if it.scheduler is not None):
+        if not samplers:
+            raise ValueError(f"scheduler={name!r}: a sampler per request runs text-to-image; "
+                             f"this pipeline runs its own ({type(pipe.scheduler).__name__}): "
+                             "switch pipe.scheduler (or from_pretrained(scheduler=...))")
+        pipe.check_request(steps, height, width, scheduler=name)
     return items, steps, height, width
 
 
-def build(task: Task, pipe, static: Static):
+def build(task: Task, pipe, static: Static, scheduler=None):
     """The program of one task and shape: conditioning -> the task's start -> the denoising
-    loop (:func:`pipelines.program.denoise`) -> the task's tail -> the decode tail."""
+    loop (:func:`pipelines.program.denoise`) -> the task's tail -> the decode tail.
+    ``scheduler``: the loop's (default: the pipeline's)."""
     encoders = {name: getattr(pipe, name) for name in pipe.family.encoders}
+    scheduler = scheduler or pipe.scheduler
 
     def program(params, weights, inputs, rows, scalars, state, ad=None, aidx=None):
         cond, uidx = program_lib.conditioning(pipe.family, encoders, params, inputs, ad, aidx)
         keys = program_lib.image_keys(inputs.seeds, task.n_keys)
         ctx = Ctx(pipe, static, params, weights, inputs, rows, scalars, state, cond, uidx, ad,
-                  keys)
+                  keys, scheduler)
         x, start = task.begin(ctx)
-        x = program_lib.denoise(pipe.scheduler, task.model(ctx), x, state, start, task.end(ctx),
+        x = program_lib.denoise(scheduler, task.model(ctx), x, state, start, task.end(ctx),
                                 cfg=inputs.cfg, g=inputs.guidance, r=inputs.rescale,
                                 step_keys=keys[-1], shape=ctx.shape, extra=task.extra(ctx),
                                 after_step=task.after_step(ctx))
@@ -200,9 +212,12 @@ def run(job: Job) -> program_lib.PipelineOutput:
     pipe, decoder = job.pipe, job.decoder or job.pipe
     inputs = job.inputs if job.inputs is not None else pipe.host_inputs(
         job.items, job.height, job.width)
-    groups = _chunk_groups(inputs, job.rows)
+    groups = _groups(job, inputs)
     if len(groups) > 1:
         return _run_groups(job, inputs, groups)
+    if groups[0][0] is not None and job.scheduler is None:
+        job = dataclasses.replace(job, scheduler=pipe.scheduler_for(groups[0][0]))
+    sched = job.scheduler or pipe.scheduler
     aidx = pipe.adapter_index(job.items) if job.task.adapters else None
     f = pipe.vae_scale_factor
     lh, lw = job.height // f, job.width // f
@@ -212,8 +227,7 @@ def run(job: Job) -> program_lib.PipelineOutput:
     tiled = job.output_type != "latent" and decoder.uses_vae_tiling(job.height, job.width)
     static = Static(lh, lw, job.steps, inputs.cfg,
                     program_lib.out_kind(job.output_type, tiled), job.key)
-    state = pipe.scheduler.set_timesteps(job.steps, (bucket, lh, lw,
-                                                     pipe.vae.config.latent_channels))
+    state = sched.set_timesteps(job.steps, (bucket, lh, lw, pipe.vae.config.latent_channels))
     rows = put.tree(job.rows)
     if tiled and hasattr(job.task, "encode_tiled"):
         rows = job.task.encode_tiled(job, rows)
@@ -223,8 +237,8 @@ def run(job: Job) -> program_lib.PipelineOutput:
         args += [pipe.adapter_tables.as_tree(), put(aidx)]
     # the program closes over the scheduler (its config is static): one per scheduler object
     # (the cached program keeps it alive, so its id is never reused meanwhile)
-    key = (job.task.name, id(pipe.scheduler), bucket, static, aidx is not None, tiled)
-    program = pipe.programs.get(key, lambda: build(job.task, pipe, static))
+    key = (job.task.name, id(sched), bucket, static, aidx is not None, tiled)
+    program = pipe.programs.get(key, lambda: build(job.task, pipe, static, sched))
     t1 = time.perf_counter()
     out = program(*args)
     images = program_lib.collect(out, job.n, job.output_type,
@@ -238,16 +252,18 @@ def _is_inputs(x) -> bool:
     return isinstance(x, program_lib.HostInputs)
 
 
-def _chunk_groups(inputs: program_lib.HostInputs, rows: dict) -> list[np.ndarray]:
-    """The job's images grouped by the prompt chunks they need (their own prompts' and, for a
-    refiner, its): each group is one device batch, so an image's conditioning never depends
-    on a longer prompt beside it."""
+def _groups(job: Job, inputs: program_lib.HostInputs) -> list[tuple[str | None, np.ndarray]]:
+    """The job's images grouped by their sampler (None: the pipeline's) and the prompt chunks
+    they need (their own prompts' and, for a refiner, its): (sampler, indices) per group, in
+    order of first appearance. Each group is one device batch, so an image's conditioning
+    never depends on a longer prompt beside it."""
     import jax
 
-    more = [x for x in jax.tree.leaves(rows, is_leaf=_is_inputs) if _is_inputs(x)]
-    keys = np.stack([h.chunks() for h in (inputs, *more)], axis=1)
-    firsts = sorted(np.unique(keys, axis=0, return_index=True)[1])
-    return [np.flatnonzero((keys == keys[k]).all(axis=1)) for k in firsts]
+    more = [x for x in jax.tree.leaves(job.rows, is_leaf=_is_inputs) if _is_inputs(x)]
+    chunks = np.stack([h.chunks() for h in (inputs, *more)], axis=1).tolist()
+    keys = [(it.scheduler, tuple(c)) for it, c in zip(job.items, chunks)]
+    return [(key[0], np.array([i for i, k in enumerate(keys) if k == key]))
+            for key in dict.fromkeys(keys)]
 
 
 def _run_groups(job: Job, inputs: program_lib.HostInputs, groups) -> program_lib.PipelineOutput:
@@ -259,9 +275,10 @@ def _run_groups(job: Job, inputs: program_lib.HostInputs, groups) -> program_lib
                             tree, is_leaf=_is_inputs)
 
     outs = [run(dataclasses.replace(job, items=[job.items[i] for i in idx], inputs=inputs.take(idx),
-                                    rows=take(job.rows, idx)))
-            for idx in groups]
-    order = np.argsort(np.concatenate(groups), kind="stable")
+                                    rows=take(job.rows, idx),
+                                    scheduler=name and job.pipe.scheduler_for(name)))
+            for name, idx in groups]
+    order = np.argsort(np.concatenate([idx for _, idx in groups]), kind="stable")
     seeds = [s for o in outs for s in o.seeds]
     if isinstance(outs[0].images, np.ndarray):
         images = np.concatenate([o.images for o in outs])[order]

@@ -137,6 +137,10 @@ class StepEngine:
         check([steps_problem(steps, self.max_steps, "this engine's max_steps")])
         request = request.with_defaults(self.pipe.default_guidance)
         request.validate()
+        if request.scheduler is not None:
+            raise ValueError(f"scheduler={request.scheduler!r}: the step engine runs its "
+                             f"pipeline's sampler ({type(self.pipe.scheduler).__name__}) for "
+                             "every image; engine=batch runs a sampler per request")
         prompting.check_prompts(self.pipe, [request], max_chunks=1,
                                 why="the step engine holds one 75-token chunk per image; "
                                     "engine=batch runs longer prompts")

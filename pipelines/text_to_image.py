@@ -16,6 +16,7 @@ process start warm.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import time
@@ -252,6 +253,24 @@ class TextToImagePipeline(LoraAdapters):
         for LCM its ``original_inference_steps``)."""
         return max_inference_steps(self.scheduler)
 
+    def scheduler_for(self, name: str):
+        """The scheduler of sampler ``name`` (:mod:`maxdiff.schedulers.names`) for this model:
+        :attr:`scheduler` switched to it, made once (a new :attr:`scheduler` makes them again).
+        ValueError naming the field for a name that is no sampler."""
+        from maxdiff.sampler_names import normalise, sampler_problem
+        from maxdiff.schedulers import load_scheduler
+
+        if (problem := sampler_problem(name)) is not None:
+            raise ValueError(f"scheduler: {problem}")
+        made = self.__dict__.setdefault("_samplers", {})
+        if made.get(None) is not self.scheduler:  # made from another scheduler: forget them
+            made.clear()
+            made[None] = self.scheduler
+        key = normalise(name)
+        if key not in made:
+            made[key] = load_scheduler(name, base=self.scheduler)
+        return made[key]
+
     def probe(self) -> float:
         """Run a tiny program on the devices with the loaded weights (health checks); raises if
         the devices or the weights are unusable."""
@@ -313,7 +332,7 @@ class TextToImagePipeline(LoraAdapters):
                  denoising_end: float | None = None,
                  aesthetic_score: float = AESTHETIC_SCORE,
                  negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE,
-                 prompt_syntax: str | None = None) -> PipelineOutput:
+                 prompt_syntax: str | None = None, scheduler: str | None = None) -> PipelineOutput:
         """Generate images; arguments mean what diffusers' ``StableDiffusionXLPipeline`` gives
         them. ``seed``: one int (image k gets ``seed + k``), one int per image, or None (random
         seeds, reported in the output). ``latents``: initial noise in diffusers' layout
@@ -330,11 +349,13 @@ class TextToImagePipeline(LoraAdapters):
         ``(word:1.3)``, ``(word)``, ``[word]``, ``BREAK``), ``"compel"`` (``word+``,
         ``(words)1.3``) or ``"none"`` (the text as written). Prompts longer than 75 tokens are
         encoded in chunks of 75, as A1111 and compel do (:mod:`maxdiff.prompts`), up to
-        :data:`pipelines.limits.MAX_PROMPT_CHUNKS` chunks."""
+        :data:`pipelines.limits.MAX_PROMPT_CHUNKS` chunks. ``scheduler``: a sampler name for
+        this call (``"dpmpp_2m_karras"``, ``"Euler a"``, ...), the pipeline's scheduler switched
+        to it (:meth:`scheduler_for`); None: :attr:`scheduler`."""
         items, _ = prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             guidance_scale=guidance_scale, guidance_rescale=guidance_rescale,
-            prompt_syntax=prompt_syntax,
+            prompt_syntax=prompt_syntax, scheduler=scheduler,
             original_size=original_size, crops_coords_top_left=tuple(crops_coords_top_left),
             target_size=target_size, negative_original_size=negative_original_size,
             negative_crops_coords_top_left=negative_crops_coords_top_left,
@@ -362,7 +383,7 @@ class TextToImagePipeline(LoraAdapters):
                 self, items, height=height, width=width, num_inference_steps=num_inference_steps,
                 latents=latents, output_type=output_type, denoising_end=denoising_end)
         items, steps, height, width = checked_items(self, items, num_inference_steps, height,
-                                                    width, output_type)
+                                                    width, output_type, samplers=True)
         latents = self.initial_latents(latents, len(items), height, width)
         return run(Job(TEXT, self, items, height, width, steps, output_type, t0,
                        rows={"latents": latents}))
@@ -408,9 +429,16 @@ class TextToImagePipeline(LoraAdapters):
         return Limits(multiple=self.vae_scale_factor, max_steps=self.max_steps,
                       steps_why=f"what {type(self.scheduler).__name__} allows")
 
-    def check_request(self, steps: int, height: int, width: int, output_type: str = "pil") -> None:
+    def check_request(self, steps: int, height: int, width: int, output_type: str = "pil",
+                      scheduler: str | None = None) -> None:
         """ValueError naming every field of a request this pipeline cannot run: the step count,
         the size (:attr:`limits`) and the output type, by the rules of :mod:`pipelines.limits`
-        (the step engine and the service's replicas check their requests here too)."""
-        check([*problems(self.limits, steps=steps, width=width, height=height),
+        (the step engine and the service's replicas check their requests here too); with
+        ``scheduler`` (a sampler name) the steps that sampler allows."""
+        limits = self.limits
+        if scheduler is not None:
+            limits = dataclasses.replace(limits, steps_why=f"what {scheduler!r} allows",
+                                         max_steps=max_inference_steps(
+                                             self.scheduler_for(scheduler)))
+        check([*problems(limits, steps=steps, width=width, height=height),
                output_type_problem(output_type)])

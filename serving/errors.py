@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import traceback
 from typing import Any
 
@@ -92,8 +93,9 @@ def failure(e: BaseException, settings, *, streamed: bool = False) -> ApiError |
         return ApiError(503, "the server is at capacity (its queue is full); retry after "
                         f"{settings.retry_after_s} s", kind="server_overloaded",
                         headers={"Retry-After": str(settings.retry_after_s)})
-    if isinstance(e, InvalidJob):
-        return ApiError(422, str(e))
+    if isinstance(e, InvalidJob):  # "field: ..." / "field=value: ..." names the field
+        m = re.match(r"(\w+)[:=]", str(e))
+        return ApiError(422, str(e), param=m and m.group(1))
     if isinstance(e, Expired):
         return past_deadline("start")
     return None

@@ -50,6 +50,7 @@ import numpy as np
 import ray
 from ray import serve
 
+from pipelines import prompting
 from pipelines.limits import check, controlnet_problem, edit_adapter_problem
 from pipelines.requests import ControlImage, ControlRequest, EditRequest, GenerationRequest
 from serving.backend import Backend, Expired, InvalidJob, Meters
@@ -213,8 +214,15 @@ class LoadedModel:
         try:
             if stream and job.n != 1:
                 raise ValueError("streaming returns one image; ask for one")
-            self.pipe.check_request(job.steps, job.height, job.width, "pil")
+            step = self.backend_for(job).name == "step"
+            if job.scheduler is not None and (step or isinstance(job, ControlRequest)):
+                raise ValueError(f"scheduler: this server runs {self.info()['scheduler']!r} for "
+                                 f"{'every request on engine=step' if step else 'ControlNet'}; "
+                                 "a sampler per request runs text-to-image on engine=batch")
+            self.pipe.check_request(job.steps, job.height, job.width, "pil", job.scheduler)
             job.validate()
+            prompting.check_prompts(self.pipe, job.images()[:1], 1 if step else None,
+                                    "engine=step holds one 75-token chunk per image")
             self.pipe.adapter_index(job.images()[:1])  # an adapter this model added
             if isinstance(job, ControlRequest):  # ControlNets this model loaded
                 check([controlnet_problem(name, self.controlnets) for name in job.controlnets],
@@ -234,6 +242,7 @@ class LoadedModel:
             check([edit_adapter_problem(job.adapter)], "native")
             self.pipe.check_request(job.steps, job.height, job.width, "pil")
             job.validate()
+            prompting.check_prompts(self.pipe, job.images()[:1])
         except ValueError as e:
             raise InvalidJob(str(e)) from None
 

@@ -22,6 +22,7 @@ from pipelines.limits import (
     control_scale_problem,
     control_window_problems,
     controlnet_problem,
+    sampler_problem,
     within,
 )
 from pipelines.requests import ControlImage, ControlRequest, EditRequest, GenerationRequest
@@ -180,11 +181,13 @@ def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: 
     width = w0 if body.width is None else body.width
     height = h0 if body.height is None else body.height
     errors = list(errors or [])
-    if body.scheduler is not None and body.scheduler.lower() not in [
-            name.lower() for name in info["scheduler_names"]]:
-        errors.append(("scheduler", f"this server runs {info['scheduler']!r}; the scheduler "
-                       "is chosen when the server starts (config / scheduler args)",
-                       body.scheduler))
+    # the loaded scheduler by any of its names runs as the model's own (its batches and
+    # programs); another sampler name is the replicas' to check and run
+    sampler = body.scheduler
+    if sampler is not None and sampler.lower() in [n.lower() for n in info["scheduler_names"]]:
+        sampler = None
+    if (p := sampler_problem(sampler)) is not None:
+        errors.append((p.field, p.message, sampler))
     if (problem := validation.adapter_problem(info, body.lora, "lora")) is not None:
         errors.append(problem)
     errors += validation.stream_problems(body.stream, body.num_images, "num_images")
@@ -192,13 +195,15 @@ def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: 
         errors.append(("stream", "a stream answers text/event-stream, not an image Accept "
                        "type", True))
     errors += validation.problems(s, info, DOOR, prompt=body.prompt,
-                                  negative_prompt=body.negative_prompt, steps=steps,
+                                  negative_prompt=body.negative_prompt,
+                                  prompt_syntax=body.prompt_syntax, steps=steps,
                                   guidance=guidance, seed=body.seed, n=body.num_images,
                                   width=width, height=height)
     if errors:
         raise invalid_all(errors)
     return GenerationRequest(body.prompt, body.negative_prompt, body.seed, body.num_images,
-                             width, height, steps, guidance, body.lora)
+                             width, height, steps, guidance, body.lora, body.prompt_syntax,
+                             sampler)
 
 
 async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: str | None
@@ -252,7 +257,7 @@ async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wante
                      for (name, _), img, e in zip(raw, images, body.control_images))
     return ControlRequest(job.prompt, job.negative_prompt, job.seed, job.n, job.width,
                           job.height, job.steps, job.guidance_scale, job.adapter,
-                          controls=controls)
+                          job.prompt_syntax, job.scheduler, controls=controls)
 
 
 async def edit_job(s: ServeSettings, info: dict, body: EditBody) -> EditRequest:
@@ -278,7 +283,7 @@ async def edit_job(s: ServeSettings, info: dict, body: EditBody) -> EditRequest:
         n=body.num_images, door=DOOR, width=body.width, height=body.height,
         steps=info["default_steps"] if body.steps is None else body.steps,
         guidance=info["default_guidance"] if body.guidance_scale is None
-        else body.guidance_scale, errors=errors)
+        else body.guidance_scale, errors=errors, prompt_syntax=body.prompt_syntax)
 
 
 async def response(job: GenerationRequest, fmt: str, result: JobResult, info: dict,
@@ -294,8 +299,10 @@ async def response(job: GenerationRequest, fmt: str, result: JobResult, info: di
             for name, c in job.controls)}
     meta = [image_info(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=seed,
                        steps=job.steps, guidance=job.guidance_scale,
-                       size=f"{job.width}x{job.height}", scheduler=info["scheduler"],
+                       size=f"{job.width}x{job.height}",
+                       scheduler=job.scheduler or info["scheduler"],
                        model=model_id, dtype=info["dtype"], adapter=job.adapter,
+                       prompt_syntax=job.prompt_syntax,
                        quantization=None if info.get("quantization", "none") == "none"
                        else info["quantization"]) | mode
             for seed in result.seeds]
@@ -313,7 +320,7 @@ async def response(job: GenerationRequest, fmt: str, result: JobResult, info: di
     if edit:
         data.update(mode=job.kind, strength=job.strength)
     data.update(width=job.width, height=job.height, steps=job.steps,
-                guidance_scale=job.guidance_scale, scheduler=info["scheduler"],
+                guidance_scale=job.guidance_scale, scheduler=job.scheduler or info["scheduler"],
                 output_format=fmt, timings=timings)
     if not edit:
         data["lora"] = job.adapter

@@ -18,12 +18,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipelines.limits import CONTROL_SCALE_MAX, MAX_SEED, STRENGTH
+from pipelines.limits import CONTROL_SCALE_MAX, MAX_PROMPT_CHUNKS, MAX_SEED, STRENGTH
 from serving.settings import ServeSettings  # noqa: F401 (re-exported)
 from serving.specs import AdapterSpec, WarmupShape  # noqa: F401 (re-exported)
 
 # ---------------------------------------------------------------------------------- HTTP models
 ImageFormat = Literal["png", "jpeg", "webp"]
+PromptSyntax = Literal["a1111", "compel", "none"]
 
 
 class ImagesGenerationRequest(BaseModel):
@@ -49,6 +50,11 @@ class ImagesGenerationRequest(BaseModel):
                               "a `models` list; a single-model server ignores it.")
     lora: str | None = Field(None, description="A LoRA adapter the server loaded (its name, "
                              "see /v1/models); omitted: the base model.")
+    prompt_syntax: PromptSyntax | None = Field(
+        None, description="How the prompts' weights are written: 'a1111' (default: "
+        "(word:1.3), (word), [word], BREAK), 'compel' (word+, word-, (words)1.3) or 'none' "
+        "(the text as written). Prompts over 75 tokens are encoded in chunks of 75, up to "
+        f"{MAX_PROMPT_CHUNKS} (engine=step: one).")
     user: str | None = None
     quality: str | None = None
     style: str | None = None
@@ -164,14 +170,25 @@ class GenerateRequest(BaseModel):
     prompt: str = Field(min_length=1)
     model: str | None = _model_field()
     negative_prompt: str | None = None
+    prompt_syntax: PromptSyntax | None = Field(
+        None, description="How the prompts' weights are written: 'a1111' (default: "
+        "(word:1.3), (word), [word], BREAK), 'compel' (word+, word-, (words)1.3) or 'none' "
+        "(the text as written). Prompts over 75 tokens are encoded in chunks of 75, up to "
+        f"{MAX_PROMPT_CHUNKS} (engine=step: one).")
     seed: int | None = _seed_field()
     steps: int | None = _steps_field()
     guidance_scale: float | None = _guidance_field()
     width: int | None = Field(None, json_schema_extra={"minimum": 1})
     height: int | None = Field(None, json_schema_extra={"minimum": 1})
     num_images: int = Field(1, json_schema_extra={"minimum": 1})
-    scheduler: str | None = Field(None, description="Must name the loaded scheduler (see "
-                                  "/v1/models); the scheduler is chosen when the server starts.")
+    scheduler: str | None = Field(None, description="A sampler for this request: a short name "
+                                  "(euler, euler_a, dpmpp_2m, dpmpp_2m_karras, "
+                                  "dpmpp_2m_sde_karras, ddim, lcm, unipc, ...), A1111's name "
+                                  "('DPM++ 2M Karras') or a diffusers class name; the model's "
+                                  "scheduler switched to it. Omitted or the loaded one's name "
+                                  "(/v1/models): the model's own. engine=batch text-to-image; "
+                                  "requests with different samplers share a queue and run as "
+                                  "separate device batches.")
     lora: str | None = Field(None, description="A LoRA adapter the server loaded (its name, see "
                              "/v1/models `maxdiff.adapters`); omitted: the base model. Requests "
                              "with different adapters share batches.")
@@ -239,6 +256,11 @@ class EditRequest(BaseModel):
     prompt: str = Field(min_length=1)
     model: str | None = _model_field()
     negative_prompt: str | None = None
+    prompt_syntax: PromptSyntax | None = Field(
+        None, description="How the prompts' weights are written: 'a1111' (default: "
+        "(word:1.3), (word), [word], BREAK), 'compel' (word+, word-, (words)1.3) or 'none' "
+        "(the text as written). Prompts over 75 tokens are encoded in chunks of 75, up to "
+        f"{MAX_PROMPT_CHUNKS} (engine=step: one).")
     image: str = Field(min_length=1, description="The image to edit: base64 PNG, JPEG or WebP "
                        "(a `data:image/...;base64,` prefix is allowed).")
     mask: str | None = Field(None, description="Inpainting mask, base64 PNG/JPEG/WebP of the "

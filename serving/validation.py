@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 
 from pipelines.image_files import decode_image, repaint_mask
-from pipelines.limits import STRENGTH, Limits, field_name
+from pipelines.limits import STRENGTH, Limits, field_name, prompt_text_problems
 from pipelines.limits import problems as rule_problems
 from pipelines.requests import EditRequest
 from serving.errors import TIMEOUT_HEADER, invalid, invalid_all
@@ -63,10 +63,11 @@ def limits(s: ServeSettings, info: dict) -> Limits:
 
 
 def problems(s: ServeSettings, info: dict, door: str, *, prompt: str,
-             negative_prompt: str | None = None, steps, guidance=None, seed=None, n, width,
-             height, strength=None) -> list[Problem]:
+             negative_prompt: str | None = None, prompt_syntax: str | None = None, steps,
+             guidance=None, seed=None, n, width, height, strength=None) -> list[Problem]:
     """Every problem of a request, (field in ``door``'s words, message, value): the rules of
-    :mod:`pipelines.limits` against this server's limits, and the prompts' lengths."""
+    :mod:`pipelines.limits` against this server's limits, the prompts' lengths and their
+    weighting syntax (the token count is the replicas' to check: they hold the tokenizer)."""
     found = rule_problems(limits(s, info), steps=steps, guidance=guidance, seed=seed, n=n,
                           width=width, height=height, strength=strength)
     out = {}  # one entry per (field, message): OpenAI's one "size" field, both sides
@@ -77,6 +78,8 @@ def problems(s: ServeSettings, info: dict, door: str, *, prompt: str,
         if text is not None and len(text) > s.max_prompt_chars:
             errors.append((field, f"{field} has {len(text)} characters; at most "
                            f"{s.max_prompt_chars} are accepted", None))
+    errors += [(field_name(p.field, door), p.message, p.value) for p in prompt_text_problems(
+        prompt_syntax, prompt=prompt, negative_prompt=negative_prompt)]
     return errors
 
 
@@ -115,7 +118,7 @@ async def edit_job(s: ServeSettings, info: dict, *, prompt: str, negative_prompt
                    image: bytes | None, mask: bytes | None, transparent_mask: bool | None,
                    strength: float | None, seed: int | None, n: int, door: str,
                    width: int | None, height: int | None, steps: int, guidance: float,
-                   errors: list | None = None) -> EditRequest:
+                   errors: list | None = None, prompt_syntax: str | None = None) -> EditRequest:
     """Decode the image (and mask) and check an edit request: every problem (``errors``
     found before, then these) is a 422. ``transparent_mask``: see
     :func:`pipelines.requests.repaint_mask`. Width and height default to the image's size
@@ -151,9 +154,9 @@ async def edit_job(s: ServeSettings, info: dict, *, prompt: str, negative_prompt
     if strength is None:
         strength = STRENGTH["inpaint" if mask is not None else "img2img"]
     errors += problems(s, info, door, prompt=prompt, negative_prompt=negative_prompt,
-                       steps=steps, guidance=guidance, seed=seed, n=n, width=width,
-                       height=height, strength=strength)
+                       prompt_syntax=prompt_syntax, steps=steps, guidance=guidance, seed=seed,
+                       n=n, width=width, height=height, strength=strength)
     if errors:
         raise invalid_all(errors)
     return EditRequest(prompt, negative_prompt, seed, n, width, height, steps, guidance,
-                       strength=float(strength), image=img[0], mask=repaint)
+                       prompt_syntax=prompt_syntax, strength=float(strength), image=img[0], mask=repaint)

@@ -260,3 +260,29 @@ def test_step_engine_takes_weighted_prompts_and_refuses_long_ones(pipe):
     ref = pipe("a (red cat:1.5)", seed=4, guidance_scale=0.0, num_inference_steps=2,
                height=SIZE, width=SIZE, output_type="np").images[0]
     assert np.abs(got - ref).max() < 1e-5
+
+
+def test_cli_lines_take_a_prompt_syntax(tmp_path):
+    """--prompt-syntax for the run, a JSONL line's prompt_syntax for its images; the syntax
+    is part of an image's id (another syntax is another image); errors name line and field."""
+    from pipelines.cli.jobs import RunSettings, plan_jobs
+    from pipelines.cli.lines import InputError
+    from pipelines.cli.prompts import read_prompts
+
+    s = RunSettings(model="m", scheduler="s", dtype="float32", steps=1, guidance=5.0,
+                    width=32, height=32, run_seed=9, prompt_syntax="compel")
+    lines = read_prompts(file_text='{"prompt": "a cat+"}\n'
+                                   '{"prompt": "a (cat:1.2)", "prompt_syntax": "a1111"}\n',
+                         file=tmp_path / "p.jsonl")
+    jobs = plan_jobs(lines, s)
+    assert [j.request().prompt_syntax for j in jobs] == ["compel", "a1111"]
+    assert jobs[0].record()["prompt_syntax"] == "compel"
+    other = plan_jobs(lines[:1], RunSettings(**{**s.__dict__, "prompt_syntax": "none"}))
+    assert other[0].id != jobs[0].id
+    with pytest.raises(InputError, match=r"p.jsonl:1: field 'prompt_syntax': must be one of "
+                                         r"a1111, compel, none, got 'html'"):
+        read_prompts(file_text='{"prompt": "a", "prompt_syntax": "html"}\n',
+                     file=tmp_path / "p.jsonl")
+    bad = read_prompts(file_text='{"prompt": "a (cat"}\n', file=tmp_path / "p.jsonl")
+    with pytest.raises(InputError, match=r"p.jsonl:1: field 'prompt': '\(' is never closed"):
+        plan_jobs(bad, RunSettings(**{**s.__dict__, "prompt_syntax": None}))

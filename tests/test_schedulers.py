@@ -59,7 +59,7 @@ except ImportError:
 needs_reference = pytest.mark.skipif(diffusers is None, reason="parity tests need torch and diffusers")
 
 SHAPE = (2, 4, 8, 8)
-STEPS = [1, 2, 4, 8, 25, 50]
+STEPS = [1, 2, 4, 8, 30]  # 30: a long schedule whose spacing divides 1000 unevenly
 SD = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000}
 
 

@@ -34,6 +34,7 @@ Karras", ``euler_a``, ``unipc``), each a change to a model's own scheduler confi
     pipe.scheduler = load_scheduler("dpmpp_2m_karras", base=pipe.scheduler)
 """
 
+from maxdiff.sampler_names import SAMPLERS, Sampler, find_sampler, get_sampler, sampler_config
 from maxdiff.schedulers.common import AlphaState, Scheduler, SigmaState, max_inference_steps
 from maxdiff.schedulers.ddim import DDIMScheduler
 from maxdiff.schedulers.dpm_solver import DPMSolverMultistepScheduler, DPMSolverState
@@ -48,7 +49,6 @@ from maxdiff.schedulers.loading import (
     resolve_scheduler,
     scheduler_from_config,
 )
-from maxdiff.schedulers.names import SAMPLERS, Sampler, find_sampler, get_sampler, sampler_config
 from maxdiff.schedulers.pndm import PNDMScheduler, PNDMState
 from maxdiff.schedulers.presets import PRESETS, SDXL_BASE_SCHEDULER_CONFIG, Preset, get_preset
 from maxdiff.schedulers.unipc import UniPCMultistepScheduler, UniPCState

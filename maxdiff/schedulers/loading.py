@@ -9,13 +9,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from maxdiff.sampler_names import sampler_config, sampler_problem
 from maxdiff.schedulers.common import Scheduler
 from maxdiff.schedulers.ddim import DDIMScheduler
 from maxdiff.schedulers.dpm_solver import DPMSolverMultistepScheduler
 from maxdiff.schedulers.euler import EulerDiscreteScheduler
 from maxdiff.schedulers.euler_ancestral import EulerAncestralDiscreteScheduler
 from maxdiff.schedulers.lcm import LCMScheduler
-from maxdiff.schedulers.names import sampler_config, sampler_problem
 from maxdiff.schedulers.pndm import PNDMScheduler
 from maxdiff.schedulers.presets import PRESETS, Preset
 from maxdiff.schedulers.unipc import UniPCMultistepScheduler

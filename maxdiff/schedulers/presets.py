@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from maxdiff.schedulers.names import find_sampler
+from maxdiff.sampler_names import find_sampler
 
 # `scheduler/scheduler_config.json` of stabilityai/stable-diffusion-xl-base-1.0.
 SDXL_BASE_SCHEDULER_CONFIG: Mapping[str, Any] = MappingProxyType({

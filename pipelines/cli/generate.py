@@ -105,7 +105,7 @@ def cmd_generate(args) -> int:
             quantization=None if cfg.quantization == "none" else cfg.quantization,
             guidance=float(pipe.default_guidance), width=pipe.default_width,
             height=pipe.default_height, run_seed=run_seed, negative_prompt=args.negative,
-            num_images=args.num_images, format=args.format,
+            num_images=args.num_images, format=args.format, prompt_syntax=args.prompt_syntax,
             lora=", ".join(f"{x.path}:{x.scale:g}" for x in cfg.loras) or None,
             refiner=f"{cfg.refiner}:{cfg.high_noise_frac:g}" if cfg.refiner else None)
         jobs = plan_jobs(lines, settings)

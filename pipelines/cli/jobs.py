@@ -24,6 +24,7 @@ from pipelines.image_files import image_info
 from pipelines.limits import (
     cfg_on,
     describe,
+    prompt_text_problems,
     seed_problem,
     strength_problem,
 )
@@ -49,6 +50,7 @@ class RunSettings:
     lora: str | None = None  # the fused LoRA adapters, "PATH:SCALE, ..." (None: none)
     quantization: str | None = None  # int8-weights, int8, fp8 (None: none)
     refiner: str | None = None  # "DIR:FRAC": the SDXL refiner and where it takes over
+    prompt_syntax: str | None = None  # --prompt-syntax (None: a1111)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class ImageJob:
     id: str  # hash of everything that decides the file's content
     file: str
     strength: float | None = None  # an edit's strength (None: text-to-image)
+    prompt_syntax: str | None = None  # the line's, else the run's (None: a1111)
+    scheduler: str | None = None  # the line's sampler (None: the run's --scheduler)
 
     @property
     def shape(self) -> ShapeKey | EditKey | ControlKey:
@@ -83,11 +87,13 @@ class ImageJob:
 
     def request(self) -> ImageRequest:
         return ImageRequest(prompt=self.prompt, negative_prompt=self.negative_prompt,
-                            seed=self.seed, guidance_scale=self.guidance)
+                            seed=self.seed, guidance_scale=self.guidance,
+                            prompt_syntax=self.prompt_syntax, scheduler=self.scheduler)
 
     def identity(self) -> dict[str, Any]:
         return identity(self.line.index, self.image, self.prompt, self.negative_prompt, self.seed,
-                        self.steps, self.guidance, self.width, self.height, self.settings)
+                        self.steps, self.guidance, self.width, self.height, self.settings,
+                        self.prompt_syntax, self.scheduler)
 
     def image_info(self) -> dict[str, str]:
         """The settings stored inside the image file (no time or path, so files reproduce)."""
@@ -112,20 +118,25 @@ class ImageJob:
                     prompt=self.prompt, negative_prompt=self.negative_prompt, seed=self.seed,
                     run_seed=s.run_seed, steps=self.steps, guidance=self.guidance,
                     size=f"{self.width}x{self.height}", width=self.width, height=self.height,
-                    scheduler=s.scheduler, model=s.model, unet=s.unet, lora=s.lora,
+                    scheduler=self.scheduler or s.scheduler, model=s.model, unet=s.unet,
+                    lora=s.lora,
                     dtype=s.dtype, quantization=s.quantization, format=s.format,
+                    prompt_syntax=self.prompt_syntax,
                     **({"refiner": s.refiner} if s.refiner else {}), **edit,
                     file=self.file, id=self.id, **extra)
 
 
 def identity(line: int, image: int, prompt: str, negative_prompt: str | None, seed: int,
-             steps: int, guidance: float, width: int, height: int, s: RunSettings) -> dict:
+             steps: int, guidance: float, width: int, height: int, s: RunSettings,
+             prompt_syntax: str | None = None, scheduler: str | None = None) -> dict:
     return dict(line=line, image=image, prompt=prompt, negative_prompt=negative_prompt, seed=seed,
                 steps=steps, guidance=float(guidance), width=width, height=height,
                 scheduler=s.scheduler, model=s.model, unet=s.unet, dtype=s.dtype, format=s.format,
                 **({"lora": s.lora} if s.lora else {}),  # (ids of runs without LoRA unchanged)
                 **({"quantization": s.quantization} if s.quantization else {}),
-                **({"refiner": s.refiner} if s.refiner else {}))
+                **({"refiner": s.refiner} if s.refiner else {}),
+                **({"prompt_syntax": prompt_syntax} if prompt_syntax else {}),
+                **({"sampler": scheduler} if scheduler else {}))
 
 
 def _sha256(path: str) -> str:
@@ -159,6 +170,14 @@ def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[ImageJob]:
         neg = line.negative_prompt if line.negative_prompt is not None else s.negative_prompt
         if (p := seed_problem(line.seed, n)) is not None:
             raise InputError([f"{line.where}: {describe(p, 'jsonl')}"])
+        syntax = line.prompt_syntax or s.prompt_syntax
+        found = prompt_text_problems(syntax, prompt=line.prompt, negative_prompt=neg)
+        if found:
+            raise InputError([f"{line.where}: {describe(p, 'jsonl')}" for p in found])
+        if line.scheduler is not None and (line.image is not None or line.controls):
+            raise InputError([f"{line.where}: field 'scheduler': a sampler per line runs "
+                              "text-to-image lines; edits and ControlNet lines run the run's "
+                              "--scheduler"])
         seeds = image_seeds(line.seed, n)
         strength, edit = None, {}
         if line.image is not None:
@@ -174,8 +193,8 @@ def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[ImageJob]:
             if seed is None:
                 seed = derive_seed(s.run_seed, line.index, k)
             jid = job_id({**identity(line.index, k, line.prompt, neg, seed, steps, guidance, w,
-                                     h, s), **edit})
+                                     h, s, syntax, line.scheduler), **edit})
             name = f"{line.index:0{wl}d}-{k:0{wi}d}-{slug(line.prompt)}-{jid[:8]}.{s.format}"
             jobs.append(ImageJob(line, k, line.prompt, neg, seed, steps, float(guidance), w, h, s,
-                            jid, name, strength))
+                                 jid, name, strength, syntax, line.scheduler))
     return jobs

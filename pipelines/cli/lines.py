@@ -13,6 +13,8 @@ from pipelines.limits import (
     Problem,
     guidance_problem,
     n_problem,
+    prompt_syntax_problem,
+    sampler_problem,
     seed_problem,
     size_problems,
     steps_problem,
@@ -23,7 +25,7 @@ from pipelines.requests import (
 )
 
 LINE_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "n", "image",
-               "mask", "strength", "control_images")
+               "mask", "strength", "control_images", "prompt_syntax", "scheduler")
 
 
 CONTROL_FIELDS = ("image", "controlnet", "scale", "start", "end",  # of a control_images entry
@@ -56,6 +58,8 @@ class PromptLine:
     mask: str | None = None  # absolute path of its inpainting mask
     strength: float | None = None  # None: the edit pipeline's default
     controls: tuple[ControlSpec, ...] | None = None  # ControlNet text-to-image (None: none)
+    prompt_syntax: str | None = None  # a1111, compel or none (None: the run's --prompt-syntax)
+    scheduler: str | None = None  # a sampler name for this line (None: the run's --scheduler)
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,8 @@ _CHECKS = {
     "image": lambda v: _text(v, empty_ok=False),
     "mask": lambda v: None if v is None else _text(v, empty_ok=False),
     "strength": lambda v: None if v is None else _rule(strength_problem, float)(v),
+    "prompt_syntax": lambda v: None if v is None else _rule(prompt_syntax_problem, str)(v),
+    "scheduler": lambda v: None if v is None else _rule(sampler_problem, str)(v),
 }
 
 

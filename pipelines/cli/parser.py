@@ -158,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--guidance", type=_rule(guidance_problem, float), metavar="G",
                      help="classifier-free guidance scale (<= 1: off, one UNet pass per step)")
     gen.add_argument("--negative", metavar="TEXT", help="negative prompt for every line")
+    gen.add_argument("--prompt-syntax", choices=("a1111", "compel", "none"), default=None,
+                     help="how prompts write their weights: a1111 (default: (word:1.3), (word), "
+                          "[word], BREAK), compel (word+, word-, (words)1.3) or none (the text "
+                          "as written); a JSONL line's prompt_syntax overrides it. Prompts over "
+                          "75 tokens are encoded in chunks of 75 (up to 4)")
     gen.add_argument("--size", type=_size, metavar="WxH", help="image size, e.g. 1024x768")
     gen.add_argument("--seed", type=_rule(lambda v: seed_problem(v, optional=False)), metavar="S",
                      help="run seed: makes the whole run reproducible")

@@ -39,7 +39,7 @@ class Edit(Task):
 
     def begin(self, ctx: Ctx):
         mode, from_latents, noised = ctx.static.key
-        sched, rows, state = ctx.pipe.scheduler, ctx.rows, ctx.state
+        sched, rows, state = ctx.scheduler, ctx.rows, ctx.state
         k_noise, k_post = ctx.keys[:2]
         noise = self._draw(ctx, "noise", k_noise)
         image_latents = rows["images"] if from_latents else self._to_latents(
@@ -63,7 +63,7 @@ class Edit(Task):
     def after_step(self, ctx: Ctx):
         if ctx.static.key[0] != "inpaint4":
             return None
-        sched, masks = ctx.pipe.scheduler, ctx.rows["masks"]
+        sched, masks = ctx.scheduler, ctx.rows["masks"]
         image_latents, noise = ctx.memo["image_latents"], ctx.memo["noise"]
         calls = ctx.state.timesteps.shape[0]
 

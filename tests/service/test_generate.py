@@ -134,6 +134,43 @@ def test_http_image_equals_python_api(main_app, pipe):
     np.testing.assert_array_equal(png(r.json()["images"][0]["b64_json"]), np.asarray(ours))
 
 
+def test_weighted_and_long_prompts_equal_the_python_api(main_app, pipe):
+    """prompt_syntax per request: an A1111-weighted, a compel-weighted and a 100-token prompt
+    sent together (two chunk counts: the batch splits) each get the Python API's pixels (up to
+    one level, as batched images do); a prompt its syntax cannot read, and an unknown syntax,
+    are 422s naming the field."""
+    asks = [("a (red:1.4) cat", "a1111"), ("a red+ cat", "compel"), ("x " * 100, None)]
+    rs = concurrently(3, lambda i: generate_as_a_client(
+        main_app.url, prompt=asks[i][0], prompt_syntax=asks[i][1], seed=50 + i))
+    assert [r.status_code for r in rs] == [200] * 3, [r.text for r in rs]
+    for i, (r, (prompt, syntax)) in enumerate(zip(rs, asks)):
+        single = pipe(prompt, prompt_syntax=syntax, seed=50 + i, num_inference_steps=STEPS,
+                      guidance_scale=0.0, height=SIZE, width=SIZE).images[0]
+        got = png(r.json()["images"][0]["b64_json"]).astype(int)
+        assert np.abs(got - np.asarray(single, int)).max() <= 1, prompt
+    r = generate(main_app.url, prompt="a (cat", negative_prompt="[dog")
+    assert r.status_code == 422 and r.json()["error"]["param"] == "prompt", r.text
+    assert "'(' is never closed" in r.text and "'[' is never closed" in r.text
+    r = generate(main_app.url, prompt="a cat", prompt_syntax="markdown")
+    assert r.status_code == 422 and r.json()["error"]["param"] == "prompt_syntax", r.text
+
+
+def test_samplers_per_request_equal_the_python_api(main_app, pipe):
+    """Three samplers sent together (one queue; separate device batches): each image is the
+    Python API's with that sampler; the response names the sampler it ran."""
+    asks = ["dpmpp_2m_karras", "Euler a", None]
+    rs = concurrently(3, lambda i: generate_as_a_client(main_app.url, prompt="a small dog",
+                                                         scheduler=asks[i], seed=70 + i))
+    assert [r.status_code for r in rs] == [200] * 3, [r.text for r in rs]
+    for i, (r, name) in enumerate(zip(rs, asks)):
+        single = pipe("a small dog", scheduler=name, seed=70 + i, num_inference_steps=STEPS,
+                      guidance_scale=0.0, height=SIZE, width=SIZE).images[0]
+        got = png(r.json()["images"][0]["b64_json"]).astype(int)
+        assert np.abs(got - np.asarray(single, int)).max() <= 1, name
+    assert rs[0].json()["scheduler"] == "dpmpp_2m_karras"
+    assert rs[2].json()["scheduler"] == "EulerDiscreteScheduler"
+
+
 def test_concurrent_requests_share_a_batch(main_app, pipe):
     seeds = [100, 101, 102, 103]
     rs = concurrently(4, lambda i: generate_as_a_client(main_app.url, prompt="a small dog",
