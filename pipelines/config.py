@@ -58,6 +58,29 @@ class LoraSpec(StrictConfig):
         return f"{self.path}:{self.scale:g}" + (f" ({self.name})" if self.name else "")
 
 
+class EmbeddingSpec(StrictConfig):
+    """A textual-inversion embedding loaded at load: ``path`` (a ``.safetensors`` file or a
+    folder with ``learned_embeds.safetensors``), optional ``token`` (default: the file's).
+    Written ``"PATH[:TOKEN]"`` on command lines."""
+
+    path: str
+    token: str | None = None
+
+    @classmethod
+    def parse(cls, value) -> EmbeddingSpec | dict:
+        """``"PATH"`` or ``"PATH:TOKEN"`` (the part after the last ``:`` when the whole is no
+        existing path), or a mapping."""
+        if not isinstance(value, str):
+            return value
+        path, sep, tail = value.rpartition(":")
+        if sep and path and tail and not os.path.exists(value):
+            return cls(path=path, token=tail)
+        return cls(path=value)
+
+    def __str__(self) -> str:
+        return self.path + (f":{self.token}" if self.token else "")
+
+
 class RunConfig(StrictConfig):
     """What a generation run needs. ``None`` means: the model's or scheduler preset's default."""
 
@@ -81,6 +104,8 @@ class RunConfig(StrictConfig):
     # true (whenever a side exceeds sample_size, diffusers' enable_tiling) or false
     vae_tiling: bool | Literal["auto"] = "auto"
     loras: tuple[LoraSpec, ...] = ()  # LoRA adapters fused at load, in order ("PATH[:SCALE]")
+    # textual-inversion embeddings loaded at load ("PATH[:TOKEN]"): their tokens work in prompts
+    embeddings: tuple[EmbeddingSpec, ...] = ()
     # the UNet's transformer linear layers in int8 / fp8 through qwix (maxdiff.quantization):
     # none, int8-weights (int8 weights), int8 (int8 weights and activations), fp8 (e4m3)
     quantization: Quantization = "none"
@@ -97,6 +122,15 @@ class RunConfig(StrictConfig):
         if isinstance(v, (str, dict)):
             v = [v]
         return tuple(LoraSpec.parse(x) for x in v)
+
+    @field_validator("embeddings", mode="before")
+    @classmethod
+    def _embeddings(cls, v):
+        if v is None:
+            return ()
+        if isinstance(v, (str, dict)):
+            v = [v]
+        return tuple(EmbeddingSpec.parse(x) for x in v)
 
     @model_validator(mode="after")
     def _loras_unquantized(self):

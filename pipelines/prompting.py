@@ -116,6 +116,9 @@ def _plans(pipe, item: ImageRequest) -> tuple[tuple, tuple]:
     neg = item.negative_prompt or ""
     fields = (("prompt", item.prompt, item.prompt if refiner else item.prompt_2 or item.prompt),
               ("negative_prompt", neg, neg if refiner else item.negative_prompt_2 or neg))
+    expand = getattr(pipe, "expand_embeddings", None)  # textual-inversion tokens
+    if expand is not None and pipe.embedding_tokens:
+        fields = tuple((name, expand(a), expand(b)) for name, a, b in fields)
     pairs, problems = [], []
     for name, text, text_2 in fields:
         try:

@@ -235,9 +235,11 @@ def run(job: Job) -> program_lib.PipelineOutput:
             meshlib.place(state, rep)]
     if aidx is not None:
         args += [pipe.adapter_tables.as_tree(), put(aidx)]
-    # the program closes over the scheduler (its config is static): one per scheduler object
-    # (the cached program keeps it alive, so its id is never reused meanwhile)
-    key = (job.task.name, id(sched), bucket, static, aidx is not None, tiled)
+    # the program closes over the scheduler (its config is static) and the text encoders: one
+    # per scheduler object and per text-encoder module (a textual-inversion embedding replaces
+    # the module); the cached program keeps them alive, so no id is reused meanwhile
+    encoders = tuple(id(getattr(pipe, name)) for name in pipe.family.encoders)
+    key = (job.task.name, id(sched), bucket, static, aidx is not None, tiled, encoders)
     program = pipe.programs.get(key, lambda: build(job.task, pipe, static, sched))
     t1 = time.perf_counter()
     out = program(*args)

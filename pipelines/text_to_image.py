@@ -45,6 +45,7 @@ from pipelines import program as program_lib
 from pipelines import refiner as refiner_lib
 from pipelines.adapting import LoraAdapters
 from pipelines.config import RunConfig, load_run_config
+from pipelines.embeddings import TextualInversion
 from pipelines.limits import (
     AESTHETIC_SCORE,
     HIGH_NOISE_FRAC,
@@ -68,7 +69,7 @@ __all__ = ["TextToImagePipeline", "PipelineOutput", "enable_compile_cache", "mod
 _abs_sum = jax.jit(lambda x: jnp.sum(jnp.abs(x.astype(jnp.float32))))
 
 
-class TextToImagePipeline(LoraAdapters):
+class TextToImagePipeline(LoraAdapters, TextualInversion):
     """Text-to-image in JAX. Build with :meth:`from_pretrained`; call like diffusers'
     ``StableDiffusionXLPipeline``. ``family``: the model family (:mod:`maxdiff.family`; default
     SDXL base, or SD 1.x without ``text_encoder_2``)."""
@@ -232,7 +233,8 @@ class TextToImagePipeline(LoraAdapters):
                     ) -> TextToImagePipeline:
         """Load from a run config (a :class:`pipelines.config.RunConfig`, a YAML path or a name
         in ``configs/``) with optional ``key=value`` overrides. The config's steps, guidance and
-        size become this pipeline's defaults; its ``loras`` are fused in order."""
+        size become this pipeline's defaults; its ``loras`` are fused in order and its
+        ``embeddings`` loaded."""
         cfg = config if isinstance(config, RunConfig) else load_run_config(config, overrides)
         pipe = cls.from_pretrained(**cfg.pipeline_kwargs())
         if cfg.steps is not None:
@@ -243,6 +245,8 @@ class TextToImagePipeline(LoraAdapters):
         pipe.default_width = cfg.width or pipe.default_width
         for spec in cfg.loras:
             pipe.load_lora_weights(spec.path, adapter_name=spec.name, scale=spec.scale)
+        for emb in cfg.embeddings:
+            pipe.load_textual_inversion(emb.path, token=emb.token)
         pipe.run_config = cfg
         return pipe
 

@@ -54,6 +54,7 @@ def _run_config(args, **extra: Any):
                  single_file_config=args.single_file_config, scheduler=args.scheduler,
                  dtype=args.dtype, quantization=args.quantization, devices=args.devices,
                  loras=getattr(args, "lora", None) or None,
+                 embeddings=getattr(args, "embedding", None) or None,
                  refiner=getattr(args, "refiner", None),
                  high_noise_frac=getattr(args, "high_noise_frac", None), **extra)
     flags = {k: v for k, v in flags.items() if v is not None}
@@ -72,9 +73,16 @@ def _run_config(args, **extra: Any):
             raise InputError([f"lora {spec.path}: no such file or folder (--lora PATH[:SCALE] / "
                               "config key 'loras')"])
         loras.append(spec.replace(path=str(path.resolve())))
+    embeddings = []
+    for spec in cfg.embeddings:
+        path = Path(spec.path).expanduser()
+        if not path.exists():
+            raise InputError([f"embedding {spec.path}: no such file or folder (--embedding "
+                              "PATH[:TOKEN] / config key 'embeddings')"])
+        embeddings.append(spec.replace(path=str(path.resolve())))
     return cfg.replace(model=str(model), unet=unet, vae=vae,
                        single_file_config=single_file_config, loras=tuple(loras),
-                       refiner=refiner)
+                       embeddings=tuple(embeddings), refiner=refiner)
 
 
 def _model_path(model: str | None) -> Path:

@@ -107,6 +107,7 @@ def cmd_generate(args) -> int:
             height=pipe.default_height, run_seed=run_seed, negative_prompt=args.negative,
             num_images=args.num_images, format=args.format, prompt_syntax=args.prompt_syntax,
             lora=", ".join(f"{x.path}:{x.scale:g}" for x in cfg.loras) or None,
+            embeddings=", ".join(str(e) for e in cfg.embeddings) or None,
             refiner=f"{cfg.refiner}:{cfg.high_noise_frac:g}" if cfg.refiner else None)
         jobs = plan_jobs(lines, settings)
     done = out.done(records)

@@ -51,6 +51,7 @@ class RunSettings:
     quantization: str | None = None  # int8-weights, int8, fp8 (None: none)
     refiner: str | None = None  # "DIR:FRAC": the SDXL refiner and where it takes over
     prompt_syntax: str | None = None  # --prompt-syntax (None: a1111)
+    embeddings: str | None = None  # the loaded textual-inversion embeddings, "PATH[:TOKEN], ..."
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ def identity(line: int, image: int, prompt: str, negative_prompt: str | None, se
                 **({"quantization": s.quantization} if s.quantization else {}),
                 **({"refiner": s.refiner} if s.refiner else {}),
                 **({"prompt_syntax": prompt_syntax} if prompt_syntax else {}),
+                **({"embeddings": s.embeddings} if s.embeddings else {}),
                 **({"sampler": scheduler} if scheduler else {}))
 
 

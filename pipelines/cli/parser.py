@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora", action="append", metavar="PATH[:SCALE]",
                    help="LoRA adapter fused into the weights (diffusers/PEFT or kohya "
                         ".safetensors; scale default 1); repeatable, applied in order")
+    g.add_argument("--embedding", action="append", metavar="PATH[:TOKEN]",
+                   help="textual-inversion embedding (.safetensors: diffusers, A1111 / Civitai "
+                        "or SDXL clip_l + clip_g); its token (default: the file's name) works in "
+                        "every prompt; repeatable")
     g.add_argument("--refiner", metavar="DIR",
                    help="SDXL refiner folder that finishes every text-to-image image "
                         "(diffusers' base + refiner, one program; edits run the base alone)")
