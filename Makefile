@@ -7,11 +7,29 @@ STAMP := $(VENV)/.maxdiff-installed
 
 .PHONY: venv lint test test-slow demo serve train-demo train-demo-captions train-demo-v2 clean
 
+# make demo installs the package and what it imports (JAX, Flax, transformers' tokenizers, ...)
+# and nothing else: no torch, diffusers, Ray or playwright (tests/test_readme.py checks a fresh
+# venv). make serve adds the serve extra; make test everything the tests use.
+DEMO_STAMP := $(VENV)/.maxdiff-demo-installed
+SERVE_STAMP := $(VENV)/.maxdiff-serve-installed
+
+$(DEMO_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $(DEMO_STAMP)
+
+$(SERVE_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[serve]'
+	touch $(SERVE_STAMP) $(DEMO_STAMP)
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,train,serve]'
-	touch $(STAMP)
+	touch $(STAMP) $(SERVE_STAMP) $(DEMO_STAMP)
 
 venv: $(STAMP)
 
@@ -32,12 +50,12 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(XDIST) --durations=10
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) -m pipelines.demo
 
 # The HTTP service on the embedded model (configs/serve.yaml: port 8000 on every interface);
 # open http://127.0.0.1:8000/ for the playground. Ctrl+C stops it.
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(VENV)/bin/serve run configs/serve.yaml
 
 # Re-trains the embedded demo model (about 1.5 hours on 2 idle CPU cores) into maxdiff/assets/demo-model

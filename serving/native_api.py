@@ -22,7 +22,6 @@ from pipelines.limits import (
     control_scale_problem,
     control_window_problems,
     controlnet_problem,
-    sampler_problem,
     within,
 )
 from pipelines.requests import ControlImage, ControlRequest, EditRequest, GenerationRequest
@@ -181,13 +180,7 @@ def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: 
     width = w0 if body.width is None else body.width
     height = h0 if body.height is None else body.height
     errors = list(errors or [])
-    # the loaded scheduler by any of its names runs as the model's own (its batches and
-    # programs); another sampler name is the replicas' to check and run
-    sampler = body.scheduler
-    if sampler is not None and sampler.lower() in [n.lower() for n in info["scheduler_names"]]:
-        sampler = None
-    if (p := sampler_problem(sampler)) is not None:
-        errors.append((p.field, p.message, sampler))
+    sampler = validation.sampler(info, body.scheduler, errors)
     if (problem := validation.adapter_problem(info, body.lora, "lora")) is not None:
         errors.append(problem)
     errors += validation.stream_problems(body.stream, body.num_images, "num_images")

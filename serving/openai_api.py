@@ -56,13 +56,15 @@ def generation_job(s: ServeSettings, info: dict, body: ImagesGenerationRequest
         except ValueError as e:
             raise invalid("size", f"{e}, or 'auto'", body.size) from None
     errors = validation.stream_problems(body.stream, n, "n")
+    sampler = validation.sampler(info, body.scheduler, errors)
     errors += validation.problems(s, info, DOOR, prompt=body.prompt,
                                   prompt_syntax=body.prompt_syntax,
                                   steps=info["default_steps"], n=n, width=width, height=height)
     if errors:
         raise invalid_all(errors)
     return GenerationRequest(body.prompt, None, None, n, width, height, info["default_steps"],
-                             info["default_guidance"], adapter(info, body), body.prompt_syntax)
+                             info["default_guidance"], adapter(info, body), body.prompt_syntax,
+                             sampler)
 
 
 async def edit_job(s: ServeSettings, info: dict, *, prompt: str, image: UploadFile | None,

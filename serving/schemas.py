@@ -50,6 +50,9 @@ class ImagesGenerationRequest(BaseModel):
                               "a `models` list; a single-model server ignores it.")
     lora: str | None = Field(None, description="A LoRA adapter the server loaded (its name, "
                              "see /v1/models); omitted: the base model.")
+    scheduler: str | None = Field(None, description="A sampler for this request (euler_a, "
+                                  "dpmpp_2m_karras, 'DPM++ 2M Karras', ...); omitted: the "
+                                  "model's (see /v1/generate).")
     prompt_syntax: PromptSyntax | None = Field(
         None, description="How the prompts' weights are written: 'a1111' (default: "
         "(word:1.3), (word), [word], BREAK), 'compel' (word+, word-, (words)1.3) or 'none' "

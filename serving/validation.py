@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 
 from pipelines.image_files import decode_image, repaint_mask
-from pipelines.limits import STRENGTH, Limits, field_name, prompt_text_problems
+from pipelines.limits import STRENGTH, Limits, field_name, prompt_text_problems, sampler_problem
 from pipelines.limits import problems as rule_problems
 from pipelines.requests import EditRequest
 from serving.errors import TIMEOUT_HEADER, invalid, invalid_all
@@ -81,6 +81,17 @@ def problems(s: ServeSettings, info: dict, door: str, *, prompt: str,
     errors += [(field_name(p.field, door), p.message, p.value) for p in prompt_text_problems(
         prompt_syntax, prompt=prompt, negative_prompt=negative_prompt)]
     return errors
+
+
+def sampler(info: dict, name: str | None, errors: list) -> str | None:
+    """A request's ``scheduler``: None for the model's own (omitted, or any name of the loaded
+    scheduler: its batches and programs), else the sampler name, which the replicas check and
+    run; an unknown name adds its problem to ``errors``."""
+    if name is None or name.lower() in [n.lower() for n in info["scheduler_names"]]:
+        return None
+    if (p := sampler_problem(name)) is not None:
+        errors.append((p.field, p.message, name))
+    return name
 
 
 def adapter_problem(info: dict, name: str | None, field: str) -> Problem | None:

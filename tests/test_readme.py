@@ -296,6 +296,26 @@ def test_make_demo():
     assert Image.open(min(p for p in fresh if p.name != "contact_sheet.png")).size == (64, 64)
 
 
+@pytest.mark.slow  # a fresh venv from the package index (minutes): make test-slow runs it
+def test_make_demo_on_a_fresh_clone_installs_only_what_it_needs(tmp_path):
+    """A fresh clone's ``make demo`` installs the package and its own dependencies, none of the
+    test / serve / train extras (no torch, diffusers, Ray, playwright, optax), and draws the
+    images; its time and the venv's size are printed (docs/development.md quotes them)."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    t0 = time.perf_counter()
+    res = run_bash("make demo", clone, timeout=1800)
+    took = time.perf_counter() - t0
+    assert "contact sheet: out/demo/contact_sheet.png" in res.stdout, res.stdout
+    listed = subprocess.run([str(clone / ".venv/bin/python"), "-m", "pip", "list",
+                             "--format=json"], capture_output=True, text=True, check=True)
+    names = {p["name"].lower() for p in json.loads(listed.stdout)}
+    assert not names & {"torch", "diffusers", "ray", "playwright", "optax", "pytest"}, names
+    size = sum(f.stat().st_size for f in (clone / ".venv").rglob("*") if f.is_file())
+    print(f"fresh clone: make demo {took:.0f} s, .venv {size / 2**20:.0f} MiB, "
+          f"{len(names)} packages")
+
+
 def test_python_examples(paths):
     """The front door's, the models page's and the Python API page's snippets, in page order, as
     one session would."""

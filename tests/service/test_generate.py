@@ -169,6 +169,13 @@ def test_samplers_per_request_equal_the_python_api(main_app, pipe):
         assert np.abs(got - np.asarray(single, int)).max() <= 1, name
     assert rs[0].json()["scheduler"] == "dpmpp_2m_karras"
     assert rs[2].json()["scheduler"] == "EulerDiscreteScheduler"
+    # the OpenAI route takes it as an extra field (the openai client's extra_body)
+    r = requests.post(f"{main_app.url}/v1/images/generations",
+                      json={"prompt": "a small dog", "scheduler": "unipc"}, timeout=120)
+    assert r.status_code == 200, r.text
+    r = requests.post(f"{main_app.url}/v1/images/generations",
+                      json={"prompt": "a small dog", "scheduler": "eulr"}, timeout=120)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "scheduler", r.text
 
 
 def test_concurrent_requests_share_a_batch(main_app, pipe):
