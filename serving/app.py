@@ -127,10 +127,14 @@ def _playground_html() -> str:
     return files("serving").joinpath("playground.html").read_text(encoding="utf-8")
 
 
-def _headers(result: JobResult) -> dict:
-    """Which replica and node ran a job."""
-    return {"X-Maxdiff-Replica": result.replica["id"],
-            "X-Maxdiff-Node": result.replica["node_id"]}
+def _headers(result: JobResult, seeds: bool = False) -> dict:
+    """Which replica and node ran a job (and, for the OpenAI routes, ``X-Seeds``: each image's
+    seed, comma-separated, as their entries' ``seed`` fields give them)."""
+    out = {"X-Maxdiff-Replica": result.replica["id"],
+           "X-Maxdiff-Node": result.replica["node_id"]}
+    if seeds:
+        out["X-Seeds"] = ",".join(str(s) for s in result.seeds)
+    return out
 
 
 def _model_details(s: ServeSettings, info: dict) -> dict:
@@ -207,8 +211,9 @@ class Ingress:
                                                body.partial_images or 0,
                                                openai_api.stream_render(job, fmt, quality), model)
         result = await self.generator.run(job, deadline, request_id(request), model)
-        return JSONResponse(await openai_api.images_response(result, job, fmt, quality),
-                            headers=_headers(result))
+        return JSONResponse(await openai_api.images_response(result, job, fmt, quality, info,
+                                                             model),
+                            headers=_headers(result, seeds=True))
 
     @api.post("/v1/generate", response_model=GenerateResponse, tags=["native"],
               summary="Generate images with explicit settings",
@@ -296,8 +301,8 @@ class Ingress:
             response_format=response_format, stream=stream)
         result = await self.generator.run(job, deadline, request_id(request), model)
         return JSONResponse(await openai_api.images_response(result, job, output_format or "png",
-                                                             output_compression),
-                            headers=_headers(result))
+                                                             output_compression, info, model),
+                            headers=_headers(result, seeds=True))
 
     @api.post("/v1/edit", response_model=EditResponse, tags=["native"],
               summary="Edit an image (image-to-image, inpainting) with explicit settings",

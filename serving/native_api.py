@@ -279,18 +279,16 @@ async def edit_job(s: ServeSettings, info: dict, body: EditBody) -> EditRequest:
         else body.guidance_scale, errors=errors, prompt_syntax=body.prompt_syntax)
 
 
-async def response(job: GenerationRequest, fmt: str, result: JobResult, info: dict,
-                   model_id: str, t0: float) -> tuple[dict, list[bytes]]:
-    """The response body of a finished job (``GenerateResponse``, or ``EditResponse`` for an
-    edit) and its encoded images, each carrying its settings; ``t0``: when the request came."""
-    t1 = time.perf_counter()
-    edit = isinstance(job, EditRequest)
-    mode = {"mode": job.kind, "strength": f"{job.strength:g}"} if edit else {}
+def image_settings(job: GenerationRequest, seeds, info: dict, model_id: str) -> list[dict]:
+    """What each image's file records (PNG text chunks, EXIF): the settings that redraw it
+    through ``/v1/generate`` (its seed among them), one dict per seed."""
+    mode = {"mode": job.kind, "strength": f"{job.strength:g}"} \
+        if isinstance(job, EditRequest) else {}
     if isinstance(job, ControlRequest):
         mode = {"mode": "controlnet", "controlnet": "; ".join(
             f"{name}:{c.scale:g}[{c.start:g}-{c.end:g}]{' guess' if c.guess_mode else ''}"
             for name, c in job.controls)}
-    meta = [image_info(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=seed,
+    return [image_info(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=seed,
                        steps=job.steps, guidance=job.guidance_scale,
                        size=f"{job.width}x{job.height}",
                        scheduler=job.scheduler or info["scheduler"],
@@ -298,7 +296,16 @@ async def response(job: GenerationRequest, fmt: str, result: JobResult, info: di
                        prompt_syntax=job.prompt_syntax,
                        quantization=None if info.get("quantization", "none") == "none"
                        else info["quantization"]) | mode
-            for seed in result.seeds]
+            for seed in seeds]
+
+
+async def response(job: GenerationRequest, fmt: str, result: JobResult, info: dict,
+                   model_id: str, t0: float) -> tuple[dict, list[bytes]]:
+    """The response body of a finished job (``GenerateResponse``, or ``EditResponse`` for an
+    edit) and its encoded images, each carrying its settings; ``t0``: when the request came."""
+    t1 = time.perf_counter()
+    edit = isinstance(job, EditRequest)
+    meta = image_settings(job, result.seeds, info, model_id)
     blobs = await asyncio.to_thread(lambda: [encode_image(im, fmt, m)
                                              for im, m in zip(result.images, meta)])
     timings = dict(result.timings, encode_s=time.perf_counter() - t1,

@@ -14,6 +14,7 @@ from pipelines.requests import EditRequest, GenerationRequest, parse_size
 from serving import validation
 from serving.errors import invalid, invalid_all
 from serving.models import Catalog
+from serving.native_api import image_settings
 from serving.schemas import ImagesGenerationRequest, JobResult
 from serving.settings import ServeSettings
 
@@ -93,14 +94,17 @@ async def edit_job(s: ServeSettings, info: dict, *, prompt: str, image: UploadFi
 
 
 async def images_response(result: JobResult, job: GenerationRequest, fmt: str,
-                          quality: int | None) -> dict:
-    """The ``ImagesResponse`` body of a finished job."""
+                          quality: int | None, info: dict, model_id: str) -> dict:
+    """The ``ImagesResponse`` body of a finished job. Each image carries its seed (an extra
+    field of its entry, which OpenAI clients keep) and, in its file, the settings that redraw
+    it through ``/v1/generate`` (:func:`serving.native_api.image_settings`)."""
+    meta = image_settings(job, result.seeds, info, model_id)
     blobs = await asyncio.to_thread(
-        lambda: [encode_image(im, fmt, quality=quality) for im in result.images])
+        lambda: [encode_image(im, fmt, m, quality=quality) for im, m in zip(result.images, meta)])
     return {"created": int(time.time()), "output_format": fmt,
             "size": f"{job.width}x{job.height}",
-            "data": [{"b64_json": base64.b64encode(b).decode(), "revised_prompt": None}
-                     for b in blobs]}
+            "data": [{"b64_json": base64.b64encode(b).decode(), "revised_prompt": None,
+                      "seed": s} for b, s in zip(blobs, result.seeds)]}
 
 
 def stream_render(job: GenerationRequest, fmt: str, quality: int | None):

@@ -109,6 +109,9 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 class ImageData(BaseModel):
     b64_json: str
     revised_prompt: str | None = None
+    seed: int | None = Field(None, description="The image's seed (not in OpenAI's schema; "
+                             "clients keep it): /v1/generate with it and the settings in the "
+                             "image file's text chunks redraws the image.")
 
 
 class ImagesResponse(BaseModel):

@@ -178,6 +178,27 @@ def test_samplers_per_request_equal_the_python_api(main_app, pipe):
     assert r.status_code == 422 and r.json()["error"]["param"] == "scheduler", r.text
 
 
+def test_openai_images_carry_their_seed_and_redraw_through_generate(main_app):
+    """An images.generate image's seed is in its entry, the X-Seeds header and its PNG's text
+    chunks with the settings; /v1/generate with those settings returns its pixels."""
+    r = requests.post(f"{main_app.url}/v1/images/generations",
+                      json={"prompt": "a red circle", "n": 2}, timeout=120)
+    assert r.status_code == 200, r.text
+    seeds = [d["seed"] for d in r.json()["data"]]
+    assert r.headers["X-Seeds"] == ",".join(map(str, seeds)) and len(set(seeds)) == 2
+    raw = base64.b64decode(r.json()["data"][1]["b64_json"])
+    chunks = Image.open(io.BytesIO(raw)).text
+    assert int(chunks["seed"]) == seeds[1] and chunks["prompt"] == "a red circle"
+    w, h = map(int, chunks["size"].split("x"))
+    again = generate(main_app.url, prompt=chunks["prompt"], seed=seeds[1],
+                     steps=int(chunks["steps"]), guidance_scale=float(chunks["guidance"]),
+                     width=w, height=h)
+    assert again.status_code == 200, again.text
+    # up to one level: the two were made in batches of 2 and of 1 (see the next test)
+    first = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"), int)
+    assert np.abs(png(again.json()["images"][0]["b64_json"]).astype(int) - first).max() <= 1
+
+
 def test_concurrent_requests_share_a_batch(main_app, pipe):
     seeds = [100, 101, 102, 103]
     rs = concurrently(4, lambda i: generate_as_a_client(main_app.url, prompt="a small dog",
