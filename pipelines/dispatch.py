@@ -72,7 +72,8 @@ class Pipelines:
 
 def _text(pipes: Pipelines, key: ShapeKey, items, extras) -> PipelineOutput:
     return pipes.pipe.generate(items, height=key.height, width=key.width,
-                               num_inference_steps=key.steps)
+                               num_inference_steps=key.steps,
+                               progress=False)  # the CLI and the service report their own
 
 
 def _edit(pipes: Pipelines, key: EditKey, items, extras) -> PipelineOutput:

@@ -14,11 +14,13 @@ on the mesh -> the compiled program (made by :func:`build`, kept in the pipeline
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -42,6 +44,7 @@ class Static:
     cfg: bool
     out: str
     key: tuple = ()
+    hooks: str = ""  # host callbacks after each step: "" none, "progress", "latents"
 
 
 @dataclass
@@ -145,6 +148,8 @@ class Job:
     decoder: Any = None
     inputs: program_lib.HostInputs | None = None  # made by run() when None
     scheduler: Any = None  # the sampler the items asked for (None: the pipeline's)
+    on_step: Any = None  # on_step(step, timestep, latents (N, C, h, w)) after each step
+    progress: bool = False  # a progress bar over the steps (tqdm)
 
     @property
     def n(self) -> int:
@@ -198,11 +203,62 @@ def build(task: Task, pipe, static: Static, scheduler=None):
         x = program_lib.denoise(scheduler, task.model(ctx), x, state, start, task.end(ctx),
                                 cfg=inputs.cfg, g=inputs.guidance, r=inputs.rescale,
                                 step_keys=keys[-1], shape=ctx.shape, extra=task.extra(ctx),
-                                after_step=task.after_step(ctx))
+                                after_step=_with_hooks(task.after_step(ctx), static.hooks,
+                                                       scheduler))
         x, vae, vae_params = task.then(ctx, x)
         return program_lib.finish(vae, vae_params, x, static.out)
 
     return program
+
+
+_LISTENER: list = [None]  # the running job's step listener (the programs' host callbacks)
+
+
+def _step_done(i, t, x) -> None:
+    listener = _LISTENER[0]
+    if listener is not None:
+        listener(int(i), t, x)
+
+
+def _with_hooks(after_step, hooks: str, scheduler):
+    """``after_step`` followed by a host callback with the step index, its timestep and (for
+    ``"latents"``) the latents; unchanged without ``hooks``, so a call that asks for nothing
+    runs the same program."""
+    if not hooks:
+        return after_step
+
+    def hooked(i, state, x):
+        if after_step is not None:
+            x = after_step(i, state, x)
+        jax.debug.callback(_step_done, i, scheduler.timestep_for_model(state, i),
+                           x if hooks == "latents" else None)
+        return x
+    return hooked
+
+
+class _Steps:
+    """A job's step listener: a progress bar (tqdm) and the caller's ``on_step(step,
+    timestep, latents (N, C, h, w))``; steps reported more than once (one call per device)
+    count once."""
+
+    def __init__(self, job: Job, total: int):
+        from tqdm import tqdm
+
+        self.job, self.seen = job, -1
+        self.bar = tqdm(total=total, desc=f"{job.task.name} {job.width}x{job.height}",
+                        unit="step", disable=not job.progress, leave=False)
+
+    def __call__(self, i: int, t, x) -> None:
+        if i <= self.seen:
+            return
+        self.bar.update(i - self.seen)
+        self.seen = i
+        if self.job.on_step is not None and x is not None:
+            latents = np.asarray(x)[:self.job.n].transpose(0, 3, 1, 2)
+            self.job.on_step(i, np.asarray(t), latents)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def run(job: Job) -> program_lib.PipelineOutput:
@@ -225,8 +281,9 @@ def run(job: Job) -> program_lib.PipelineOutput:
     put = program_lib.BatchPut(pipe.mesh, bucket)
     rep = meshlib.replicated(pipe.mesh)
     tiled = job.output_type != "latent" and decoder.uses_vae_tiling(job.height, job.width)
+    hooks = "latents" if job.on_step is not None else ("progress" if job.progress else "")
     static = Static(lh, lw, job.steps, inputs.cfg,
-                    program_lib.out_kind(job.output_type, tiled), job.key)
+                    program_lib.out_kind(job.output_type, tiled), job.key, hooks)
     state = sched.set_timesteps(job.steps, (bucket, lh, lw, pipe.vae.config.latent_channels))
     rows = put.tree(job.rows)
     if tiled and hasattr(job.task, "encode_tiled"):
@@ -240,11 +297,24 @@ def run(job: Job) -> program_lib.PipelineOutput:
     # the module); the cached program keeps them alive, so no id is reused meanwhile
     encoders = tuple(id(getattr(pipe, name)) for name in pipe.family.encoders)
     key = (job.task.name, id(sched), bucket, static, aidx is not None, tiled, encoders)
+    if job.progress and key not in pipe.programs:
+        from tqdm import tqdm
+
+        tqdm.write(f"maxdiff: compiling the {job.task.name} program for {job.width}x{job.height}, "
+                   f"{job.steps} steps, batch {bucket} (once; later calls of this shape reuse it)",
+                   file=sys.stderr)
     program = pipe.programs.get(key, lambda: build(job.task, pipe, static, sched))
     t1 = time.perf_counter()
-    out = program(*args)
-    images = program_lib.collect(out, job.n, job.output_type,
-                                 decoder.decode_tiled if tiled else None)
+    steps = _Steps(job, int(state.timesteps.shape[0])) if hooks else None
+    _LISTENER[0] = steps
+    try:
+        out = program(*args)
+        images = program_lib.collect(out, job.n, job.output_type,
+                                     decoder.decode_tiled if tiled else None)
+    finally:
+        _LISTENER[0] = None
+        if steps is not None:
+            steps.close()
     return program_lib.output(images, np.asarray(inputs.seeds), job.t0, t1, bucket,
                               **job.timings)
 

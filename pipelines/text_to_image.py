@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -336,7 +337,8 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
                  denoising_end: float | None = None,
                  aesthetic_score: float = AESTHETIC_SCORE,
                  negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE,
-                 prompt_syntax: str | None = None, scheduler: str | None = None) -> PipelineOutput:
+                 prompt_syntax: str | None = None, scheduler: str | None = None,
+                 callback_on_step_end=None, progress: bool | None = None) -> PipelineOutput:
         """Generate images; arguments mean what diffusers' ``StableDiffusionXLPipeline`` gives
         them. ``seed``: one int (image k gets ``seed + k``), one int per image, or None (random
         seeds, reported in the output). ``latents``: initial noise in diffusers' layout
@@ -355,7 +357,14 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
         encoded in chunks of 75, as A1111 and compel do (:mod:`maxdiff.prompts`), up to
         :data:`pipelines.limits.MAX_PROMPT_CHUNKS` chunks. ``scheduler``: a sampler name for
         this call (``"dpmpp_2m_karras"``, ``"Euler a"``, ...), the pipeline's scheduler switched
-        to it (:meth:`scheduler_for`); None: :attr:`scheduler`."""
+        to it (:meth:`scheduler_for`); None: :attr:`scheduler`.
+
+        ``progress``: a progress bar over the steps and a line when a call compiles (None: when
+        stderr is a terminal). ``callback_on_step_end(pipe, step, timestep, {"latents": ...})``
+        is called on the host after each step with the latents (N, C, H/f, W/f), as diffusers
+        calls it; its return value is ignored (the latents cannot be changed: they stay on the
+        devices). Either one runs the program with a host callback after each step (compiled
+        once more); without them the program has none."""
         items, _ = prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             guidance_scale=guidance_scale, guidance_rescale=guidance_rescale,
@@ -365,14 +374,19 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
             negative_crops_coords_top_left=negative_crops_coords_top_left,
             negative_target_size=negative_target_size, aesthetic_score=aesthetic_score,
             negative_aesthetic_score=negative_aesthetic_score)
+        on_step = None
+        if callback_on_step_end is not None:
+            def on_step(i, t, x):
+                callback_on_step_end(self, i, t, {"latents": x})
         return self.generate(items, height=height, width=width, num_inference_steps=num_inference_steps,
                              latents=latents, output_type=output_type,
-                             denoising_end=denoising_end)
+                             denoising_end=denoising_end, on_step=on_step, progress=progress)
 
     def generate(self, items: Sequence[ImageRequest], *, height: int | None = None,
                  width: int | None = None, num_inference_steps: int | None = None,
                  latents: np.ndarray | None = None, output_type: str = "pil",
-                 denoising_end: float | None = None) -> PipelineOutput:
+                 denoising_end: float | None = None, on_step=None,
+                 progress: bool | None = None) -> PipelineOutput:
         """Generate one image per :class:`ImageRequest` in one device batch (padded to a bucket).
 
         Every item has its own prompt, negative prompt, seed and guidance; they share the size
@@ -380,6 +394,8 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
         <= 1 then get exactly the text-conditioned prediction). The serving batcher and the CLI
         fill batches across prompts with this. With a :attr:`refiner`, ``denoising_end`` or
         ``output_type="latent"`` the two-stage program runs (:mod:`pipelines.refiner`).
+        ``on_step(step, timestep, latents (N, C, H/f, W/f))`` and ``progress``: see
+        :meth:`__call__` (text-to-image; the two-stage program reports no steps).
         """
         t0 = time.perf_counter()
         if self.refiner is not None or denoising_end is not None or output_type not in ("pil", "np"):
@@ -390,7 +406,8 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
                                                     width, output_type, samplers=True)
         latents = self.initial_latents(latents, len(items), height, width)
         return run(Job(TEXT, self, items, height, width, steps, output_type, t0,
-                       rows={"latents": latents}))
+                       rows={"latents": latents}, on_step=on_step,
+                       progress=sys.stderr.isatty() if progress is None else bool(progress)))
 
     def initial_latents(self, latents, n: int, height: int, width: int) -> np.ndarray | None:
         """Given initial noise in diffusers' layout (N, C, H/f, W/f) -> NHWC float32, checked

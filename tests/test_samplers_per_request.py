@@ -92,3 +92,27 @@ def test_cli_lines_take_a_sampler(tmp_path):
                                          r"'eulr'"):
         read_prompts(file_text='{"prompt": "a", "scheduler": "eulr"}\n',
                      file=tmp_path / "p.jsonl")
+
+
+def test_step_callback_and_progress(pipe, capsys):
+    """callback_on_step_end sees every step in order with its timestep and latents (diffusers'
+    layout); the image is the one made without it; without callbacks no new program exists."""
+    seen = []
+
+    def callback(p, step, timestep, kwargs):
+        assert p is pipe
+        seen.append((step, float(np.ravel(timestep)[0]), kwargs["latents"].shape))
+
+    plain = pipe("a red cat", seed=3, guidance_scale=4.0, **KW).images
+    compiled = pipe.programs.num_compiled
+    again = pipe("a red cat", seed=3, guidance_scale=4.0, progress=False, **KW).images
+    assert pipe.programs.num_compiled == compiled  # no callback, no progress: the same program
+    hooked = pipe("a red cat", seed=3, guidance_scale=4.0, callback_on_step_end=callback,
+                  progress=True, **KW).images
+    timesteps = np.asarray(pipe.scheduler.set_timesteps(3, (1, 1, 1, 1)).timesteps)
+    assert [s for s, _, _ in seen] == [0, 1, 2]
+    assert np.allclose([t for _, t, _ in seen], timesteps)
+    assert {shape for _, _, shape in seen} == {(1, 4, SIZE // 2, SIZE // 2)}
+    assert np.abs(hooked - plain).max() < 1e-6 and np.abs(again - plain).max() == 0
+    err = capsys.readouterr().err
+    assert "maxdiff: compiling the text-to-image program for 32x32, 3 steps" in err
