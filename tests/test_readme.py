@@ -36,6 +36,9 @@ PORT = 8000
 
 # first line of a block (without its comment) -> why it is not run here
 NOT_RUN = {
+    "git clone \"$REPO_URL\" maxdiff && cd maxdiff":
+        "clones the repository the tests already run in; its make demo runs below, and "
+        "test_make_demo_on_a_fresh_clone_installs_only_what_it_needs runs it in a new clone",
     "# head host (TPU VMs report a \"TPU\" resource = chips per host; GPU hosts report \"GPU\")":
         "starts Ray on several hosts (the same build_app placement args run on a local "
         "multi-node cluster in tests/service/test_generate.py)",
@@ -294,6 +297,15 @@ def test_make_demo():
     fresh = [p for p in out.glob("*.png") if p.stat().st_mtime >= start]  # not an earlier run's
     assert out / "contact_sheet.png" in fresh and len(fresh) >= 6, sorted(fresh)
     assert Image.open(min(p for p in fresh if p.name != "contact_sheet.png")).size == (64, 64)
+    # the README's picture is this command's contact sheet (other CPUs may round a few pixels
+    # differently: bounds fixed before the first comparison)
+    import numpy as np
+
+    made = np.asarray(Image.open(out / "contact_sheet.png").convert("RGB"), int)
+    shown = np.asarray(Image.open(ROOT / "docs" / "demo.png").convert("RGB"), int)
+    assert made.shape == shown.shape
+    diff = np.abs(made - shown)
+    assert diff.max() <= 8 and diff.mean() <= 0.5, (diff.max(), diff.mean())
 
 
 @pytest.mark.slow  # a fresh venv from the package index (minutes): make test-slow runs it
