@@ -85,6 +85,10 @@ class RunConfig(StrictConfig):
     """What a generation run needs. ``None`` means: the model's or scheduler preset's default."""
 
     model: str | None = None  # diffusers SDXL folder or single file; None: the embedded model
+    # a Hugging Face model name's branch, tag or commit (None: main), and the weight variant
+    # read where a component has one (``fp16``: *.fp16.safetensors)
+    revision: str | None = None
+    variant: str | None = None
     unet: str | None = None  # single-file UNet replacing the model's (SDXL-Lightning)
     vae: str | None = None  # VAE file or folder replacing the model's (sdxl_vae.safetensors)
     single_file_config: str | None = None  # diffusers folder describing a single-file model
@@ -145,7 +149,8 @@ class RunConfig(StrictConfig):
                   devices=self.devices, attention_kernel=self.attention,
                   attention_chunk=self.attention_chunk, vae_tiling=self.vae_tiling,
                   quantization=self.quantization, refiner=self.refiner,
-                  high_noise_frac=self.high_noise_frac)
+                  high_noise_frac=self.high_noise_frac, revision=self.revision,
+                  variant=self.variant)
         if self.compile_cache_dir is not None:
             kw["compile_cache_dir"] = self.compile_cache_dir or None
         return kw

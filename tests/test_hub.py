@@ -325,6 +325,23 @@ def test_controlnet_names_in_python_the_cli_and_the_service(offline, sdxl_dir, t
         _check_controlnets([ControlNetSpec(name="depth", path="tiny-org/absent")], "x")
 
 
+def test_run_configs_and_the_cli_take_a_revision_and_a_variant(offline):
+    """The run-config keys revision / variant (the CLI's --revision / --variant) reach the
+    loader: the revision picks the snapshot, the variant the fp16 files."""
+    from pipelines.cli.common import _run_config
+    from pipelines.cli.parser import build_parser
+
+    snap = offline / "snapshots"
+    cfg = load_run_config({"model": NAME, "revision": "other", "compile_cache_dir": ""})
+    np.testing.assert_array_equal(_kernel(TextToImagePipeline.from_config(cfg)),
+                                  _file_kernel(snap / OTHER / UNET_FILE))
+    args = build_parser().parse_args(["generate", "x", "--model", NAME, "--revision", "other",
+                                      "--variant", "fp16"])
+    cfg = _run_config(args)
+    assert (cfg.revision, cfg.variant, cfg.model) == ("other", "fp16", str(snap / OTHER))
+    assert cfg.pipeline_kwargs()["variant"] == "fp16"
+
+
 def test_the_cli_takes_a_name(offline, capsys):
     assert cli.main(["info", "--model", NAME, "--json"]) == 0, capsys.readouterr().err
     report = json.loads(capsys.readouterr().out)

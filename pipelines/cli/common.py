@@ -55,12 +55,13 @@ def _run_config(args, **extra: Any):
                  dtype=args.dtype, quantization=args.quantization, devices=args.devices,
                  loras=getattr(args, "lora", None) or None,
                  embeddings=getattr(args, "embedding", None) or None,
+                 revision=getattr(args, "revision", None), variant=getattr(args, "variant", None),
                  refiner=getattr(args, "refiner", None),
                  high_noise_frac=getattr(args, "high_noise_frac", None), **extra)
     flags = {k: v for k, v in flags.items() if v is not None}
     if flags:
         cfg = cfg.replace(**flags)
-    model = _model_path(cfg.model)
+    model = _model_path(cfg.model, cfg.revision, cfg.variant)
     unet = _existing(cfg.unet, "unet", "--unet", file=True)
     vae = _existing(cfg.vae, "vae", "--vae")
     single_file_config = _existing(cfg.single_file_config, "single_file_config",
@@ -85,7 +86,8 @@ def _run_config(args, **extra: Any):
                        embeddings=tuple(embeddings), refiner=refiner)
 
 
-def _model_path(model: str | None) -> Path:
+def _model_path(model: str | None, revision: str | None = None,
+                variant: str | None = None) -> Path:
     if model is None:
         from pipelines.default_model import default_model_path
 
@@ -93,7 +95,7 @@ def _model_path(model: str | None) -> Path:
     from maxdiff.hub import resolve
 
     try:  # a Hugging Face name (org/name): its snapshot in the local cache, or downloaded
-        path = resolve(model)
+        path = resolve(model, revision=revision, variant=variant)
     except ValueError as e:
         raise InputError([f"{e} (--model / config key 'model')"]) from None
     if path.is_file():

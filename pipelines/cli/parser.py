@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "sdxl-lightning-4step, ...); flags below override it")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key (repeatable), e.g. --set attention=chunked")
+    g.add_argument("--revision", metavar="REV",
+                   help="a Hugging Face model name's branch, tag or commit (default main)")
+    g.add_argument("--variant", metavar="NAME",
+                   help="read *.NAME.safetensors weights where a component has them (fp16)")
     g.add_argument("--model", metavar="DIR|FILE|NAME",
                    help="diffusers SDXL folder, a single-file SDXL checkpoint (.safetensors as "
                         "A1111/ComfyUI use), or a Hugging Face model name (org/name, e.g. "
