@@ -12,6 +12,7 @@ import abc
 import asyncio
 import collections
 import contextlib
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -24,6 +25,12 @@ from serving.settings import ServeSettings
 
 _SECONDS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 _SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+# Batch ids: one sequence per replica process, shared by every model and engine it loads, so an
+# id names one batch of that replica for as long as it runs (a model loaded again, or another
+# model's engine, never starts again at 1); the X-Maxdiff-Replica header names the replica.
+BATCH_IDS = itertools.count(1)
 
 
 class InvalidJob(ValueError):

@@ -25,7 +25,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import itertools
 import time
 
 import numpy as np
@@ -41,7 +40,7 @@ from pipelines.requests import (
     pad_to,
     plan_batches,
 )
-from serving.backend import Backend, past_deadline
+from serving.backend import BATCH_IDS, Backend, past_deadline
 from serving.schemas import JobResult
 
 
@@ -56,7 +55,6 @@ class BatchBackend(Backend):
         super().__init__(*parts, controlnets=controlnets)
         self._batchers: dict[tuple, object] = {}
         self._compiled: set[tuple] = set()  # (height, width, steps, cfg, padded batch) run so far
-        self._batch_ids = itertools.count(1)
 
     def batch_sizes(self) -> list[int]:
         """The padded batch sizes warm-up compiles (every size a batch can have)."""
@@ -171,7 +169,7 @@ class BatchBackend(Backend):
             prepare += out.timings["prepare_s"]
             generate += out.timings["generate_s"]
         n_images = sum(len(v) for v in done.values())
-        batch = {"id": next(self._batch_ids), "requests": len(jobs), "images": n_images,
+        batch = {"id": next(BATCH_IDS), "requests": len(jobs), "images": n_images,
                  "device_batches": buckets, "shape": str(key), "generate_s": generate,
                  "expired": len(expired),
                  "adapters": dict(collections.Counter(

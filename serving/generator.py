@@ -80,6 +80,7 @@ class _Board:
     def __init__(self):
         self.replicas: dict[str, tuple[float, dict]] = {}
         self.infos: dict[str, dict] = {}  # catalog key:model name -> the model's info
+        self.gone: set[str] = set()  # replicas that shut down
 
     def describe(self, key: str, info: dict) -> None:
         self.infos[key] = info
@@ -88,7 +89,14 @@ class _Board:
         return {k: self.infos[k] for k in keys if k in self.infos}
 
     def report(self, replica_id: str, stats: dict) -> None:
-        self.replicas[replica_id] = (time.time(), stats)
+        if replica_id not in self.gone:
+            self.replicas[replica_id] = (time.time(), stats)
+
+    def forget(self, replica_id: str) -> None:
+        """A replica that shut down (scaled down, redeployed): out of the stats at once (a
+        late report from it is ignored)."""
+        self.replicas.pop(replica_id, None)
+        self.gone.add(replica_id)
 
     def snapshot(self) -> dict:
         now = time.time()
@@ -253,6 +261,15 @@ class Generator:
     multiplexed_model_id=name)``; none: the default model): ``generate(job) -> JobResult``,
     ``generate_stream(job)``, ``edit(job) -> JobResult``, ``info() -> dict``; and
     ``stats() -> dict`` of the replica."""
+
+    def __del__(self):
+        """Ray Serve calls this when the replica shuts down (autoscaling removed it, the
+        application was redeployed or deleted): its stats leave ``/v1/stats`` at once rather
+        than after the board's 10 minutes."""
+        board, replica = getattr(self, "_board", None), getattr(self, "replica", None)
+        if board is not None and replica is not None:
+            with contextlib.suppress(Exception):
+                board.forget.remote(replica["id"])
 
     async def __init__(self, catalog: Catalog, settings: ServeSettings):
         self.catalog, self.settings = catalog, settings

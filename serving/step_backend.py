@@ -22,7 +22,6 @@ passes has its images cancelled: their slots are freed at the next tick (``cance
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipelines.requests import ControlRequest, GenerationRequest
-from serving.backend import Backend, past_deadline
+from serving.backend import BATCH_IDS, Backend, past_deadline
 from serving.schemas import JobResult
 
 logger = logging.getLogger("ray.serve")
@@ -61,7 +60,6 @@ class StepBackend(Backend):
         self._images: dict[object, _Image] = {}  # engine handle -> image, until it ends
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._ids = itertools.count(1)
 
     # ------------------------------------------------------------------ engines
     @staticmethod
@@ -232,7 +230,7 @@ class StepBackend(Backend):
         finished = max(h.finished_at for h in handles)
         pixels = [np.asarray(h.image) for h in handles]
         # ids in the order requests finish
-        batch = {"id": next(self._ids), "requests": 1, "images": len(pixels),
+        batch = {"id": next(BATCH_IDS), "requests": 1, "images": len(pixels),
                  "engine": "step", "shape": f"{self._name(self._key(job))}:{job.steps}",
                  "slots": images[0].engine.slots, "generate_s": finished - started}
         self.meters.served(batch, len(pixels))

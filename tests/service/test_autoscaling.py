@@ -110,6 +110,11 @@ def test_replicas_follow_the_load_and_scale_down_drains(cluster, sdxl_dir):
         assert all(retry for _, retry, _ in shed), "a 503 without Retry-After"
         # idle: down to zero replicas; /healthz stays 200 (a request starts a replica)
         wait_for("zero replicas when idle", lambda s: s == {})
+        # the removed replicas leave /v1/stats as they go (not after the board's 10 minutes)
+        deadline = time.monotonic() + 30
+        while requests.get(f"{url}/v1/stats", timeout=30).json()["replicas"]:
+            assert time.monotonic() < deadline, "removed replicas still in /v1/stats"
+            time.sleep(0.5)
         health = requests.get(f"{url}/healthz", timeout=30)
         assert health.status_code == 200 and health.json().get("scaled_to_zero") is True
         r = generate(url, seed=7, width=SIZE, height=SIZE, timeout=180)

@@ -208,6 +208,9 @@ def test_models_that_take_turns_on_one_replica_lose_nothing(cluster, sdxl_dir, s
         assert len(rep["loaded_models"]) == 1
         assert rep["models"][B]["loads"] >= 1 and rep["models"][A]["loads"] >= 1
         assert (rep["models"][A]["images"], rep["models"][B]["images"]) == (3, 3)
+        # batch ids name batches across the models' loads (they never start again at 1)
+        ids = [b["id"] for b in rep["batches"]]
+        assert len(ids) == len(set(ids)) and ids == sorted(ids), ids
     finally:
         serve.delete("multi-swap")
 
