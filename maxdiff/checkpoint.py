@@ -383,7 +383,7 @@ def flax_to_torch_key(path: tuple[str, ...], ndim: int) -> tuple[str, Callable[[
         return f"{prefix}.weight", fn
     if leaf in ("scale", "embedding"):
         return f"{prefix}.weight", lambda a: a
-    return f"{prefix}.{leaf}", lambda a: a
+    return (f"{prefix}.{leaf}" if prefix else leaf), lambda a: a
 
 
 def flax_to_torch_layout(path: tuple[str, ...], arr: np.ndarray) -> np.ndarray:

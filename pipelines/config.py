@@ -116,6 +116,8 @@ class RunConfig(StrictConfig):
     # an SDXL refiner folder that finishes every text-to-image image from high_noise_frac of
     # the schedule (diffusers' ensemble of experts; base and refiner in one program)
     refiner: str | None = None
+    # run the checkpoint's safety checker where it ships one (SD 1.x; diffusers' default)
+    safety_checker: bool = True
     high_noise_frac: float = Field(HIGH_NOISE_FRAC, gt=0, lt=1)
 
     @field_validator("loras", mode="before")
@@ -150,7 +152,7 @@ class RunConfig(StrictConfig):
                   attention_chunk=self.attention_chunk, vae_tiling=self.vae_tiling,
                   quantization=self.quantization, refiner=self.refiner,
                   high_noise_frac=self.high_noise_frac, revision=self.revision,
-                  variant=self.variant)
+                  variant=self.variant, safety_checker=self.safety_checker)
         if self.compile_cache_dir is not None:
             kw["compile_cache_dir"] = self.compile_cache_dir or None
         return kw

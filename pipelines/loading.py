@@ -129,9 +129,20 @@ def _tokenizer_folder(root: Path, name: str, layout: single_file.Layout | None) 
     return EMBEDDED / dict(layout.family.tokenizers).get(name, name)
 
 
+def _safety_checker(root: Path, model_index: dict):
+    """The checkpoint's safety checker (SD 1.x ships ``safety_checker/`` and
+    ``feature_extractor/``; :mod:`maxdiff.models.safety_checker`), or None where it has none."""
+    if (model_index.get("safety_checker") or [None])[0] is None \
+            or not (root / "safety_checker").is_dir():
+        return None
+    from maxdiff.models.safety_checker import load_safety_checker
+
+    return load_safety_checker(root / "safety_checker", root / "feature_extractor")
+
+
 def load(path, dtype, *, unet, scheduler, devices, attention_kernel, attention_chunk,
          compile_cache_dir, variant, vae, config, quantization,
-         revision=None) -> tuple[dict, tuple]:
+         revision=None, safety_checker: bool = True) -> tuple[dict, tuple]:
     """What :meth:`pipelines.TextToImagePipeline.from_pretrained` loads (its arguments mean
     the same; ``dtype`` one dtype or one per component: :func:`component_dtypes`): the
     pipeline's constructor arguments, and the model's (default height, default width, largest
@@ -240,6 +251,7 @@ def load(path, dtype, *, unet, scheduler, devices, attention_kernel, attention_c
                                                           family.zero_negative)),
         default_steps=steps, default_guidance=guidance, name=str(path),
         quantization=quantization, family=family,
+        safety_checker=_safety_checker(root, model_index) if safety_checker else None,
     )
     sample_size = unet_cfg.get("sample_size")
     side = sample_size * vae_model.config.vae_scale_factor if isinstance(sample_size, int) \

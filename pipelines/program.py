@@ -154,6 +154,9 @@ class PipelineOutput:
     images: Any
     seeds: list[int]
     timings: dict[str, float] = field(default_factory=dict)
+    # per image, whether the safety checker blacked it out (None: no checker ran; diffusers'
+    # name)
+    nsfw_content_detected: list[bool] | None = None
 
 
 def image_keys(seeds: jax.Array, n: int = 2) -> tuple[jax.Array, ...]:
@@ -380,12 +383,12 @@ def collect(out, n: int, output_type: str, tiled_decoder=None) -> Any:
 
 
 def output(images, seeds: Sequence[int], t0: float, t1: float, batch: int,
-           **timings) -> PipelineOutput:
+           nsfw: list[bool] | None = None, **timings) -> PipelineOutput:
     """The :class:`PipelineOutput` of a run that started at ``t0`` and launched its program at
     ``t1`` (``time.perf_counter()``), with the task's own ``timings``."""
     return PipelineOutput(images, [int(s) for s in seeds],
                           {"prepare_s": t1 - t0, "generate_s": time.perf_counter() - t1,
-                           "batch": batch, **timings})
+                           "batch": batch, **timings}, nsfw)
 
 
 def cutoff_timestep(num_train_timesteps: int, fraction: float) -> int:

@@ -315,7 +315,11 @@ def run(job: Job) -> program_lib.PipelineOutput:
         _LISTENER[0] = None
         if steps is not None:
             steps.close()
-    return program_lib.output(images, np.asarray(inputs.seeds), job.t0, t1, bucket,
+    nsfw = None
+    checker = getattr(decoder, "safety_checker", None)
+    if checker is not None and job.output_type in ("pil", "np"):
+        images, nsfw = checker.check(images)
+    return program_lib.output(images, np.asarray(inputs.seeds), job.t0, t1, bucket, nsfw,
                               **job.timings)
 
 
@@ -361,4 +365,6 @@ def _run_groups(job: Job, inputs: program_lib.HostInputs, groups) -> program_lib
     for key in ("prepare_s", "generate_s", "batch"):
         timings[key] = sum(o.timings[key] for o in outs)
     timings["device_batches"] = len(outs)
-    return program_lib.PipelineOutput(images, [seeds[k] for k in order], timings)
+    nsfw = None if outs[0].nsfw_content_detected is None else [
+        [f for o in outs for f in o.nsfw_content_detected][k] for k in order]
+    return program_lib.PipelineOutput(images, [seeds[k] for k in order], timings, nsfw)

@@ -78,10 +78,14 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
     def __init__(self, *, tokenizer, tokenizer_2, text_encoder, text_encoder_2, unet, vae,
                  scheduler, params: dict, mesh, force_zeros_for_empty_prompt: bool | None = None,
                  default_steps: int | None = None, default_guidance: float | None = None,
-                 name: str = "", quantization: str = "none", family: Family | None = None):
+                 name: str = "", quantization: str = "none", family: Family | None = None,
+                 safety_checker=None):
         if family is None:
             family = FAMILIES["sdxl-base" if text_encoder_2 is not None else "sd1"]
         self.family = family
+        # SD 1.x's safety checker where the checkpoint ships one (diffusers runs it by
+        # default): flagged images come back black, ``nsfw_content_detected`` says which
+        self.safety_checker = safety_checker
         self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
         self.text_encoder, self.text_encoder_2 = text_encoder, text_encoder_2
         self.unet, self.vae, self.scheduler = unet, vae, scheduler
@@ -133,7 +137,8 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
                         config: str | os.PathLike | None = None,
                         quantization: str = "none", refiner: Any = None,
                         high_noise_frac: float = HIGH_NOISE_FRAC,
-                        revision: str | None = None) -> TextToImagePipeline:
+                        revision: str | None = None,
+                        safety_checker: bool = True) -> TextToImagePipeline:
         """Load a diffusers SDXL folder (``model_index.json``, ``unet/``, ``vae/``,
         ``text_encoder/``, ``text_encoder_2/``, ``tokenizer*/``, ``scheduler/``), or a
         single-file SDXL checkpoint (see :meth:`from_single_file`; ``config`` applies to it).
@@ -144,6 +149,8 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
         ``main``); a name not cached is downloaded (the files maxdiff reads) unless
         ``HF_HUB_OFFLINE=1``, which raises an error saying how to download it
         (:func:`maxdiff.hub.resolve`). An existing local path always wins over a name.
+        ``safety_checker``: run the checkpoint's safety checker where it ships one (SD 1.x;
+        diffusers' default); False turns it off, as diffusers' ``safety_checker=None``.
         ``variant``: read ``*.{variant}.safetensors`` weights (``"fp16"``) where a component
         has them, its plain weights where it has not, as diffusers does. ``vae``, ``config``
         and ``refiner`` take names too.
@@ -182,7 +189,7 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
             path, dtype, unet=unet, scheduler=scheduler, devices=devices,
             attention_kernel=attention_kernel, attention_chunk=attention_chunk,
             compile_cache_dir=compile_cache_dir, variant=variant, vae=vae, config=config,
-            quantization=quantization, revision=revision)
+            quantization=quantization, revision=revision, safety_checker=safety_checker)
         pipe = cls(**parts)
         pipe.default_height = height or pipe.default_height
         pipe.default_width = width or pipe.default_width

@@ -163,8 +163,9 @@ class BatchBackend(Backend):
                 out = await asyncio.to_thread(
                     self._device_batch, key, pad_to([item for _, item in part], bucket))
             self._compiled.add(program)
-            for (j, _), image, seed in zip(part, out.images, out.seeds):
-                done[j].append((np.asarray(image), seed))
+            flags = out.nsfw_content_detected or [None] * len(out.images)
+            for (j, _), image, seed, flag in zip(part, out.images, out.seeds, flags):
+                done[j].append((np.asarray(image), seed, flag))
             buckets.append(bucket)
             prepare += out.timings["prepare_s"]
             generate += out.timings["generate_s"]
@@ -191,8 +192,10 @@ class BatchBackend(Backend):
                 continue
             queue_s = started - arrived
             self.meters.queue_wait(queue_s)
+            flags = [f for _, _, f in done[j]]
             results.append(JobResult(
-                images=[im for im, _ in done[j]], seeds=[sd for _, sd in done[j]],
+                images=[im for im, _, _ in done[j]], seeds=[sd for _, sd, _ in done[j]],
                 timings={"queue_s": queue_s, "prepare_s": prepare, "generate_s": generate},
-                batch=batch, replica=self.replica))
+                batch=batch, replica=self.replica,
+                filtered=None if any(f is None for f in flags) else flags))
         return results

@@ -314,8 +314,10 @@ async def response(job: GenerationRequest, fmt: str, result: JobResult, info: di
     if not edit:
         timings["batch_id"] = result.batch["id"]
     data = {"created": int(time.time()), "model": model_id,
-            "images": [{"b64_json": base64.b64encode(b).decode(), "seed": s}
-                       for b, s in zip(blobs, result.seeds)],
+            "images": [{"b64_json": base64.b64encode(b).decode(), "seed": s,
+                        **({} if result.filtered is None else {"content_filtered": f})}
+                       for b, s, f in zip(blobs, result.seeds,
+                                          result.filtered or [None] * len(blobs))],
             "seeds": result.seeds}
     if edit:
         data.update(mode=job.kind, strength=job.strength)

@@ -104,7 +104,9 @@ async def images_response(result: JobResult, job: GenerationRequest, fmt: str,
     return {"created": int(time.time()), "output_format": fmt,
             "size": f"{job.width}x{job.height}",
             "data": [{"b64_json": base64.b64encode(b).decode(), "revised_prompt": None,
-                      "seed": s} for b, s in zip(blobs, result.seeds)]}
+                      "seed": s, **({} if result.filtered is None else {"content_filtered": f})}
+                     for b, s, f in zip(blobs, result.seeds,
+                                        result.filtered or [None] * len(blobs))]}
 
 
 def stream_render(job: GenerationRequest, fmt: str, quality: int | None):

@@ -112,6 +112,9 @@ class ImageData(BaseModel):
     seed: int | None = Field(None, description="The image's seed (not in OpenAI's schema; "
                              "clients keep it): /v1/generate with it and the settings in the "
                              "image file's text chunks redraws the image.")
+    content_filtered: bool | None = Field(
+        None, description="Whether the model's safety checker blacked this image out (models "
+        "that ship one, SD 1.x).")
 
 
 class ImagesResponse(BaseModel):
@@ -293,6 +296,9 @@ class EditRequest(BaseModel):
 class GeneratedImage(BaseModel):
     b64_json: str
     seed: int
+    content_filtered: bool | None = Field(
+        None, description="Whether the model's safety checker blacked this image out (only for "
+        "models that ship one, SD 1.x: diffusers' nsfw_content_detected).")
 
 
 class GenerateResponse(BaseModel):
@@ -328,3 +334,5 @@ class JobResult:
     timings: dict[str, float]
     batch: dict  # the batch it ran in: id, requests, images, device_batches, shape
     replica: dict  # id, node_id
+    # per image, whether the model's safety checker blacked it out (None: the model has none)
+    filtered: list[bool] | None = None
