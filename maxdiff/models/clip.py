@@ -95,29 +95,12 @@ class CLIPTextConfig:
     architectures: tuple[str, ...] = ()
 
     def __post_init__(self):
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "projection_dim",
-                  "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"CLIPTextConfig.{f}={v!r}: expected a positive integer")
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(
-                f"CLIPTextConfig.hidden_act={self.hidden_act!r} is not supported; "
-                f"use one of {', '.join(sorted(_ACTIVATIONS))}"
-            )
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"CLIPTextConfig.hidden_size={self.hidden_size} is not a multiple of "
-                f"num_attention_heads={self.num_attention_heads}"
-            )
+        check_tower_config(self, ("vocab_size", "max_position_embeddings"))
         if not isinstance(self.eos_token_id, int) or isinstance(self.eos_token_id, bool):
             raise ValueError(
                 f"CLIPTextConfig.eos_token_id={self.eos_token_id!r}: expected one integer "
                 "(the end-of-text token id the pooled output is read at)"
             )
-        if not isinstance(self.layer_norm_eps, (int, float)) or self.layer_norm_eps <= 0:
-            raise ValueError(f"CLIPTextConfig.layer_norm_eps={self.layer_norm_eps!r}: "
-                             "expected a positive number")
 
     @property
     def head_dim(self) -> int:
@@ -133,27 +116,51 @@ class CLIPTextConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CLIPTextConfig:
         """Build from a transformers ``config.json`` dict; unknown keys raise ValueError."""
-        d = dict(d)
-        model_type = d.get("model_type", "clip_text_model")
-        if model_type != "clip_text_model":
-            hint = (" (a full CLIP model config: point at a text encoder folder instead)"
-                    if "text_config" in d else "")
-            raise ValueError(
-                f"model_type={model_type!r} is not a CLIP text encoder; expected "
-                f"'clip_text_model'{hint}"
-            )
-        fields = {f.name for f in dataclasses.fields(cls)} - {"architectures"}
-        unknown = sorted(k for k in d if k not in fields and k not in _IGNORED_KEYS
-                         and not k.startswith("_"))
-        if unknown:
-            raise ValueError(
-                f"CLIP text config key(s) {', '.join(map(repr, unknown))} are not supported: "
-                "maxdiff does not know whether they change the model; remove them from "
-                "config.json if they do not"
-            )
-        kw = {k: d[k] for k in fields if k in d and d[k] is not None}
-        archs = d.get("architectures") or ()
-        return cls(architectures=tuple(archs), **kw)
+        return config_from_dict(cls, d, "clip_text_model", "text")
+
+
+TOWER_INTS = ("hidden_size", "intermediate_size", "projection_dim", "num_hidden_layers",
+              "num_attention_heads")
+
+
+def check_tower_config(config, more_ints: tuple[str, ...] = ()) -> None:
+    """The checks a CLIP tower's config (text or vision) shares: positive sizes, a known
+    activation, heads that divide the width, a positive layer-norm epsilon."""
+    name = type(config).__name__
+    for f in (*TOWER_INTS, *more_ints):
+        v = getattr(config, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name}.{f}={v!r}: expected a positive integer")
+    if config.hidden_act not in _ACTIVATIONS:
+        raise ValueError(f"{name}.hidden_act={config.hidden_act!r} is not supported; use one "
+                         f"of {', '.join(sorted(_ACTIVATIONS))}")
+    if config.hidden_size % config.num_attention_heads:
+        raise ValueError(f"{name}.hidden_size={config.hidden_size} is not a multiple of "
+                         f"num_attention_heads={config.num_attention_heads}")
+    if not isinstance(config.layer_norm_eps, (int, float)) or config.layer_norm_eps <= 0:
+        raise ValueError(f"{name}.layer_norm_eps={config.layer_norm_eps!r}: expected a "
+                         "positive number")
+
+
+def config_from_dict(cls, d: Mapping[str, Any], model_type: str, what: str):
+    """A CLIP tower's config dataclass ``cls`` from a transformers ``config.json`` dict of
+    ``model_type``; another model type or an unknown key raises ValueError."""
+    d = dict(d)
+    got = d.get("model_type", model_type)
+    if got != model_type:
+        hint = (f" (a full CLIP model config: point at a {what} encoder folder instead)"
+                if f"{what}_config" in d else "")
+        raise ValueError(f"model_type={got!r} is not a CLIP {what} encoder; expected "
+                         f"{model_type!r}{hint}")
+    fields = {f.name for f in dataclasses.fields(cls)} - {"architectures"}
+    unknown = sorted(k for k in d if k not in fields and k not in _IGNORED_KEYS
+                     and not k.startswith("_"))
+    if unknown:
+        raise ValueError(f"CLIP {what} config key(s) {', '.join(map(repr, unknown))} are not "
+                         "supported: maxdiff does not know whether they change the model; "
+                         "remove them from config.json if they do not")
+    kw = {k: d[k] for k in fields if k in d and d[k] is not None}
+    return cls(architectures=tuple(d.get("architectures") or ()), **kw)
 
 
 @flax.struct.dataclass

@@ -13,7 +13,6 @@ bicubic resampling, centre crop, CLIP's mean and std).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiff import checkpoint
-from maxdiff.models.clip import _ACTIVATIONS, _IGNORED_KEYS, CLIPEncoder, _layer_norm
+from maxdiff.models.clip import CLIPEncoder, _layer_norm, check_tower_config, config_from_dict
 
 __all__ = ["CLIPVisionConfig", "CLIPVisionModel", "CLIPVisionModelWithProjection",
            "CLIPVisionOutput", "load_image_encoder", "preprocess", "CLIP_MEAN", "CLIP_STD"]
@@ -53,17 +52,7 @@ class CLIPVisionConfig:
     architectures: tuple[str, ...] = ()
 
     def __post_init__(self):
-        for f in ("hidden_size", "intermediate_size", "projection_dim", "num_hidden_layers",
-                  "num_attention_heads", "num_channels", "image_size", "patch_size"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"CLIPVisionConfig.{f}={v!r}: expected a positive integer")
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"CLIPVisionConfig.hidden_act={self.hidden_act!r} is not "
-                             f"supported; use one of {', '.join(sorted(_ACTIVATIONS))}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"CLIPVisionConfig.hidden_size={self.hidden_size} is not a "
-                             f"multiple of num_attention_heads={self.num_attention_heads}")
+        check_tower_config(self, ("num_channels", "image_size", "patch_size"))
 
     @property
     def head_dim(self) -> int:
@@ -76,19 +65,7 @@ class CLIPVisionConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CLIPVisionConfig:
         """From a transformers ``config.json``; unknown keys raise ValueError."""
-        d = dict(d)
-        if d.get("model_type", "clip_vision_model") != "clip_vision_model":
-            raise ValueError(f"model_type={d.get('model_type')!r} is not a CLIP vision "
-                             "encoder; expected 'clip_vision_model'")
-        fields = {f.name for f in dataclasses.fields(cls)} - {"architectures"}
-        unknown = sorted(k for k in d if k not in fields and k not in _IGNORED_KEYS
-                         and not k.startswith("_"))
-        if unknown:
-            raise ValueError(f"CLIP vision config key(s) {', '.join(map(repr, unknown))} are "
-                             "not supported: maxdiff does not know whether they change the "
-                             "model; remove them from config.json if they do not")
-        kw = {k: d[k] for k in fields if k in d and d[k] is not None}
-        return cls(architectures=tuple(d.get("architectures") or ()), **kw)
+        return config_from_dict(cls, d, "clip_vision_model", "vision")
 
 
 @flax.struct.dataclass
