@@ -85,10 +85,6 @@ class RunConfig(StrictConfig):
     """What a generation run needs. ``None`` means: the model's or scheduler preset's default."""
 
     model: str | None = None  # diffusers SDXL folder or single file; None: the embedded model
-    # a Hugging Face model name's branch, tag or commit (None: main), and the weight variant
-    # read where a component has one (``fp16``: *.fp16.safetensors)
-    revision: str | None = None
-    variant: str | None = None
     unet: str | None = None  # single-file UNet replacing the model's (SDXL-Lightning)
     vae: str | None = None  # VAE file or folder replacing the model's (sdxl_vae.safetensors)
     single_file_config: str | None = None  # diffusers folder describing a single-file model
@@ -119,6 +115,10 @@ class RunConfig(StrictConfig):
     # run the checkpoint's safety checker where it ships one (SD 1.x; diffusers' default)
     safety_checker: bool = True
     high_noise_frac: float = Field(HIGH_NOISE_FRAC, gt=0, lt=1)
+    # a Hugging Face model name's branch, tag or commit (None: main), and the weight variant
+    # read where a component has one (``fp16``: *.fp16.safetensors)
+    revision: str | None = None
+    variant: str | None = None
 
     @field_validator("loras", mode="before")
     @classmethod
