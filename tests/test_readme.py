@@ -311,7 +311,7 @@ def test_make_demo():
 @pytest.mark.slow  # a fresh venv from the package index (minutes): make test-slow runs it
 def test_make_demo_on_a_fresh_clone_installs_only_what_it_needs(tmp_path):
     """A fresh clone's ``make demo`` installs the package and its own dependencies, none of the
-    test / serve / train extras (no torch, diffusers, Ray, playwright, optax), and draws the
+    test / serve extras (no torch, diffusers, Ray, playwright; optax comes with flax), and draws the
     images; its time and the venv's size are printed (docs/development.md quotes them)."""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
@@ -322,7 +322,7 @@ def test_make_demo_on_a_fresh_clone_installs_only_what_it_needs(tmp_path):
     listed = subprocess.run([str(clone / ".venv/bin/python"), "-m", "pip", "list",
                              "--format=json"], capture_output=True, text=True, check=True)
     names = {p["name"].lower() for p in json.loads(listed.stdout)}
-    assert not names & {"torch", "diffusers", "ray", "playwright", "optax", "pytest"}, names
+    assert not names & {"torch", "diffusers", "ray", "playwright", "pytest", "compel"}, names
     size = sum(f.stat().st_size for f in (clone / ".venv").rglob("*") if f.is_file())
     print(f"fresh clone: make demo {took:.0f} s, .venv {size / 2**20:.0f} MiB, "
           f"{len(names)} packages")
