@@ -67,23 +67,25 @@ def _run_config(args, **extra: Any):
     single_file_config = _existing(cfg.single_file_config, "single_file_config",
                                   "--single-file-config", folder=True)
     refiner = _existing(cfg.refiner, "refiner", "--refiner", folder=True)
-    loras = []
-    for spec in cfg.loras:
-        path = Path(spec.path).expanduser()
-        if not path.exists():
-            raise InputError([f"lora {spec.path}: no such file or folder (--lora PATH[:SCALE] / "
-                              "config key 'loras')"])
-        loras.append(spec.replace(path=str(path.resolve())))
-    embeddings = []
-    for spec in cfg.embeddings:
-        path = Path(spec.path).expanduser()
-        if not path.exists():
-            raise InputError([f"embedding {spec.path}: no such file or folder (--embedding "
-                              "PATH[:TOKEN] / config key 'embeddings')"])
-        embeddings.append(spec.replace(path=str(path.resolve())))
+    loras = _existing_specs(cfg.loras, "lora", "--lora PATH[:SCALE]", "loras")
+    embeddings = _existing_specs(cfg.embeddings, "embedding", "--embedding PATH[:TOKEN]",
+                                 "embeddings")
     return cfg.replace(model=str(model), unet=unet, vae=vae,
-                       single_file_config=single_file_config, loras=tuple(loras),
-                       embeddings=tuple(embeddings), refiner=refiner)
+                       single_file_config=single_file_config, loras=loras,
+                       embeddings=embeddings, refiner=refiner)
+
+
+def _existing_specs(specs, what: str, flag: str, key: str) -> tuple:
+    """``specs`` (LoRAs, embeddings) with absolute paths, or an error naming the one whose file
+    or folder is missing, its flag and its config key."""
+    out = []
+    for spec in specs:
+        path = Path(spec.path).expanduser()
+        if not path.exists():
+            raise InputError([f"{what} {spec.path}: no such file or folder ({flag} / config "
+                              f"key '{key}')"])
+        out.append(spec.replace(path=str(path.resolve())))
+    return tuple(out)
 
 
 def _model_path(model: str | None, revision: str | None = None,
