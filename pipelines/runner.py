@@ -333,8 +333,6 @@ def _groups(job: Job, inputs: program_lib.HostInputs) -> list[tuple[str | None, 
     they need (their own prompts' and, for a refiner, its): (sampler, indices) per group, in
     order of first appearance. Each group is one device batch, so an image's conditioning
     never depends on a longer prompt beside it."""
-    import jax
-
     more = [x for x in jax.tree.leaves(job.rows, is_leaf=_is_inputs) if _is_inputs(x)]
     chunks = np.stack([h.chunks() for h in (inputs, *more)], axis=1).tolist()
     keys = [(it.scheduler, tuple(c)) for it, c in zip(job.items, chunks)]
@@ -344,8 +342,6 @@ def _groups(job: Job, inputs: program_lib.HostInputs) -> list[tuple[str | None, 
 
 def _run_groups(job: Job, inputs: program_lib.HostInputs, groups) -> program_lib.PipelineOutput:
     """``job`` as one run per group of :func:`_chunk_groups`, merged in the items' order."""
-    import jax
-
     def take(tree, idx):
         return jax.tree.map(lambda a: a.take(idx) if _is_inputs(a) else np.asarray(a)[idx],
                             tree, is_leaf=_is_inputs)
