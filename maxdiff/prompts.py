@@ -216,8 +216,7 @@ def plan(text: str, tokenizer, syntax: str = DEFAULT_SYNTAX) -> Plan:
     ids, weights = _layout(tokenizer, chunks)
     size = len(ids)
     # the position of each fragment's tokens in the chunked layout
-    where = [k for k in range(size) if k % n and ids[k] != tokenizer.eos_token_id
-             and not _is_pad(ids, k, n, tokenizer)]
+    where = [c * n + 1 + j for c, (toks_c, _) in enumerate(chunks) for j in range(len(toks_c))]
     masks, lerps = [np.ones(size, np.int32)], [1.0]
     pos = 0
     for frag_ids, (_, w) in zip(per_frag, frags):
@@ -234,13 +233,6 @@ def plan(text: str, tokenizer, syntax: str = DEFAULT_SYNTAX) -> Plan:
     coefs = np.asarray(lerps, np.float32)
     coefs = coefs / coefs.sum(dtype=np.float32)
     return Plan(ids, weights, np.stack(masks), coefs, pooled, syntax == "compel", len(toks))
-
-
-def _is_pad(ids, k: int, n: int, tokenizer) -> bool:
-    """Whether position ``k`` is padding after its chunk's end-of-text."""
-    start = k - k % n
-    chunk = list(ids[start:start + n])
-    return k - start > chunk.index(tokenizer.eos_token_id)
 
 
 def _padded(p: Plan, chunks: int, variants: int, empty: np.ndarray) -> Plan:
