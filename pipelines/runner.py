@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,19 @@ from pipelines.limits import check, sampler_problem
 from pipelines.requests import ImageRequest, bucket_size
 
 __all__ = ["Task", "TEXT", "Job", "Static", "Ctx", "build", "run", "checked_items"]
+
+
+class ProgramKey(NamedTuple):
+    """What a batch program is cached under: every static choice it closes over. The
+    scheduler and the text encoders go in by object id (the cached program keeps them alive,
+    so no id is reused meanwhile)."""
+    task: str
+    scheduler: int
+    bucket: int
+    static: Any
+    adapters: bool
+    tiled: bool
+    encoders: tuple
 
 
 @dataclass(frozen=True)
@@ -296,7 +309,7 @@ def run(job: Job) -> program_lib.PipelineOutput:
     # per scheduler object and per text-encoder module (a textual-inversion embedding replaces
     # the module); the cached program keeps them alive, so no id is reused meanwhile
     encoders = tuple(id(getattr(pipe, name)) for name in pipe.family.encoders)
-    key = (job.task.name, id(sched), bucket, static, aidx is not None, tiled, encoders)
+    key = ProgramKey(job.task.name, id(sched), bucket, static, aidx is not None, tiled, encoders)
     if job.progress and key not in pipe.programs:
         from tqdm import tqdm
 

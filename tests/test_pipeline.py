@@ -452,9 +452,9 @@ def test_vae_tiling_auto_switches_at_the_threshold(sdxl_dir):
     kw = dict(prompt="a red circle", num_inference_steps=1, guidance_scale=0.0, seed=3,
               output_type="np")
     below = pipe(**kw, width=64, height=32).images
-    assert list(pipe.programs)[-1][-1] is False  # the tiled flag of the program it ran
+    assert list(pipe.programs)[-1].tiled is False  # the program it ran
     above = pipe(**kw, width=48, height=48).images
-    assert list(pipe.programs)[-1][-1] is True
+    assert list(pipe.programs)[-1].tiled is True
     assert len(pipe.programs) == 2
     pipe.vae_tiling = False
     np.testing.assert_array_equal(pipe(**kw, width=64, height=32).images, below)
