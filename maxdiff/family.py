@@ -38,11 +38,14 @@ SD2_OPENCLIP = "cond_stage_model.model."
 class Cond:
     """What the text gives the denoiser, per row: ``context`` (B, tokens, D) cross-attention
     states, ``pooled`` (B, P) pooled text embedding (P = 0 without one) and ``time_ids``
-    (B, n) micro-conditioning (n = 0 without any)."""
+    (B, n) micro-conditioning (n = 0 without any); with image prompts, an IP-Adapter's
+    ``image_tokens`` (B, T, D) and ``image_scale`` (B,) (:mod:`maxdiff.ip_adapter`)."""
 
     context: Any
     pooled: Any
     time_ids: Any
+    image_tokens: Any = None
+    image_scale: Any = None
 
     def rows(self, fn) -> Cond:
         """``fn`` applied to every field (a row rearrangement)."""
@@ -139,7 +142,13 @@ class Family:
 
     def denoise(self, unet, params: Mapping, cond: Cond, x, t, **extras):
         """The denoiser's prediction for latents ``x`` at timesteps ``t`` (``extras``: e.g.
-        ControlNet residuals)."""
+        ControlNet residuals). With image tokens, ``params`` hold the IP-Adapter's layers
+        (:func:`maxdiff.ip_adapter.with_layers`)."""
+        if cond.image_tokens is not None:
+            from maxdiff.ip_adapter import ImageContext
+
+            extras = {**extras, "image_context": ImageContext(cond.context, cond.image_tokens,
+                                                              cond.image_scale)}
         return unet.apply({"params": params}, x, t, cond.context, cond.pooled, cond.time_ids,
                           **extras)
 

@@ -226,7 +226,8 @@ class ControlNetPipeline(ComposedPipeline):
                  negative_original_size: tuple[int, int] | None = None,
                  negative_crops_coords_top_left: tuple[int, int] = (0, 0),
                  negative_target_size: tuple[int, int] | None = None,
-                 prompt_syntax: str | None = None) -> PipelineOutput:
+                 prompt_syntax: str | None = None, ip_adapter_image: Any = None,
+                 ip_adapter_scale: float | None = None) -> PipelineOutput:
         """Generate images following ``prompt`` and the control image(s); the arguments mean
         what diffusers' ``StableDiffusionXLControlNetPipeline`` gives them.
 
@@ -267,7 +268,8 @@ class ControlNetPipeline(ComposedPipeline):
             crops_coords_top_left=tuple(crops_coords_top_left), target_size=target_size,
             negative_original_size=negative_original_size,
             negative_crops_coords_top_left=negative_crops_coords_top_left,
-            negative_target_size=negative_target_size, prompt_syntax=prompt_syntax)
+            negative_target_size=negative_target_size, prompt_syntax=prompt_syntax,
+            ip_adapter_image=ip_adapter_image, ip_adapter_scale=ip_adapter_scale)
         controls = [[ControlImage(picked[name][row], scales[j], starts[j], ends[j], guess)
                      for j, name in enumerate(names)] for row in range(len(items))]
         return self.generate(items, controls, height=height, width=width,

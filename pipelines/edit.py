@@ -99,7 +99,7 @@ class _EditPipeline(ComposedPipeline):
               masked_image_latents_noise, output_type, original_size, crops_coords_top_left,
               target_size, denoising_start=None, aesthetic_score=AESTHETIC_SCORE,
               negative_aesthetic_score=NEGATIVE_AESTHETIC_SCORE,
-              prompt_syntax=None) -> PipelineOutput:
+              prompt_syntax=None, ip_adapter_image=None, ip_adapter_scale=None) -> PipelineOutput:
         if image is None:
             raise ValueError("image is required: the picture to start from")
         image_latents = None
@@ -117,7 +117,8 @@ class _EditPipeline(ComposedPipeline):
             guidance_rescale=guidance_rescale, original_size=original_size,
             crops_coords_top_left=tuple(crops_coords_top_left), target_size=target_size,
             aesthetic_score=aesthetic_score, negative_aesthetic_score=negative_aesthetic_score,
-            prompt_syntax=prompt_syntax)
+            prompt_syntax=prompt_syntax, ip_adapter_image=ip_adapter_image,
+            ip_adapter_scale=ip_adapter_scale)
         images, masks = picked.get("image"), picked.get("mask_image")
         return self.generate(items, images, masks,
                              strength=strength, height=height, width=width,
@@ -304,7 +305,8 @@ class ImageToImagePipeline(_EditPipeline):
                  denoising_start: float | None = None,
                  aesthetic_score: float = AESTHETIC_SCORE,
                  negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE,
-                 prompt_syntax: str | None = None) -> PipelineOutput:
+                 prompt_syntax: str | None = None, ip_adapter_image: Any = None,
+                 ip_adapter_scale: float | None = None) -> PipelineOutput:
         """Repaint ``image`` (a PIL image or float (H, W, 3) array in [0, 1], or one per prompt)
         following ``prompt``. ``strength`` in (0, 1] (default 0.75, every front door's:
         :data:`pipelines.limits.STRENGTH`; diffusers' SDXL pipeline defaults to 0.3): the run
@@ -335,7 +337,8 @@ class ImageToImagePipeline(_EditPipeline):
                           target_size=target_size, denoising_start=denoising_start,
                           aesthetic_score=aesthetic_score,
                           negative_aesthetic_score=negative_aesthetic_score,
-                          prompt_syntax=prompt_syntax)
+                          prompt_syntax=prompt_syntax, ip_adapter_image=ip_adapter_image,
+                          ip_adapter_scale=ip_adapter_scale)
 
 
 class InpaintPipeline(_EditPipeline):
@@ -360,7 +363,8 @@ class InpaintPipeline(_EditPipeline):
                  output_type: str = "pil", original_size: tuple[int, int] | None = None,
                  crops_coords_top_left: tuple[int, int] = (0, 0),
                  target_size: tuple[int, int] | None = None,
-                 prompt_syntax: str | None = None) -> PipelineOutput:
+                 prompt_syntax: str | None = None, ip_adapter_image: Any = None,
+                 ip_adapter_scale: float | None = None) -> PipelineOutput:
         """Repaint the white part of ``mask_image`` (PIL image or float (H, W) array in [0, 1],
         binarised at 0.5, the image's size) in ``image``. ``strength`` as for
         :class:`ImageToImagePipeline`, default 0.9999 (diffusers'); at exactly 1 the latents start
@@ -376,4 +380,5 @@ class InpaintPipeline(_EditPipeline):
                           masked_image_latents_noise=masked_image_latents_noise,
                           output_type=output_type, original_size=original_size,
                           crops_coords_top_left=crops_coords_top_left, target_size=target_size,
-                          prompt_syntax=prompt_syntax)
+                          prompt_syntax=prompt_syntax, ip_adapter_image=ip_adapter_image,
+                          ip_adapter_scale=ip_adapter_scale)

@@ -82,6 +82,13 @@ FIELDS: dict[str, dict[str, str]] = {
                     "jsonl": "end", "native": "end"},
     "controlnet": {"python": "controlnet", "cli": "--control-image", "jsonl": "controlnet",
                    "native": "controlnet"},
+    # IP-Adapter: an image as a prompt (a loaded adapter; the image and its scale per image)
+    "ip_adapter_image": {"python": "ip_adapter_image", "cli": "--ip-adapter-image",
+                         "jsonl": "ip_adapter_image", "native": "ip_adapter_image",
+                         "openai": "ip_adapter_image"},
+    "ip_adapter_scale": {"python": "ip_adapter_scale", "cli": "--ip-adapter-scale",
+                         "jsonl": "ip_adapter_scale", "native": "ip_adapter_scale",
+                         "openai": "ip_adapter_scale"},
     # the SDXL refiner (two-stage): the base stops at denoising_end, the refiner starts at
     # denoising_start (fractions of the schedule); the refiner's aesthetic-score time ids
     "denoising_end": {"python": "denoising_end", "cli": "--high-noise-frac"},
@@ -282,6 +289,20 @@ def control_scale_problem(scale: Any, which: str = "") -> Problem | None:
         return None
     return Problem("control_scale", f"must be a number in [0, {CONTROL_SCALE_MAX:g}]"
                    f"{_why(which)} (0: no effect, 1: the ControlNet's full strength)", scale)
+
+
+# ComfyUI's IPAdapter weight runs from -1 to 5; diffusers' set_ip_adapter_scale takes any
+# float; 0 is exactly the model without the adapter, 1 the adapter as trained
+IP_ADAPTER_SCALE = (-1.0, 5.0)
+
+
+def ip_adapter_scale_problem(scale: Any) -> Problem | None:
+    """An IP-Adapter's scale: a number in :data:`IP_ADAPTER_SCALE`."""
+    lo, hi = IP_ADAPTER_SCALE
+    if is_number(scale) and lo <= scale <= hi:
+        return None
+    return Problem("ip_adapter_scale", f"must be a number in [{lo:g}, {hi:g}] (0: the image "
+                   "prompt has no effect, 1: the adapter's full strength)", scale)
 
 
 def control_window_problems(start: Any, end: Any, which: str = "") -> list[Problem]:

@@ -118,7 +118,8 @@ class HostInputs:
     :class:`maxdiff.prompts.Text`: token ids, weights, chunks); ``zero_negative`` (N,): an
     omitted negative prompt that is zeros; ``time_ids`` / ``neg_time_ids`` (N, n)
     micro-conditioning (n from the family); ``guidance`` (N,) (1 where an image runs without
-    CFG) and ``rescale`` (N,). ``cfg`` (static): whether the batch runs classifier-free
+    CFG) and ``rescale`` (N,); ``ip_pixels`` / ``ip_scale``: image prompts for an IP-Adapter
+    (:mod:`pipelines.ip_adapting`; None without any). ``cfg`` (static): whether the batch runs classifier-free
     guidance (any image's guidance > 1)."""
 
     seeds: Any
@@ -129,6 +130,8 @@ class HostInputs:
     neg_time_ids: Any
     guidance: Any
     rescale: Any
+    ip_pixels: Any = None  # (N, S, S, 3) an IP-Adapter's CLIP pixels (None: no image prompts)
+    ip_scale: Any = None  # (N,) each image's IP-Adapter scale (0: none)
     cfg: bool = field(default=False, metadata={"static": True})
 
     def chunks(self) -> np.ndarray:
@@ -140,7 +143,8 @@ class HostInputs:
         return dataclasses.replace(self, **{
             f.name: (getattr(self, f.name).take(idx) if f.name in ("text", "neg_text")
                      else np.asarray(getattr(self, f.name))[idx])
-            for f in dataclasses.fields(self) if f.name != "cfg"})
+            for f in dataclasses.fields(self)
+            if f.name != "cfg" and getattr(self, f.name) is not None})
 
 
 @dataclass
@@ -246,21 +250,30 @@ def cfg_halves(x):
     return _per_device(lambda a: tuple(jnp.split(a, 2)), 2)(x)
 
 
-def conditioning(family, encoders, params, inputs: HostInputs, ad=None, aidx=None):
+def conditioning(family, encoders, params, inputs: HostInputs, ad=None, aidx=None,
+                 ip_adapter=None):
     """(:class:`maxdiff.family.Cond`, per-row adapter index) for the denoiser: the family's
     text encoding of ``inputs``' prompts, and with ``inputs.cfg`` the rows [negative, positive]
     on each device (:func:`cfg_rows`; a negative without a prompt is zeros where
-    ``zero_negative``), as diffusers concatenates them. ``encoders``: {component: module}."""
+    ``zero_negative``), as diffusers concatenates them. ``encoders``: {component: module}.
+    With image prompts (``inputs.ip_pixels``) and ``ip_adapter`` (its weights in
+    ``params["ip_adapter"]``), the image tokens and scales too (:mod:`maxdiff.ip_adapter`)."""
     from maxdiff.family import Cond
 
+    tokens = utokens = None
+    if inputs.ip_pixels is not None:
+        from maxdiff import ip_adapter as ipa
+
+        tokens, utokens = ipa.image_tokens(ip_adapter, params["ip_adapter"], inputs.ip_pixels,
+                                           inputs.cfg)
     emb, pooled = family.encode(encoders, params, inputs.text, ad, aidx)
-    cond = Cond(emb, pooled, inputs.time_ids)
+    cond = Cond(emb, pooled, inputs.time_ids, tokens, inputs.ip_scale)
     if not inputs.cfg:
         return cond, aidx
     nemb, npooled = family.encode(encoders, params, inputs.neg_text, ad, aidx)
     zero = inputs.zero_negative
     uncond = Cond(jnp.where(zero[:, None, None], 0.0, nemb), jnp.where(zero[:, None], 0.0, npooled),
-                  inputs.neg_time_ids)
+                  inputs.neg_time_ids, utokens, inputs.ip_scale)
     return (jax.tree.map(cfg_rows, uncond, cond),
             cfg_rows(aidx, aidx))  # the unconditional rows use the image's adapter too
 

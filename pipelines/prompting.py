@@ -35,7 +35,7 @@ def prompt_items(prompt, prompt_2, negative_prompt, negative_prompt_2,
                  num_images_per_prompt: int, seed, *, per_prompt: dict | None = None,
                  guidance_scale: float | None, negative_original_size=None,
                  negative_crops_coords_top_left=(0, 0), negative_target_size=None,
-                 **fields) -> tuple[list[ImageRequest], dict]:
+                 ip_adapter_image=None, **fields) -> tuple[list[ImageRequest], dict]:
     """The diffusers-style ``__call__`` arguments -> one :class:`ImageRequest` per image.
 
     ``prompt_2`` and the negatives (and each list in ``per_prompt``, e.g. the edit
@@ -43,7 +43,8 @@ def prompt_items(prompt, prompt_2, negative_prompt, negative_prompt_2,
     prompt ``k // num_images_per_prompt``. ``fields`` go to every request as they are;
     ``guidance_scale`` None is the pipeline's default, set where the items are checked. The
     ``negative_*`` size conditioning (SDXL's, as diffusers names it) applies when both sizes
-    are given.
+    are given. ``ip_adapter_image``: an image prompt for every image, or a list of one per
+    prompt (None entries: none).
     Returns the requests and, per ``per_prompt`` name, each image's entry."""
     prompts = _as_list(prompt, "prompt")
     if not prompts:
@@ -54,6 +55,10 @@ def prompt_items(prompt, prompt_2, negative_prompt, negative_prompt_2,
              "negative_prompt": _as_list(negative_prompt, "negative_prompt"),
              "negative_prompt_2": _as_list(negative_prompt_2, "negative_prompt_2"),
              **(per_prompt or {})}
+    if ip_adapter_image is not None:
+        lists["ip_adapter_image"] = (list(ip_adapter_image)
+                                     if isinstance(ip_adapter_image, (list, tuple))
+                                     else [ip_adapter_image])
     for name, lst in lists.items():
         if lst is not None and len(lst) == 1 and n_prompts > 1:
             lists[name] = lst * n_prompts
@@ -74,7 +79,9 @@ def prompt_items(prompt, prompt_2, negative_prompt, negative_prompt_2,
     items = [ImageRequest(prompt=prompts[i], prompt_2=pick("prompt_2", i),
                           negative_prompt=pick("negative_prompt", i),
                           negative_prompt_2=pick("negative_prompt_2", i), seed=seeds[k],
-                          guidance_scale=guidance_scale, **fields)
+                          guidance_scale=guidance_scale,
+                          ip_adapter_image=pick("ip_adapter_image", i) if ip_adapter_image
+                          is not None else None, **fields)
              for k, i in enumerate(per_image)]
     return items, {name: [pick(name, i) for i in per_image] for name in (per_prompt or {})}
 

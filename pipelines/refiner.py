@@ -88,7 +88,9 @@ def generate(base, items: Sequence[ImageRequest], *, height: int | None = None,
     rows, scalars = {"latents": latents}, {"end": np.int32(end)}
     weights, key, refiner_steps = None, (), 0
     if refiner is not None:
-        seeded = [dataclasses.replace(it, seed=int(s)) for it, s in zip(items, inputs.seeds)]
+        # the refiner has no image prompts (an IP-Adapter conditions the base's steps)
+        seeded = [dataclasses.replace(it, seed=int(s), ip_adapter_image=None)
+                  for it, s in zip(items, inputs.seeds)]
         f = base.vae_scale_factor
         state = refiner.scheduler.set_timesteps(
             steps, (bucket_size(len(items), base.mesh.size), height // f,

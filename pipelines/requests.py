@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -39,6 +39,7 @@ from pipelines.limits import (
     control_window_problems,
     describe,
     guidance_problem,
+    ip_adapter_scale_problem,
     n_problem,
     prompt_text_problems,
     seed_problem,
@@ -118,7 +119,10 @@ class ImageRequest:
     ``"none"``; None: ``"a1111"``; :mod:`maxdiff.prompt_syntax`). ``scheduler``: a sampler
     name (``"dpmpp_2m_karras"``, ``"Euler a"``, ...: :mod:`maxdiff.schedulers.names`) that this
     image is denoised with, the pipeline's scheduler switched to it (None: the pipeline's own;
-    text-to-image only).
+    text-to-image only). ``ip_adapter_image``: an image prompt (PIL image, or an
+    (H, W, 3) uint8 / float [0, 1] array) for the pipeline's IP-Adapter
+    (``load_ip_adapter``), at ``ip_adapter_scale`` (None: the pipeline's); images without one
+    share a batch with those that have one.
     """
 
     prompt: str
@@ -137,6 +141,8 @@ class ImageRequest:
     negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE
     prompt_syntax: str | None = None
     scheduler: str | None = None
+    ip_adapter_image: Any = field(default=None, compare=False, repr=False)
+    ip_adapter_scale: float | None = None
 
     def validate(self, index: int = 0) -> None:
         where = f"item {index}: " if index else ""
@@ -154,6 +160,15 @@ class ImageRequest:
         r = self.guidance_rescale
         if not isinstance(r, (int, float, np.floating)) or not 0.0 <= r <= 1.0:
             raise ValueError(f"{where}guidance_rescale={r!r}; it must be in [0, 1]")
+        if self.ip_adapter_scale is not None and (
+                p := ip_adapter_scale_problem(self.ip_adapter_scale)) is not None:
+            raise ValueError(where + describe(p))
+        if self.ip_adapter_image is not None:
+            if not hasattr(self.ip_adapter_image, "convert"):  # not a PIL image
+                shape = np.shape(self.ip_adapter_image)
+                if len(shape) != 3 or shape[-1] not in (3, 4) or min(shape[:2]) < 1:
+                    raise ValueError(f"{where}ip_adapter_image: a PIL image or an (H, W, 3) "
+                                     f"array, got shape {shape}")
         found = prompt_text_problems(self.prompt_syntax, **{
             name: getattr(self, name)
             for name in ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2")})

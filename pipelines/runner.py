@@ -35,7 +35,7 @@ __all__ = ["Task", "TEXT", "Job", "Static", "Ctx", "build", "run", "checked_item
 
 class ProgramKey(NamedTuple):
     """What a batch program is cached under: every static choice it closes over. The
-    scheduler and the text encoders go in by object id (the cached program keeps them alive,
+    scheduler, the text encoders and an IP-Adapter go in by object id (the cached program keeps them alive,
     so no id is reused meanwhile)."""
     task: str
     scheduler: int
@@ -44,6 +44,7 @@ class ProgramKey(NamedTuple):
     adapters: bool
     tiled: bool
     encoders: tuple
+    ip_adapter: int | None = None  # the IP-Adapter of a batch with image prompts
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,15 @@ class Ctx:
         adapters applied), with ``extras`` (ControlNet residuals, from :meth:`Task.model`)."""
         pipe = self.pipe
 
+        unet_params = self.params["unet"]
+        if self.cond.image_tokens is not None:  # an IP-Adapter's cross-attention layers
+            from maxdiff.ip_adapter import with_layers
+
+            unet_params = with_layers(unet_params, self.params["ip_adapter"]["layers"])
+
         def model(xin, t, i, **more):
             with adapterlib.applied((self.ad or {}).get("unet"), self.uidx):
-                return pipe.family.denoise(pipe.unet, self.params["unet"], self.cond, xin, t,
+                return pipe.family.denoise(pipe.unet, unet_params, self.cond, xin, t,
                                            **extras, **more)
         return model
 
@@ -206,9 +213,11 @@ def build(task: Task, pipe, static: Static, scheduler=None):
     ``scheduler``: the loop's (default: the pipeline's)."""
     encoders = {name: getattr(pipe, name) for name in pipe.family.encoders}
     scheduler = scheduler or pipe.scheduler
+    ip_adapter = getattr(pipe, "ip_adapter", None)
 
     def program(params, weights, inputs, rows, scalars, state, ad=None, aidx=None):
-        cond, uidx = program_lib.conditioning(pipe.family, encoders, params, inputs, ad, aidx)
+        cond, uidx = program_lib.conditioning(pipe.family, encoders, params, inputs, ad, aidx,
+                                              ip_adapter)
         keys = program_lib.image_keys(inputs.seeds, task.n_keys)
         ctx = Ctx(pipe, static, params, weights, inputs, rows, scalars, state, cond, uidx, ad,
                   keys, scheduler)
@@ -301,7 +310,11 @@ def run(job: Job) -> program_lib.PipelineOutput:
     rows = put.tree(job.rows)
     if tiled and hasattr(job.task, "encode_tiled"):
         rows = job.task.encode_tiled(job, rows)
-    args = [pipe.params, job.weights, put.tree(inputs), rows, meshlib.place(job.scalars, rep),
+    params, ip = pipe.params, None
+    if inputs.ip_pixels is not None:  # image prompts: the IP-Adapter's weights go in too
+        ip = pipe.ip_adapter
+        params = {**params, "ip_adapter": ip.params}
+    args = [params, job.weights, put.tree(inputs), rows, meshlib.place(job.scalars, rep),
             meshlib.place(state, rep)]
     if aidx is not None:
         args += [pipe.adapter_tables.as_tree(), put(aidx)]
@@ -309,7 +322,8 @@ def run(job: Job) -> program_lib.PipelineOutput:
     # per scheduler object and per text-encoder module (a textual-inversion embedding replaces
     # the module); the cached program keeps them alive, so no id is reused meanwhile
     encoders = tuple(id(getattr(pipe, name)) for name in pipe.family.encoders)
-    key = ProgramKey(job.task.name, id(sched), bucket, static, aidx is not None, tiled, encoders)
+    key = ProgramKey(job.task.name, id(sched), bucket, static, aidx is not None, tiled, encoders,
+                     id(ip) if ip is not None else None)
     if job.progress and key not in pipe.programs:
         from tqdm import tqdm
 

@@ -47,6 +47,7 @@ from pipelines import refiner as refiner_lib
 from pipelines.adapting import LoraAdapters
 from pipelines.config import RunConfig, load_run_config
 from pipelines.embeddings import TextualInversion
+from pipelines.ip_adapting import ImagePrompts
 from pipelines.limits import (
     AESTHETIC_SCORE,
     HIGH_NOISE_FRAC,
@@ -70,7 +71,7 @@ __all__ = ["TextToImagePipeline", "PipelineOutput", "enable_compile_cache", "mod
 _abs_sum = jax.jit(lambda x: jnp.sum(jnp.abs(x.astype(jnp.float32))))
 
 
-class TextToImagePipeline(LoraAdapters, TextualInversion):
+class TextToImagePipeline(LoraAdapters, TextualInversion, ImagePrompts):
     """Text-to-image in JAX. Build with :meth:`from_pretrained`; call like diffusers'
     ``StableDiffusionXLPipeline``. ``family``: the model family (:mod:`maxdiff.family`; default
     SDXL base, or SD 1.x without ``text_encoder_2``)."""
@@ -345,6 +346,7 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
                  aesthetic_score: float = AESTHETIC_SCORE,
                  negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE,
                  prompt_syntax: str | None = None, scheduler: str | None = None,
+                 ip_adapter_image: Any = None, ip_adapter_scale: float | None = None,
                  callback_on_step_end=None, progress: bool | None = None) -> PipelineOutput:
         """Generate images; arguments mean what diffusers' ``StableDiffusionXLPipeline`` gives
         them. ``seed``: one int (image k gets ``seed + k``), one int per image, or None (random
@@ -366,6 +368,11 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
         this call (``"dpmpp_2m_karras"``, ``"Euler a"``, ...), the pipeline's scheduler switched
         to it (:meth:`scheduler_for`); None: :attr:`scheduler`.
 
+        ``ip_adapter_image``: an image prompt (PIL image or (H, W, 3) array; or a list of one
+        per prompt) for the loaded IP-Adapter (:meth:`load_ip_adapter`), at
+        ``ip_adapter_scale`` (None: :attr:`ip_adapter_scale`, set by
+        :meth:`set_ip_adapter_scale`).
+
         ``progress``: a progress bar over the steps and a line when a call compiles (None: when
         stderr is a terminal). ``callback_on_step_end(pipe, step, timestep, {"latents": ...})``
         is called on the host after each step with the latents (N, C, H/f, W/f), as diffusers
@@ -376,6 +383,7 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             guidance_scale=guidance_scale, guidance_rescale=guidance_rescale,
             prompt_syntax=prompt_syntax, scheduler=scheduler,
+            ip_adapter_image=ip_adapter_image, ip_adapter_scale=ip_adapter_scale,
             original_size=original_size, crops_coords_top_left=tuple(crops_coords_top_left),
             target_size=target_size, negative_original_size=negative_original_size,
             negative_crops_coords_top_left=negative_crops_coords_top_left,
@@ -439,6 +447,7 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
         text, neg_text = prompting.texts(self, items)
         pairs = [self.family.time_ids(it, height, width) for it in items]
         n_ids = self.family.n_time_ids
+        ip_pixels, ip_scale = self.image_prompt_inputs(items)
         return HostInputs(
             seeds=np.asarray(seeds, np.uint32), text=text, neg_text=neg_text,
             zero_negative=np.array([it.negative_prompt is None
@@ -448,6 +457,7 @@ class TextToImagePipeline(LoraAdapters, TextualInversion):
             guidance=np.array([it.guidance_scale if cfg_on(it.guidance_scale) else 1.0
                                for it in items], np.float32),
             rescale=np.array([it.guidance_rescale for it in items], np.float32),
+            ip_pixels=ip_pixels, ip_scale=ip_scale,
             cfg=any(cfg_on(it.guidance_scale) for it in items))
 
     @property

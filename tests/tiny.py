@@ -374,3 +374,75 @@ def make_sdxl_refiner(folder: str | Path, seed: int = 5, scheduler_config: dict 
 
     shutil.rmtree(folder / "_tok")
     return pipe
+
+
+IMAGE_ENCODER = dict(hidden_size=32, intermediate_size=64, projection_dim=24,
+                     num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8,
+                     hidden_act="gelu")
+
+
+def make_image_encoder(folder: str | Path, seed: int = 0, **overrides) -> Path:
+    """A tiny transformers CLIPVisionModelWithProjection folder (an IP-Adapter's
+    ``image_encoder/``), random weights."""
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    torch.manual_seed(seed)
+    model = CLIPVisionModelWithProjection(CLIPVisionConfig(**{**IMAGE_ENCODER, **overrides}))
+    _randomize(model.eval(), seed)
+    model.save_pretrained(folder)
+    return Path(folder)
+
+
+def make_ip_adapter(unet, out: str | Path, kind: str = "basic", seed: int = 0,
+                    tokens: int = 4, encoder: dict | None = None) -> Path:
+    """A random IP-Adapter file for the diffusers ``unet`` in h94/IP-Adapter's layout
+    (``image_proj.*``, ``ip_adapter.{k}.to_k_ip.weight``: k = 1, 3, ... in diffusers'
+    ``attn_processors`` order), saved as ``out`` (.safetensors). ``kind``: ``basic`` (Linear
+    + LayerNorm over image_embeds) or ``plus`` (the 4-block resampler over hidden states).
+    ``encoder``: the image encoder's config (default :data:`IMAGE_ENCODER`)."""
+    from safetensors.torch import save_file
+
+    enc = {**IMAGE_ENCODER, **(encoder or {})}
+    g = torch.Generator().manual_seed(seed + 7)
+    r = lambda *shape, s=None: (torch.randn(*shape, generator=g) / (shape[-1] ** 0.5 if s is None
+                                                                     else 1 / s)).contiguous()
+    cross = unet.config.cross_attention_dim
+    sd = {}
+    if kind == "basic":
+        sd["image_proj.proj.weight"] = r(tokens * cross, enc["projection_dim"])
+        sd["image_proj.proj.bias"] = r(tokens * cross, s=0.05)
+        sd["image_proj.norm.weight"] = 1 + r(cross, s=0.1)
+        sd["image_proj.norm.bias"] = r(cross, s=0.05)
+    elif kind == "plus":
+        hidden, inner = 32, 64  # one 64-wide head, as the file's to_q says
+        sd["image_proj.latents"] = r(1, tokens, hidden, s=hidden ** -0.5)
+        sd["image_proj.proj_in.weight"] = r(hidden, enc["hidden_size"])
+        sd["image_proj.proj_in.bias"] = r(hidden, s=0.05)
+        for i in range(4):
+            p = f"image_proj.layers.{i}"
+            for n in ("0.norm1", "0.norm2", "1.0"):
+                sd[f"{p}.{n}.weight"] = 1 + r(hidden, s=0.1)
+                sd[f"{p}.{n}.bias"] = r(hidden, s=0.05)
+            sd[f"{p}.0.to_q.weight"] = r(inner, hidden)
+            sd[f"{p}.0.to_kv.weight"] = r(2 * inner, hidden)
+            sd[f"{p}.0.to_out.weight"] = r(hidden, inner)
+            sd[f"{p}.1.1.weight"] = r(4 * hidden, hidden)
+            sd[f"{p}.1.3.weight"] = r(hidden, 4 * hidden)
+        sd["image_proj.proj_out.weight"] = r(cross, hidden)
+        sd["image_proj.proj_out.bias"] = r(cross, s=0.05)
+        sd["image_proj.norm_out.weight"] = 1 + r(cross, s=0.1)
+        sd["image_proj.norm_out.bias"] = r(cross, s=0.05)
+    else:
+        raise ValueError(kind)
+    k = 1
+    for name in unet.attn_processors:
+        if name.endswith("attn1.processor"):
+            continue
+        attn = unet.get_submodule(name[: -len(".processor")])
+        sd[f"ip_adapter.{k}.to_k_ip.weight"] = r(attn.to_k.out_features, cross)
+        sd[f"ip_adapter.{k}.to_v_ip.weight"] = r(attn.to_v.out_features, cross)
+        k += 2
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(out))
+    return out

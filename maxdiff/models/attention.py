@@ -212,7 +212,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "auto",
 class Attention(nn.Module):
     """diffusers' ``Attention``: to_q / to_k / to_v projections, heads, ``to_out.0``.
 
-    x: (B, L, C); context: (B, Lk, C_ctx) for cross-attention, None for self-attention.
+    x: (B, L, C); context: (B, Lk, C_ctx) for cross-attention, None for self-attention, or an
+    IP-Adapter's :class:`maxdiff.ip_adapter.ImageContext` (text states, image tokens, per-image
+    scale): the attention to the image tokens (``processor.to_k_ip.0`` / ``to_v_ip.0``) is
+    added, scaled, before ``to_out``, as diffusers' ``IPAdapterAttnProcessor2_0`` does.
     """
 
     query_dim: int
@@ -224,17 +227,25 @@ class Attention(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array, context: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, context=None) -> jax.Array:
         inner = self.heads * self.dim_head
+        image = None
+        if hasattr(context, "tokens"):  # an IP-Adapter's ImageContext (maxdiff.ip_adapter)
+            image, context = context, context.text
         ctx = x if context is None else context
 
-        def proj(name, t):
-            y = nn.Dense(inner, use_bias=self.qkv_bias, dtype=self.dtype, param_dtype=self.dtype,
+        def proj(name, t, bias=self.qkv_bias):
+            y = nn.Dense(inner, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype,
                          name=name)(t)
             return y.reshape(*y.shape[:-1], self.heads, self.dim_head)
 
         q, k, v = proj("to_q", x), proj("to_k", ctx), proj("to_v", ctx)
         o = attention(q, k, v, self.kernel, self.chunk_size)
+        if image is not None:  # decoupled cross-attention: + scale * attention to the image
+            ik = proj("processor.to_k_ip.0", image.tokens, False)
+            iv = proj("processor.to_v_ip.0", image.tokens, False)
+            io = attention(q, ik, iv, self.kernel, self.chunk_size)
+            o = o + image.scale.astype(o.dtype)[:, None, None, None] * io
         o = o.reshape(*o.shape[:-2], inner)
         return nn.Dense(self.query_dim, dtype=self.dtype, param_dtype=self.dtype,
                         name="to_out.0")(o)

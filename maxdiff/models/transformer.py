@@ -52,7 +52,8 @@ class BasicTransformerBlock(nn.Module):
         attn = lambda name: Attention(self.dim, self.heads, self.dim_head, kernel=self.kernel,
                                       chunk_size=self.chunk_size, dtype=self.dtype, name=name)
         h = _layer_norm("norm1", self.dtype)(x)
-        x = x + attn("attn1")(h, context if self.only_cross_attention else None)
+        text = getattr(context, "text", context)  # self-attention never sees image tokens
+        x = x + attn("attn1")(h, text if self.only_cross_attention else None)
         h = _layer_norm("norm2", self.dtype)(x)
         x = x + attn("attn2")(h, context)
         h = _layer_norm("norm3", self.dtype)(x)

@@ -367,7 +367,10 @@ class UNet2DConditionModel(UNetEncoder):
     """diffusers' ``UNet2DConditionModel``. ``down_block_additional_residuals`` (one array per
     skip connection) and ``mid_block_additional_residual``: a ControlNet's outputs, added to
     the skip connections and to the mid block's output as diffusers does; without them the
-    program is the plain UNet's."""
+    program is the plain UNet's. ``image_context``: an IP-Adapter's
+    :class:`maxdiff.ip_adapter.ImageContext` (its ``text`` is replaced by
+    ``encoder_hidden_states``); the parameters then hold each cross-attention's
+    ``processor.to_k_ip.0`` / ``to_v_ip.0`` (:func:`maxdiff.ip_adapter.with_layers`)."""
 
     config: UNetConfig
 
@@ -376,13 +379,17 @@ class UNet2DConditionModel(UNetEncoder):
                  text_embeds: jax.Array | None = None, time_ids: jax.Array | None = None,
                  timestep_cond: jax.Array | None = None,
                  down_block_additional_residuals: tuple | None = None,
-                 mid_block_additional_residual: jax.Array | None = None) -> jax.Array:
+                 mid_block_additional_residual: jax.Array | None = None,
+                 image_context=None) -> jax.Array:
         c = self.config
         chans = c.block_out_channels
         n = len(chans)
         dt = self.dtype
         sample = sample.astype(dt)
         encoder_hidden_states = encoder_hidden_states.astype(dt)
+        if image_context is not None:  # an IP-Adapter's tokens and scale (maxdiff.ip_adapter)
+            encoder_hidden_states = image_context.replace(
+                text=encoder_hidden_states, tokens=image_context.tokens.astype(dt))
         if c.center_input_sample:
             sample = 2 * sample - 1.0
 
