@@ -24,7 +24,7 @@ from pydantic import Field, field_validator, model_validator
 
 from maxdiff.config import StrictConfig, config_names, load_config, validate
 from maxdiff.quantization import Quantization, lora_problem
-from pipelines.limits import HIGH_NOISE_FRAC
+from pipelines.limits import HIGH_NOISE_FRAC, IP_ADAPTER_SCALE
 
 MODEL_DEFAULTS_FILE = "maxdiff.json"
 NOT_RUN_CONFIGS = ("serve", "train-")  # configs/ also holds the service's and training's
@@ -106,6 +106,12 @@ class RunConfig(StrictConfig):
     loras: tuple[LoraSpec, ...] = ()  # LoRA adapters fused at load, in order ("PATH[:SCALE]")
     # textual-inversion embeddings loaded at load ("PATH[:TOKEN]"): their tokens work in prompts
     embeddings: tuple[EmbeddingSpec, ...] = ()
+    # an IP-Adapter (.safetensors) loaded at load: requests then take an image prompt
+    # (ip_adapter_image); its CLIP vision encoder folder (None: h94/IP-Adapter's place beside
+    # the file) and the scale of images that give none
+    ip_adapter: str | None = None
+    ip_adapter_image_encoder: str | None = None
+    ip_adapter_scale: float = Field(1.0, ge=IP_ADAPTER_SCALE[0], le=IP_ADAPTER_SCALE[1])
     # the UNet's transformer linear layers in int8 / fp8 through qwix (maxdiff.quantization):
     # none, int8-weights (int8 weights), int8 (int8 weights and activations), fp8 (e4m3)
     quantization: Quantization = "none"
@@ -137,6 +143,12 @@ class RunConfig(StrictConfig):
         if isinstance(v, (str, dict)):
             v = [v]
         return tuple(EmbeddingSpec.parse(x) for x in v)
+
+    @model_validator(mode="after")
+    def _ip_adapter_encoder(self):
+        if self.ip_adapter_image_encoder is not None and self.ip_adapter is None:
+            raise ValueError("ip_adapter_image_encoder is set without an ip_adapter")
+        return self
 
     @model_validator(mode="after")
     def _loras_unquantized(self):

@@ -242,8 +242,8 @@ class TextToImagePipeline(LoraAdapters, TextualInversion, ImagePrompts):
                     ) -> TextToImagePipeline:
         """Load from a run config (a :class:`pipelines.config.RunConfig`, a YAML path or a name
         in ``configs/``) with optional ``key=value`` overrides. The config's steps, guidance and
-        size become this pipeline's defaults; its ``loras`` are fused in order and its
-        ``embeddings`` loaded."""
+        size become this pipeline's defaults; its ``loras`` are fused in order, its
+        ``embeddings`` and its ``ip_adapter`` loaded."""
         cfg = config if isinstance(config, RunConfig) else load_run_config(config, overrides)
         pipe = cls.from_pretrained(**cfg.pipeline_kwargs())
         if cfg.steps is not None:
@@ -256,6 +256,9 @@ class TextToImagePipeline(LoraAdapters, TextualInversion, ImagePrompts):
             pipe.load_lora_weights(spec.path, adapter_name=spec.name, scale=spec.scale)
         for emb in cfg.embeddings:
             pipe.load_textual_inversion(emb.path, token=emb.token)
+        if cfg.ip_adapter is not None:
+            pipe.load_ip_adapter(cfg.ip_adapter, image_encoder=cfg.ip_adapter_image_encoder,
+                                 scale=cfg.ip_adapter_scale)
         pipe.run_config = cfg
         return pipe
 

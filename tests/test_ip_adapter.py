@@ -50,6 +50,13 @@ def adapter_file(request, torch_unet, tmp_path_factory):
         torch_unet, folder / f"ip-adapter-{request.param}.safetensors", request.param)
 
 
+@pytest.fixture(scope="module", params=["basic", "plus", "full"])
+def any_adapter(request, torch_unet, tmp_path_factory):
+    return request.param, tiny.make_ip_adapter(
+        torch_unet, tmp_path_factory.mktemp(f"ip-any-{request.param}") / "ip.safetensors",
+        request.param)
+
+
 def _grouped(path):
     from safetensors.torch import load_file
 
@@ -69,7 +76,7 @@ def test_cross_attention_order_is_diffusers(torch_unet, sdxl_dir):
 
 
 @pytest.mark.parity
-def test_one_unet_call_equals_diffusers(adapter_file, torch_unet, sdxl_dir, encoder_dir):
+def test_one_unet_call_equals_diffusers(any_adapter, torch_unet, sdxl_dir, encoder_dir):
     """Projection + every cross-attention with image tokens at two per-image scales (0.6, and
     0 for the second image: exactly the UNet without the adapter)."""
     import copy
@@ -79,11 +86,11 @@ def test_one_unet_call_equals_diffusers(adapter_file, torch_unet, sdxl_dir, enco
     from maxdiff.models.clip_vision import load_image_encoder
     from maxdiff.models.unet import load_unet
 
-    kind, path = adapter_file
+    kind, path = any_adapter
     module, params = load_unet(sdxl_dir / "unet")
     enc = load_image_encoder(encoder_dir)
     w = ipa.load_ip_adapter(path, params, module.config.cross_attention_dim, enc)
-    assert w.kind == kind and w.tokens == 4
+    assert w.kind == kind and w.tokens == {"full": 17}.get(kind, 4)  # 17: 4x4 patches + class
     rng = np.random.default_rng(0)
     b = 2
     x = rng.standard_normal((b, 8, 8, 4)).astype(np.float32)
@@ -198,3 +205,49 @@ def test_images_with_and_without_image_prompts_share_a_batch(adapter_file, sdxl_
     pipe.unload_ip_adapter()
     with pytest.raises(ValueError, match="ip_adapter_image: this pipeline has no IP-Adapter"):
         pipe("a cat", ip_adapter_image=_picture(), **kw)
+
+
+@pytest.fixture(scope="module")
+def basic_adapter(torch_unet, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ip-cli")
+    tiny.make_image_encoder(folder / "image_encoder")
+    return tiny.make_ip_adapter(torch_unet, folder / "ip-adapter_sdxl.safetensors", seed=4)
+
+
+def test_cli_lines_with_image_prompts(basic_adapter, sdxl_dir, tmp_path, capsys):
+    """``maxdiff generate --ip-adapter FILE`` with JSONL lines that carry ``ip_adapter_image``
+    (relative to the file) and ``ip_adapter_scale``: the images are the Python API's, the
+    metadata names the image prompt, and an image prompt without an adapter stops the run
+    before loading (exit 2, naming the line)."""
+    import json
+
+    from PIL import Image
+
+    from pipelines import cli
+
+    _picture().save(tmp_path / "style.png")
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(json.dumps({"prompt": "a cat", "seed": 3, "ip_adapter_image": "style.png",
+                                "ip_adapter_scale": 0.5}) + "\n"
+                    + json.dumps({"prompt": "a dog", "seed": 4}) + "\n")
+    out = tmp_path / "out"
+    common = ["--model", str(sdxl_dir), "--steps", "2", "--size", "32x32", "--guidance", "5",
+              "--quiet", "--set", "compile_cache_dir="]
+    assert cli.main(["generate", "--prompts", str(jobs), "--ip-adapter", str(basic_adapter),
+                     *common, "--out", str(out)]) == 0
+    recs = [json.loads(x) for x in (out / "metadata.jsonl").read_text().splitlines()]
+    assert recs[0]["ip_adapter_image"] == str((tmp_path / "style.png").resolve())
+    assert recs[0]["ip_adapter_scale"] == 0.5 and "ip_adapter_image" not in recs[1]
+    pipe = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
+    pipe.load_ip_adapter(basic_adapter)
+    want = pipe.generate([ImageRequest("a cat", seed=3, guidance_scale=5.0,
+                                       ip_adapter_image=_picture(), ip_adapter_scale=0.5),
+                          ImageRequest("a dog", seed=4, guidance_scale=5.0)],
+                         num_inference_steps=2, height=SIZE, width=SIZE, output_type="np").images
+    for rec, img in zip(recs, want):
+        got = np.asarray(Image.open(out / rec["file"]), np.float32) / 255
+        assert np.abs(got - img).max() <= 1.5 / 255
+    capsys.readouterr()
+    assert cli.main(["generate", "a cat", "--ip-adapter-image", str(tmp_path / "style.png"),
+                     *common, "--out", str(tmp_path / "none")]) == 2
+    assert "prompt argument 1: an image prompt" in capsys.readouterr().err

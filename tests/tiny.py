@@ -398,7 +398,8 @@ def make_ip_adapter(unet, out: str | Path, kind: str = "basic", seed: int = 0,
     """A random IP-Adapter file for the diffusers ``unet`` in h94/IP-Adapter's layout
     (``image_proj.*``, ``ip_adapter.{k}.to_k_ip.weight``: k = 1, 3, ... in diffusers'
     ``attn_processors`` order), saved as ``out`` (.safetensors). ``kind``: ``basic`` (Linear
-    + LayerNorm over image_embeds) or ``plus`` (the 4-block resampler over hidden states).
+    + LayerNorm over image_embeds), ``plus`` (the 4-block resampler over hidden states) or
+    ``full`` (Linear, GELU, Linear, LayerNorm over every hidden state).
     ``encoder``: the image encoder's config (default :data:`IMAGE_ENCODER`)."""
     from safetensors.torch import save_file
 
@@ -432,6 +433,14 @@ def make_ip_adapter(unet, out: str | Path, kind: str = "basic", seed: int = 0,
         sd["image_proj.proj_out.bias"] = r(cross, s=0.05)
         sd["image_proj.norm_out.weight"] = 1 + r(cross, s=0.1)
         sd["image_proj.norm_out.bias"] = r(cross, s=0.05)
+    elif kind == "full":
+        e = enc["hidden_size"]
+        sd["image_proj.proj.0.weight"] = r(e, e)
+        sd["image_proj.proj.0.bias"] = r(e, s=0.05)
+        sd["image_proj.proj.2.weight"] = r(cross, e)
+        sd["image_proj.proj.2.bias"] = r(cross, s=0.05)
+        sd["image_proj.proj.3.weight"] = 1 + r(cross, s=0.1)
+        sd["image_proj.proj.3.bias"] = r(cross, s=0.05)
     else:
         raise ValueError(kind)
     k = 1

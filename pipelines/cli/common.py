@@ -57,6 +57,9 @@ def _run_config(args, **extra: Any):
                  embeddings=getattr(args, "embedding", None) or None,
                  revision=getattr(args, "revision", None), variant=getattr(args, "variant", None),
                  refiner=getattr(args, "refiner", None),
+                 ip_adapter=getattr(args, "ip_adapter", None),
+                 ip_adapter_image_encoder=getattr(args, "ip_adapter_encoder", None),
+                 ip_adapter_scale=getattr(args, "ip_adapter_scale", None),
                  high_noise_frac=getattr(args, "high_noise_frac", None), **extra)
     flags = {k: v for k, v in flags.items() if v is not None}
     if flags:
@@ -67,12 +70,16 @@ def _run_config(args, **extra: Any):
     single_file_config = _existing(cfg.single_file_config, "single_file_config",
                                   "--single-file-config", folder=True)
     refiner = _existing(cfg.refiner, "refiner", "--refiner", folder=True)
+    ip_adapter = _existing(cfg.ip_adapter, "ip_adapter", "--ip-adapter", file=True)
+    ip_encoder = _existing(cfg.ip_adapter_image_encoder, "ip_adapter_image_encoder",
+                           "--ip-adapter-encoder", folder=True)
     loras = _existing_specs(cfg.loras, "lora", "--lora PATH[:SCALE]", "loras")
     embeddings = _existing_specs(cfg.embeddings, "embedding", "--embedding PATH[:TOKEN]",
                                  "embeddings")
     return cfg.replace(model=str(model), unet=unet, vae=vae,
                        single_file_config=single_file_config, loras=loras,
-                       embeddings=embeddings, refiner=refiner)
+                       embeddings=embeddings, refiner=refiner, ip_adapter=ip_adapter,
+                       ip_adapter_image_encoder=ip_encoder)
 
 
 def _existing_specs(specs, what: str, flag: str, key: str) -> tuple:

@@ -80,9 +80,16 @@ def cmd_generate(args) -> int:
                                  control_images=args.control_image, controlnets=args.controlnet,
                                  control_start=args.control_guidance_start,
                                  control_end=args.control_guidance_end,
-                                 control_guess_mode=args.control_guess_mode)
+                                 control_guess_mode=args.control_guess_mode,
+                                 ip_adapter_image=args.ip_adapter_image)
         except InputError as e:
             errors += e.errors
+        else:
+            prompted = [line.where for line in lines if line.ip_adapter_image is not None]
+            if prompted and cfg and cfg.ip_adapter is None:
+                errors.append(f"{prompted[0]}: an image prompt (--ip-adapter-image / a line's "
+                              "ip_adapter_image) needs an IP-Adapter: pass --ip-adapter FILE "
+                              "(config key 'ip_adapter')")
         if errors:
             raise InputError(errors)
         out = OutputDir(args.out)
@@ -108,7 +115,9 @@ def cmd_generate(args) -> int:
             num_images=args.num_images, format=args.format, prompt_syntax=args.prompt_syntax,
             lora=", ".join(f"{x.path}:{x.scale:g}" for x in cfg.loras) or None,
             embeddings=", ".join(str(e) for e in cfg.embeddings) or None,
-            refiner=f"{cfg.refiner}:{cfg.high_noise_frac:g}" if cfg.refiner else None)
+            refiner=f"{cfg.refiner}:{cfg.high_noise_frac:g}" if cfg.refiner else None,
+            ip_adapter=(f"{cfg.ip_adapter}:{cfg.ip_adapter_scale:g}" if cfg.ip_adapter
+                        else None))
         jobs = plan_jobs(lines, settings)
     done = out.done(records)
     todo = [j for j in jobs if j.id not in done]

@@ -52,6 +52,7 @@ class RunSettings:
     refiner: str | None = None  # "DIR:FRAC": the SDXL refiner and where it takes over
     prompt_syntax: str | None = None  # --prompt-syntax (None: a1111)
     embeddings: str | None = None  # the loaded textual-inversion embeddings, "PATH[:TOKEN], ..."
+    ip_adapter: str | None = None  # the loaded IP-Adapter, "PATH:SCALE" (the default scale)
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,19 @@ class ImageJob:
         return ShapeKey.of(self.height, self.width, self.steps, self.guidance)
 
     def request(self) -> ImageRequest:
+        image = None
+        if self.line.ip_adapter_image is not None:
+            from PIL import Image
+
+            from pipelines.image_files import decode_image
+
+            rgb, _ = decode_image(Path(self.line.ip_adapter_image).read_bytes(),
+                                  "ip_adapter_image")
+            image = Image.fromarray(rgb)
         return ImageRequest(prompt=self.prompt, negative_prompt=self.negative_prompt,
                             seed=self.seed, guidance_scale=self.guidance,
-                            prompt_syntax=self.prompt_syntax, scheduler=self.scheduler)
+                            prompt_syntax=self.prompt_syntax, scheduler=self.scheduler,
+                            ip_adapter_image=image, ip_adapter_scale=self.line.ip_adapter_scale)
 
     def identity(self) -> dict[str, Any]:
         return identity(self.line.index, self.image, self.prompt, self.negative_prompt, self.seed,
@@ -124,6 +135,7 @@ class ImageJob:
                     dtype=s.dtype, quantization=s.quantization, format=s.format,
                     prompt_syntax=self.prompt_syntax,
                     **({"refiner": s.refiner} if s.refiner else {}), **edit,
+                    **_image_prompt(self.line, s),
                     file=self.file, id=self.id, **extra)
 
 
@@ -139,6 +151,18 @@ def identity(line: int, image: int, prompt: str, negative_prompt: str | None, se
                 **({"prompt_syntax": prompt_syntax} if prompt_syntax else {}),
                 **({"embeddings": s.embeddings} if s.embeddings else {}),
                 **({"sampler": scheduler} if scheduler else {}))
+
+
+def _image_prompt(line: PromptLine, s: RunSettings, digest: bool = False) -> dict:
+    """A line's image prompt (IP-Adapter) for its metadata, or with ``digest`` for its
+    identity (the image's SHA-256 and the scale in force); empty without one."""
+    if line.ip_adapter_image is None:
+        return {}
+    scale = line.ip_adapter_scale
+    if scale is None and s.ip_adapter:
+        scale = float(s.ip_adapter.rpartition(":")[2])
+    image = _sha256(line.ip_adapter_image) if digest else line.ip_adapter_image
+    return dict(ip_adapter=s.ip_adapter, ip_adapter_image=image, ip_adapter_scale=scale)
 
 
 def _sha256(path: str) -> str:
@@ -191,6 +215,12 @@ def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[ImageJob]:
         if line.controls:
             edit = dict(control_images=[{**c.record(), "image": _sha256(c.image)}
                                         for c in line.controls])
+        if line.ip_adapter_image is not None:
+            if s.ip_adapter is None:
+                raise InputError([f"{line.where}: an image prompt (ip_adapter_image / "
+                                  "--ip-adapter-image) needs an IP-Adapter: pass --ip-adapter "
+                                  "FILE (config key 'ip_adapter')"])
+            edit = {**edit, **_image_prompt(line, s, digest=True)}
         for k, seed in enumerate(seeds):
             if seed is None:
                 seed = derive_seed(s.run_seed, line.index, k)

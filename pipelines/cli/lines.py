@@ -12,6 +12,7 @@ from typing import Any
 from pipelines.limits import (
     Problem,
     guidance_problem,
+    ip_adapter_scale_problem,
     n_problem,
     prompt_syntax_problem,
     sampler_problem,
@@ -25,7 +26,8 @@ from pipelines.requests import (
 )
 
 LINE_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "n", "image",
-               "mask", "strength", "control_images", "prompt_syntax", "scheduler")
+               "mask", "strength", "control_images", "prompt_syntax", "scheduler",
+               "ip_adapter_image", "ip_adapter_scale")
 
 
 CONTROL_FIELDS = ("image", "controlnet", "scale", "start", "end",  # of a control_images entry
@@ -60,6 +62,8 @@ class PromptLine:
     controls: tuple[ControlSpec, ...] | None = None  # ControlNet text-to-image (None: none)
     prompt_syntax: str | None = None  # a1111, compel or none (None: the run's --prompt-syntax)
     scheduler: str | None = None  # a sampler name for this line (None: the run's --scheduler)
+    ip_adapter_image: str | None = None  # absolute path of the line's image prompt (IP-Adapter)
+    ip_adapter_scale: float | None = None  # its scale (None: the run's --ip-adapter-scale)
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,9 @@ _CHECKS = {
     "strength": lambda v: None if v is None else _rule(strength_problem, float)(v),
     "prompt_syntax": lambda v: None if v is None else _rule(prompt_syntax_problem, str)(v),
     "scheduler": lambda v: None if v is None else _rule(sampler_problem, str)(v),
+    "ip_adapter_image": lambda v: None if v is None else _text(v, empty_ok=False),
+    "ip_adapter_scale": lambda v: None if v is None else _rule(ip_adapter_scale_problem,
+                                                               float)(v),
 }
 
 

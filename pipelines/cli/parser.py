@@ -13,6 +13,7 @@ from pipelines.limits import (
     STRENGTH,
     denoising_fraction_problem,
     guidance_problem,
+    ip_adapter_scale_problem,
     n_problem,
     seed_problem,
     steps_problem,
@@ -35,12 +36,15 @@ examples:
       --control-image edges.png:canny:0.5 --control-guidance-end 0.8
   maxdiff generate "a lighthouse at dusk" --model /models/sdxl-base \\
       --refiner /models/sdxl-refiner --high-noise-frac 0.8   # base 80 %, refiner the rest
+  maxdiff generate "a cat, best quality" --ip-adapter /models/IP-Adapter/sdxl_models/\
+ip-adapter_sdxl.safetensors --ip-adapter-image style.png --ip-adapter-scale 0.6
 
 prompt files: one prompt per line, or (.jsonl) one JSON object per line with "prompt" and any
 of "negative_prompt", "seed", "steps", "guidance", "size" ("WxH"), "n" (images of that line),
 "image", "mask", "strength" (an edit), "control_images" (ControlNet: a list of {"image",
-"controlnet" (a --controlnet name or folder), "scale", "start", "end", "guess_mode"}); paths
-relative to the JSONL file's folder:
+"controlnet" (a --controlnet name or folder), "scale", "start", "end", "guess_mode"}),
+"ip_adapter_image", "ip_adapter_scale" (an image prompt, with --ip-adapter),
+"prompt_syntax", "scheduler"; paths relative to the JSONL file's folder:
   {"prompt": "a red fox", "seed": 7, "n": 2}
   {"prompt": "a lighthouse", "negative_prompt": "blurry", "size": "1024x768", "steps": 20}
   {"prompt": "a red hat", "image": "fox.png", "mask": "hat-mask.png", "strength": 0.9}
@@ -144,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="textual-inversion embedding (.safetensors: diffusers, A1111 / Civitai "
                         "or SDXL clip_l + clip_g); its token (default: the file's name) works in "
                         "every prompt; repeatable")
+    g.add_argument("--ip-adapter", metavar="FILE",
+                   help="IP-Adapter (.safetensors, h94/IP-Adapter's files) for image prompts "
+                        "(--ip-adapter-image, a JSONL line's ip_adapter_image); its image "
+                        "encoder is read from image_encoder/ beside the file (h94's layout) "
+                        "unless --ip-adapter-encoder names it")
+    g.add_argument("--ip-adapter-encoder", metavar="DIR",
+                   help="the IP-Adapter's CLIP vision encoder folder (transformers layout)")
     g.add_argument("--refiner", metavar="DIR",
                    help="SDXL refiner folder that finishes every text-to-image image "
                         "(diffusers' base + refiner, one program; edits run the base alone)")
@@ -190,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--strength", type=float, metavar="S",
                      help="edit strength in (0, 1]: int(steps * S) denoising steps run "
                           f"(default {STRENGTH['img2img']}, {STRENGTH['inpaint']} with --mask)")
+    gen.add_argument("--ip-adapter-image", metavar="FILE",
+                     help="image prompt for every line without its own (needs --ip-adapter)")
+    gen.add_argument("--ip-adapter-scale", type=_rule(ip_adapter_scale_problem, float),
+                     metavar="S", help="how strongly image prompts act, in [-1, 5] (default 1; "
+                                       "0: not at all); a JSONL line's ip_adapter_scale "
+                                       "overrides it")
     gen.add_argument("--control-image", action="append", default=[],
                      metavar="PATH[:MODEL[:SCALE]]",
                      help="ControlNet text-to-image: a control image (edges, depth, pose, ...) "

@@ -137,6 +137,13 @@ def _jsonl_line(text: str, where: str, index: int, factor: int | None,
                           "image-to-image is not supported; give control_images or image")
     if len(errors) > before:
         return None
+    if values.get("ip_adapter_image") is not None:
+        path, _, problems = check_edit_files(values["ip_adapter_image"], None, None, base,
+                                             ("field 'ip_adapter_image'", ""))
+        errors += [f"{where}: {p}" for p in problems]
+        if problems:
+            return None
+        values["ip_adapter_image"] = path
     if values.get("controls") and "size" not in values:
         values["size"] = control_size(values["controls"], factor)
     if "image" in values or "mask" in values or "strength" in values:
@@ -159,7 +166,8 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
                  size: tuple[int, int] | None = None, steps: int | None = None,
                  control_images: Iterable[str] = (), controlnets: Iterable[str] = (),
                  control_start: float | None = None, control_end: float | None = None,
-                 control_guess_mode: bool = False) -> list[PromptLine]:
+                 control_guess_mode: bool = False,
+                 ip_adapter_image: str | None = None) -> list[PromptLine]:
     """All prompts of a run: the command-line ones first, then the file's.
 
     A ``.jsonl``/``.ndjson`` file (or one whose first entry starts with ``{``) holds one JSON
@@ -178,7 +186,9 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
     defaults to its first control image's.
     Both skip blank lines and lines starting with ``#``. ``file="-"`` reads stdin (or
     ``file_text``). Sizes must be multiples of ``factor``; steps at most ``steps_limit`` =
-    (limit, scheduler name). Raises :class:`InputError` listing every bad line.
+    (limit, scheduler name). ``ip_adapter_image`` (--ip-adapter-image): the image prompt of
+    every line without its own ``ip_adapter_image``. Raises :class:`InputError` listing every
+    bad line.
     """
     errors: list[str] = []
     lines: list[PromptLine] = []
@@ -192,6 +202,10 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
         if image is not None and not problems:
             edit = dict(image=image, mask=mask, strength=strength,
                         size=size or edit_size(image, factor))
+    if ip_adapter_image is not None:
+        ip_adapter_image, _, problems = check_edit_files(ip_adapter_image, None, None, None,
+                                                         ("--ip-adapter-image", ""))
+        errors += problems
     names, problems = parse_controlnets(controlnets)
     errors += problems
     control_images = list(control_images)
@@ -247,6 +261,10 @@ def read_prompts(prompts: Iterable[str] = (), file: str | os.PathLike | None = N
                                         **control))
         if not entries:
             errors.append(f"--prompts {name}: no prompts in it (blank lines and # comments only)")
+    if ip_adapter_image is not None:
+        lines = [line if line.ip_adapter_image is not None else
+                 PromptLine(**{**line.__dict__, "ip_adapter_image": ip_adapter_image})
+                 for line in lines]
     for line in lines:
         if line.image is not None and (line.steps or steps):
             p = strength_problem(edit_strength(line), line.steps or steps)
