@@ -216,6 +216,10 @@ class GenerationRequest:
     adapter: str | None = None  # a LoRA adapter the server added (add_adapter); not in the key
     prompt_syntax: str | None = None  # how the prompts' weights are written (ImageRequest's)
     scheduler: str | None = None  # a sampler name for this request (None: the model's)
+    # an image prompt for the model's IP-Adapter (uint8 (H, W, 3)) and its scale (None: the
+    # model's); not in the key (images with and without one share a batch)
+    ip_adapter_image: Any = field(default=None, compare=False, repr=False)
+    ip_adapter_scale: float | None = None
 
     @property
     def key(self) -> ShapeKey:
@@ -227,7 +231,9 @@ class GenerationRequest:
         """One :class:`ImageRequest` per image, seeds ``seed + k``."""
         return [ImageRequest(self.prompt, negative_prompt=self.negative_prompt, seed=s,
                              guidance_scale=self.guidance_scale, adapter=self.adapter,
-                             prompt_syntax=self.prompt_syntax, scheduler=self.scheduler)
+                             prompt_syntax=self.prompt_syntax, scheduler=self.scheduler,
+                             ip_adapter_image=self.ip_adapter_image,
+                             ip_adapter_scale=self.ip_adapter_scale)
                 for s in image_seeds(self.seed, self.n)]
 
     def validate(self) -> None:

@@ -59,7 +59,7 @@ from ray.serve.handle import DeploymentHandle
 from serving import cost, errors, native_api, openai_api, security, validation
 from serving.client import GENERATOR, GeneratorClient
 from serving.errors import TIMEOUT_HEADER, ApiError, request_id
-from serving.gate import CONTROL_ROUTES, EDIT_ROUTES, Gate
+from serving.gate import CONTROL_ROUTES, EDIT_ROUTES, PROMPT_ROUTES, Gate
 from serving.generator import Generator, StatsBoard
 from serving.models import Catalog
 from serving.schemas import (
@@ -153,6 +153,7 @@ def _model_details(s: ServeSettings, info: dict) -> dict:
         "max_prompt_chars": s.max_prompt_chars, "max_cost": lim.max_cost}
     details["adapters"] = info.get("adapters") or []
     details["controlnets"] = info.get("controlnets") or []  # what control_images may name
+    details["ip_adapter"] = info.get("ip_adapter")  # image prompts (ip_adapter_image), or None
     return details
 
 
@@ -168,9 +169,11 @@ class Ingress:
         self.catalog = catalog
         self.started = int(time.time())
         controlnets = any(m.controlnets for m in catalog.models)  # control images in bodies
+        prompts = any(m.run_config.ip_adapter for m in catalog.models)  # image prompts too
         security.GATE.update(
             max_body_bytes=settings.max_body_bytes, max_image_bytes=settings.max_image_bytes,
-            image_routes=EDIT_ROUTES + (CONTROL_ROUTES if controlnets else ()),
+            image_routes=EDIT_ROUTES + (CONTROL_ROUTES if controlnets or prompts else ())
+            + (PROMPT_ROUTES if prompts else ()),
             key_hashes=key_hashes,
             limiter=(security.RateLimiter(settings.rate_limit_per_minute)
                      if settings.rate_limit_per_minute else None))
@@ -204,7 +207,10 @@ class Ingress:
         seeds are random (use ``/v1/generate`` for control)."""
         model = openai_api.model_name(self.catalog, body.model)
         deadline, info = await self._start(request, model)
-        job = openai_api.generation_job(self.s, info, body)
+        found: list = []  # the image prompt's problems, reported with the others
+        image = await validation.image_prompt(self.s, info, body.ip_adapter_image,
+                                              body.ip_adapter_scale, found)
+        job = openai_api.generation_job(self.s, info, body, found, image)
         fmt, quality = body.output_format or "png", body.output_compression
         if body.stream:
             return await self.generator.stream(job, deadline, request_id(request),
@@ -240,10 +246,13 @@ class Ingress:
         deadline = validation.deadline(request, self.s)
         wanted, fmt = native_api.negotiate(body, request.headers.get("accept"))
         info = await self.generator.model_info(model, deadline)
+        found: list = []  # the image prompt's problems, reported with the others
+        image = await validation.image_prompt(self.s, info, body.ip_adapter_image,
+                                              body.ip_adapter_scale, found)
         if body.control_images:
-            job = await native_api.control_job(self.s, info, body, wanted)
+            job = await native_api.control_job(self.s, info, body, wanted, found, image)
         else:
-            job = native_api.generation_job(self.s, info, body, wanted)
+            job = native_api.generation_job(self.s, info, body, wanted, None, found, image)
         if body.stream:
             render = native_api.stream_render(job, fmt, info, model, t0)
             return await self.generator.stream(job, deadline, request_id(request),

@@ -19,6 +19,7 @@ logger = logging.getLogger("ray.serve")
 
 EDIT_ROUTES = ("/v1/images/edits", "/v1/edit")  # body limit: max_image_bytes, not max_body_bytes
 CONTROL_ROUTES = ("/v1/generate",)  # max_image_bytes too where ControlNets are loaded
+PROMPT_ROUTES = ("/v1/images/generations",)  # ... and where an IP-Adapter is (image prompts)
 # routes open without an API key
 OPEN = ("/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc")
 

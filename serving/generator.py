@@ -207,7 +207,10 @@ class LoadedModel:
                 "warmed": self.warmed, "load_s": self.load_s,
                 "adapters": [{k: a[k] for k in ("name", "scale", "layers", "rank")}
                              for a in p.adapters],
-                "controlnets": [{"name": name} for name in self.controlnets]}
+                "controlnets": [{"name": name} for name in self.controlnets],
+                "ip_adapter": None if p.ip_adapter is None else {
+                    "kind": p.ip_adapter.kind, "tokens": p.ip_adapter.tokens,
+                    "scale": p.ip_adapter_scale}}
 
     def stats(self) -> dict:
         """What ``/v1/stats`` reports of this model on this replica beyond its images."""

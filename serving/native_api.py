@@ -169,11 +169,12 @@ def negotiate(body: GenerateRequest, accept: str | None) -> tuple[str | None, st
 
 
 def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: str | None,
-                   size: tuple[int, int] | None = None, errors: list | None = None
-                   ) -> GenerationRequest:
+                   size: tuple[int, int] | None = None, errors: list | None = None,
+                   prompt_image=None) -> GenerationRequest:
     """The job of a ``/v1/generate`` request (omitted settings: the model's defaults; ``size``:
-    the default (width, height) instead of the model's), or a 422 naming every problem (those
-    in ``errors`` too)."""
+    the default (width, height) instead of the model's; ``prompt_image``: its decoded
+    ``ip_adapter_image``, :func:`serving.validation.image_prompt`), or a 422 naming every
+    problem (those in ``errors`` too)."""
     steps = info["default_steps"] if body.steps is None else body.steps
     guidance = info["default_guidance"] if body.guidance_scale is None else body.guidance_scale
     w0, h0 = size or (info["default_width"], info["default_height"])
@@ -196,16 +197,16 @@ def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: 
         raise invalid_all(errors)
     return GenerationRequest(body.prompt, body.negative_prompt, body.seed, body.num_images,
                              width, height, steps, guidance, body.lora, body.prompt_syntax,
-                             sampler)
+                             sampler, prompt_image, body.ip_adapter_scale)
 
 
-async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: str | None
-                      ) -> ControlRequest:
+async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: str | None,
+                      errors: list | None = None, prompt_image=None) -> ControlRequest:
     """The job of a ``/v1/generate`` request with ``control_images`` (decoded; the size
     defaults to the first control image's, rounded down to the size multiple), or a 422
     naming every problem: an unknown ControlNet names the loaded ones."""
     loaded = [c["name"] for c in info.get("controlnets") or []]
-    errors, raw = [], []
+    errors, raw = list(errors or []), []
     for k, entry in enumerate(body.control_images):
         where = f"control_images[{k}]"
         name = chosen_controlnet(entry.controlnet, loaded)
@@ -244,13 +245,15 @@ async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wante
         multiple = validation.limits(s, info).multiple
         h, w = images[0].shape[:2]
         size = (w - w % multiple, h - h % multiple)
-    job = generation_job(s, info, body, wanted, size, errors)  # a 422 naming every problem
+    job = generation_job(s, info, body, wanted, size, errors,  # a 422 naming every problem
+                         prompt_image)
     controls = tuple((name, ControlImage(img, float(e.scale), float(e.start), float(e.end),
                                          e.guess_mode))
                      for (name, _), img, e in zip(raw, images, body.control_images))
     return ControlRequest(job.prompt, job.negative_prompt, job.seed, job.n, job.width,
                           job.height, job.steps, job.guidance_scale, job.adapter,
-                          job.prompt_syntax, job.scheduler, controls=controls)
+                          job.prompt_syntax, job.scheduler, job.ip_adapter_image,
+                          job.ip_adapter_scale, controls=controls)
 
 
 async def edit_job(s: ServeSettings, info: dict, body: EditBody) -> EditRequest:
@@ -288,6 +291,10 @@ def image_settings(job: GenerationRequest, seeds, info: dict, model_id: str) -> 
         mode = {"mode": "controlnet", "controlnet": "; ".join(
             f"{name}:{c.scale:g}[{c.start:g}-{c.end:g}]{' guess' if c.guess_mode else ''}"
             for name, c in job.controls)}
+    if job.ip_adapter_image is not None:  # an image prompt: its scale (the image is the caller's)
+        scale = info["ip_adapter"]["scale"] if job.ip_adapter_scale is None \
+            else job.ip_adapter_scale
+        mode = {**mode, "ip_adapter_image": "given", "ip_adapter_scale": f"{scale:g}"}
     return [image_info(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=seed,
                        steps=job.steps, guidance=job.guidance_scale,
                        size=f"{job.width}x{job.height}",

@@ -45,9 +45,10 @@ def adapter(info: dict, body: ImagesGenerationRequest) -> str | None:
     return body.lora or from_model
 
 
-def generation_job(s: ServeSettings, info: dict, body: ImagesGenerationRequest
-                   ) -> GenerationRequest:
-    """The job of an ``images.generate`` request, or a 422 naming every problem."""
+def generation_job(s: ServeSettings, info: dict, body: ImagesGenerationRequest,
+                   errors: list | None = None, prompt_image=None) -> GenerationRequest:
+    """The job of an ``images.generate`` request (``prompt_image``: its decoded
+    ``ip_adapter_image``), or a 422 naming every problem (those in ``errors`` too)."""
     n = 1 if body.n is None else body.n
     if body.size in (None, "auto"):
         width, height = info["default_width"], info["default_height"]
@@ -56,7 +57,7 @@ def generation_job(s: ServeSettings, info: dict, body: ImagesGenerationRequest
             width, height = parse_size(body.size)
         except ValueError as e:
             raise invalid("size", f"{e}, or 'auto'", body.size) from None
-    errors = validation.stream_problems(body.stream, n, "n")
+    errors = list(errors or []) + validation.stream_problems(body.stream, n, "n")
     sampler = validation.sampler(info, body.scheduler, errors)
     errors += validation.problems(s, info, DOOR, prompt=body.prompt,
                                   prompt_syntax=body.prompt_syntax,
@@ -65,7 +66,7 @@ def generation_job(s: ServeSettings, info: dict, body: ImagesGenerationRequest
         raise invalid_all(errors)
     return GenerationRequest(body.prompt, None, None, n, width, height, info["default_steps"],
                              info["default_guidance"], adapter(info, body), body.prompt_syntax,
-                             sampler)
+                             sampler, prompt_image, body.ip_adapter_scale)
 
 
 async def edit_job(s: ServeSettings, info: dict, *, prompt: str, image: UploadFile | None,

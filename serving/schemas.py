@@ -18,7 +18,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipelines.limits import CONTROL_SCALE_MAX, MAX_PROMPT_CHUNKS, MAX_SEED, STRENGTH
+from pipelines.limits import (
+    CONTROL_SCALE_MAX,
+    IP_ADAPTER_SCALE,
+    MAX_PROMPT_CHUNKS,
+    MAX_SEED,
+    STRENGTH,
+)
 from serving.settings import ServeSettings  # noqa: F401 (re-exported)
 from serving.specs import AdapterSpec, WarmupShape  # noqa: F401 (re-exported)
 
@@ -58,6 +64,14 @@ class ImagesGenerationRequest(BaseModel):
         "(word:1.3), (word), [word], BREAK), 'compel' (word+, word-, (words)1.3) or 'none' "
         "(the text as written). Prompts over 75 tokens are encoded in chunks of 75, up to "
         f"{MAX_PROMPT_CHUNKS} (engine=step: one).")
+    ip_adapter_image: str | None = Field(
+        None, description="An image prompt for the model's IP-Adapter (serve arg ip_adapter): "
+        "a base64 PNG, JPEG or WebP file (or a data: URL). Requests with and without one share "
+        "device batches. engine=batch.")
+    ip_adapter_scale: float | None = Field(
+        None, description="How strongly the image prompt acts: -1 to 5 (0: not at all, 1: the "
+        "adapter as trained); omitted: the model's (serve arg ip_adapter_scale).",
+        json_schema_extra={"minimum": IP_ADAPTER_SCALE[0], "maximum": IP_ADAPTER_SCALE[1]})
     user: str | None = None
     quality: str | None = None
     style: str | None = None
@@ -201,6 +215,14 @@ class GenerateRequest(BaseModel):
     lora: str | None = Field(None, description="A LoRA adapter the server loaded (its name, see "
                              "/v1/models `maxdiff.adapters`); omitted: the base model. Requests "
                              "with different adapters share batches.")
+    ip_adapter_image: str | None = Field(
+        None, description="An image prompt for the model's IP-Adapter (serve arg ip_adapter): "
+        "a base64 PNG, JPEG or WebP file (or a data: URL). Requests with and without one share "
+        "device batches. engine=batch.")
+    ip_adapter_scale: float | None = Field(
+        None, description="How strongly the image prompt acts: -1 to 5 (0: not at all, 1: the "
+        "adapter as trained); omitted: the model's (serve arg ip_adapter_scale).",
+        json_schema_extra={"minimum": IP_ADAPTER_SCALE[0], "maximum": IP_ADAPTER_SCALE[1]})
     output_format: ImageFormat = "png"
     stream: bool = Field(False, description="Server-Sent Events: `progress` events (step, "
                          "total, queue_position; engine=batch: queued and done only), "

@@ -18,7 +18,8 @@ RUN_CONFIG_KEYS = tuple(RunConfig.model_fields)
 # args taken as given when they come as strings (names and paths); others are parsed as YAML
 TEXT_ARGS = ("config", "model_name", "name", "resource", "model", "unet", "vae",
              "single_file_config", "scheduler", "compile_cache_dir", "dtype", "quantization",
-             "attention", "api_keys", "cors_origins", "adapters", "controlnets", "refiner")
+             "attention", "api_keys", "cors_origins", "adapters", "controlnets", "refiner",
+             "ip_adapter", "ip_adapter_image_encoder")
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 class WarmupShape(StrictConfig):

@@ -14,7 +14,14 @@ from typing import Any
 from fastapi import Request
 
 from pipelines.image_files import decode_image, repaint_mask
-from pipelines.limits import STRENGTH, Limits, field_name, prompt_text_problems, sampler_problem
+from pipelines.limits import (
+    STRENGTH,
+    Limits,
+    field_name,
+    ip_adapter_scale_problem,
+    prompt_text_problems,
+    sampler_problem,
+)
 from pipelines.limits import problems as rule_problems
 from pipelines.requests import EditRequest
 from serving.errors import TIMEOUT_HEADER, invalid, invalid_all
@@ -102,6 +109,38 @@ def adapter_problem(info: dict, name: str | None, field: str) -> Problem | None:
     have = (f"loaded adapters: {', '.join(loaded)}" if loaded else
             "this server loaded no adapters (serve arg adapters)")
     return field, f"unknown adapter {name!r}; {have}", name
+
+
+async def image_prompt(s: ServeSettings, info: dict, image: str | None, scale: float | None,
+                       errors: list):
+    """A request's ``ip_adapter_image`` (base64) decoded to uint8 (H, W, 3), or None; its
+    problems (no IP-Adapter on this model, the step engine, a bad file, a scale out of range)
+    are added to ``errors``."""
+    if scale is not None and (p := ip_adapter_scale_problem(scale)) is not None:
+        errors.append((p.field, p.message, scale))
+    if image is None:
+        if scale is not None:
+            errors.append(("ip_adapter_scale", "only used with an ip_adapter_image", scale))
+        return None
+    if not info.get("ip_adapter"):
+        errors.append(("ip_adapter_image", "this model has no IP-Adapter (serve arg "
+                       "ip_adapter)", None))
+        return None
+    if s.engine == "step":
+        errors.append(("ip_adapter_image", "the step engine (engine=step) does not run image "
+                       "prompts; engine=batch does", None))
+        return None
+    try:
+        data = b64(image)
+    except ValueError as e:
+        errors.append(("ip_adapter_image", f"ip_adapter_image {e}", None))
+        return None
+    try:
+        rgb, _ = await asyncio.to_thread(decode_image, data, "ip_adapter_image")
+    except ValueError as e:
+        errors.append(("ip_adapter_image", str(e), None))
+        return None
+    return rgb
 
 
 def stream_problems(stream: bool | None, n: int, n_field: str) -> list[Problem]:

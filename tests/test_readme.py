@@ -54,6 +54,9 @@ NOT_RUN = {
     "curl -s http://localhost:8000/v1/generate -H \"Accept: image/png\" -o statue.png \\":
         "needs a server with a ControlNet loaded; tests/service/test_controlnet_serving.py sends "
         "the same multipart form (control_image files, controlnet / control_scale / control_end)",
+    "pipe = TextToImagePipeline.from_pretrained(\"/models/sdxl-base\")":
+        "needs an IP-Adapter file for its model (h94/IP-Adapter): tests/test_ip_adapter.py makes "
+        "the same calls on a tiny random adapter and compares them with diffusers",
     "kubectl apply -f deploy/rayservice-gpu.yaml":
         "needs a Kubernetes cluster with the KubeRay operator; tests/test_deploy.py validates "
         "both manifests against Ray Serve's schema and configs/serve.yaml",

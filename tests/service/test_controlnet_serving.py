@@ -3,7 +3,9 @@ takes ``control_images`` (base64 in JSON, or files in a multipart form; each nam
 ControlNet), requests that share their
 ControlNets and shape run in one device batch with their own control images and scales, each
 equal to the Python API's image alone; an unknown ControlNet is a 422 naming the loaded ones.
-One application for the module (the session's Ray cluster), two tiny random ControlNets."""
+One application for the module (the session's Ray cluster), two tiny random ControlNets and an
+IP-Adapter (serve arg ``ip_adapter``): image prompts over HTTP, with and without control
+images, on both routes."""
 
 from __future__ import annotations
 
@@ -36,13 +38,25 @@ def nets(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cn_app(cluster, sdxl_dir, nets):
+def ip_file(sdxl_dir, tmp_path_factory):
+    """A tiny IP-Adapter for the tiny model, its image encoder beside it (h94's layout)."""
+    from diffusers import UNet2DConditionModel
+
+    folder = tmp_path_factory.mktemp("ip-serve")
+    tiny.make_image_encoder(folder / "image_encoder")
+    return tiny.make_ip_adapter(UNet2DConditionModel.from_pretrained(sdxl_dir / "unet"),
+                                folder / "ip-adapter_sdxl.safetensors", seed=9)
+
+
+@pytest.fixture(scope="module")
+def cn_app(cluster, sdxl_dir, nets, ip_file):
     """The tiny model with both ControlNets loaded (engine=batch; its warm-up: text-to-image
     and ``canny`` at one batch size only)."""
     from serving.app import build_app
 
     serve.run(build_app({"model": str(sdxl_dir), **ARGS,
-                         "controlnets": {k: str(v) for k, v in nets.items()}}),
+                         "controlnets": {k: str(v) for k, v in nets.items()},
+                         "ip_adapter": str(ip_file), "ip_adapter_scale": 0.8}),
               name="controlnet", route_prefix="/controlnet")
     yield f"{cluster.url}/controlnet"
     serve.delete("controlnet")
@@ -196,3 +210,52 @@ def test_the_serve_arg_controlnets(sdxl_dir, tmp_path):
                                          "folder"):
         Catalog.from_settings(ServeSettings.from_args({"model": str(sdxl_dir),
                                                        "controlnets": f"canny={missing}"}))
+
+
+def test_image_prompts_share_batches_and_equal_the_python_api(cn_app, nets, sdxl_dir, ip_file,
+                                                              main_app):
+    """``ip_adapter_image`` (base64) at its own scale and at the served 0.8 share a batch with a
+    request without one; with control images too; on the OpenAI route as an extra field; each
+    image within one level of the Python API's. Bad values and a model without an IP-Adapter
+    are 422s naming the field."""
+    from pipelines import ControlNetPipeline, TextToImagePipeline
+
+    picture = _control(40)
+    b64 = base64.b64encode(picture).decode()
+    bodies = [dict(seed=1, ip_adapter_image=b64, ip_adapter_scale=0.5),
+              dict(seed=2), dict(seed=3, ip_adapter_image=b64)]
+    rs = concurrently(3, lambda k: _generate(cn_app, **bodies[k]))
+    assert [r.status_code for r in rs] == [200] * 3, [r.text for r in rs]
+    got = [r.json() for r in rs]
+    assert len({b["timings"]["batch_id"] for b in got}) == 1
+    r = _generate(cn_app, seed=4, ip_adapter_image=b64, control_images=[
+        {"image": base64.b64encode(_control(41)).decode(), "controlnet": "canny"}])
+    assert r.status_code == 200, r.text
+    got.append(r.json())
+    pipe = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
+    pipe.load_ip_adapter(ip_file, scale=0.8)
+    image = Image.open(io.BytesIO(picture)).convert("RGB")
+    kw = dict(num_inference_steps=STEPS, guidance_scale=0.0, height=SIZE, width=SIZE)
+    want = [pipe("a red circle", seed=1, ip_adapter_image=image, ip_adapter_scale=0.5, **kw),
+            pipe("a red circle", seed=2, **kw), pipe("a red circle", seed=3,
+                                                     ip_adapter_image=image, **kw),
+            ControlNetPipeline.from_pipe(pipe, controlnet=str(nets["canny"]))(
+                "a red circle", image=Image.open(io.BytesIO(_control(41))).convert("RGB"),
+                seed=4, ip_adapter_image=image, **kw)]
+    for k, (b, w) in enumerate(zip(got, want)):
+        assert np.abs(png(b["images"][0]["b64_json"]).astype(int)
+                      - np.asarray(w.images[0], int)).max() <= 1, k
+    assert np.abs(png(got[0]["images"][0]["b64_json"]).astype(int)
+                  - png(got[2]["images"][0]["b64_json"]).astype(int)).max() > 2  # scales act
+    r = requests.post(f"{cn_app}/v1/images/generations", timeout=300, json={
+        "prompt": "a red circle", "ip_adapter_image": b64, "ip_adapter_scale": 0.5})
+    assert r.status_code == 200, r.text
+    (entry,) = [m for m in requests.get(f"{cn_app}/v1/models", timeout=30).json()["data"]
+                if m["id"] == "tiny-cn"]
+    assert entry["maxdiff"]["ip_adapter"] == {"kind": "basic", "tokens": 4, "scale": 0.8}
+    r = _generate(cn_app, timeout=30, ip_adapter_image="%%%", ip_adapter_scale=9)
+    assert r.status_code == 422, r.text
+    assert {d["loc"][-1] for d in r.json()["detail"]} >= {"ip_adapter_image", "ip_adapter_scale"}
+    assert "must be a number in [-1, 5]" in r.text
+    r = _generate(main_app.url, timeout=30, ip_adapter_image=b64)
+    assert r.status_code == 422 and "this model has no IP-Adapter" in r.text, r.text
