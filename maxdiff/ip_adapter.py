@@ -236,12 +236,14 @@ def projection_module(proj: Mapping, cross_dim: int, dtype: Any) -> tuple[str, n
     """(kind, the Flax projection, the encoder width it takes) for the ``image_proj`` tensors
     and the UNet's ``cross_attention_dim``."""
     kind = projection_kind(proj)
+    width = int(proj[{"basic": "norm.weight", "full": "proj.3.weight",
+                      "plus": "norm_out.weight"}[kind]].shape[0])
+    if width != cross_dim:
+        raise CheckpointError(f"the adapter's image tokens are {width} wide; this UNet's "
+                              f"cross_attention_dim is {cross_dim}: the adapter is for another "
+                              "model")
     if kind == "basic":
         out, embed = proj["proj.weight"].shape
-        if out % cross_dim:
-            raise CheckpointError(f"IP-Adapter projection gives {out} values, not a whole number "
-                                  f"of tokens of this UNet's cross_attention_dim {cross_dim}: "
-                                  "the adapter is for another model")
         return kind, BasicProjection(cross_dim, out // cross_dim, dtype), embed
     if kind == "full":
         return kind, FullProjection(int(proj["proj.3.weight"].shape[0]), dtype), \
@@ -327,7 +329,10 @@ def load_ip_adapter(source, unet_params: Mapping, cross_dim: int, image_encoder,
 
     target = checkpoint.resolve_dtype(dtype)
     proj, ip, where = read_ip_adapter(source)
-    kind, module, embed = projection_module(proj, cross_dim, jnp.dtype(target))
+    try:
+        kind, module, embed = projection_module(proj, cross_dim, jnp.dtype(target))
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
     if isinstance(image_encoder, (str, os.PathLike)):
         encoder_path = os.fspath(image_encoder)
         encoder, enc_params = clip_vision.load_image_encoder(image_encoder, target)

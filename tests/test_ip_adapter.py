@@ -251,3 +251,28 @@ def test_cli_lines_with_image_prompts(basic_adapter, sdxl_dir, tmp_path, capsys)
     assert cli.main(["generate", "a cat", "--ip-adapter-image", str(tmp_path / "style.png"),
                      *common, "--out", str(tmp_path / "none")]) == 2
     assert "prompt argument 1: an image prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parity
+def test_sd15_pipeline_with_an_image_prompt_equals_diffusers(tmp_path_factory, basic_adapter):
+    """SD 1.5 (one text encoder, no pooled embedding) with a plain adapter, against diffusers'
+    StableDiffusionPipeline; an SDXL adapter on it is refused as one for another model."""
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+
+    folder = tmp_path_factory.mktemp("tiny-sd15-ip")
+    tiny.make_sd_pipeline(folder / "model")
+    tiny.make_image_encoder(folder / "ip" / "image_encoder")
+    path = tiny.make_ip_adapter(UNet2DConditionModel.from_pretrained(folder / "model" / "unet"),
+                                folder / "ip" / "ip-adapter_sd15.safetensors", seed=2)
+    pipe = TextToImagePipeline.from_pretrained(folder / "model", compile_cache_dir=None)
+    with pytest.raises(CheckpointError, match="the adapter is for another model"):
+        pipe.load_ip_adapter(basic_adapter)
+    pipe.load_ip_adapter(path, scale=0.8)
+    ref = StableDiffusionPipeline.from_pretrained(folder / "model", safety_checker=None)
+    ref.load_ip_adapter(str(path.parent), subfolder="", weight_name=path.name)
+    ref.set_ip_adapter_scale(0.8)
+    ours = pipe("a red circle", ip_adapter_image=_picture(5), latents=_latents(2), **KW).images
+    with torch.no_grad():
+        theirs = ref("a red circle", ip_adapter_image=_picture(5),
+                     latents=torch.from_numpy(_latents(2)), **KW).images
+    assert np.abs(ours - theirs).max() <= 2e-3
