@@ -141,9 +141,9 @@ class StepEngine:
             raise ValueError(f"scheduler={request.scheduler!r}: the step engine runs its "
                              f"pipeline's sampler ({type(self.pipe.scheduler).__name__}) for "
                              "every image; engine=batch runs a sampler per request")
-        if request.ip_adapter_image is not None:
-            raise ValueError("ip_adapter_image: the step engine does not run image prompts "
-                             "(IP-Adapter); engine=batch does")
+        if request.ip_adapter_image is not None and self.runner.ip is None:
+            raise ValueError("ip_adapter_image: this engine has no IP-Adapter (load one with "
+                             "load_ip_adapter before making the engine)")
         prompting.check_prompts(self.pipe, [request], max_chunks=1,
                                 why="the step engine holds one 75-token chunk per image; "
                                     "engine=batch runs longer prompts")

@@ -15,6 +15,7 @@ import numpy as np
 from maxdiff import adapters as adapterlib
 from maxdiff import mesh as meshlib
 from maxdiff.family import Cond
+from maxdiff.ip_adapter import with_layers
 from pipelines import program as program_lib
 from pipelines.limits import cfg_on
 from pipelines.requests import ImageRequest, bucket_size
@@ -47,6 +48,9 @@ class StepRunner:
         # ControlNets (a ControlNetPipeline): each slot also holds its control images, its
         # scale table (per ControlNet, padded at the front like the schedules) and guess mode
         self.nets = getattr(pipe, "controlnets", ())
+        # an IP-Adapter loaded when the engine is made: each slot also holds its image tokens
+        # (and the negative rows') and its scale (0: no image prompt)
+        self.ip = getattr(pipe, "ip_adapter", None)
         self.tiled = pipe.uses_vae_tiling(height, width)  # the pipeline's vae_tiling rule
         self._sharded = meshlib.batch_sharded(pipe.mesh)
         self._schedules: dict[int, tuple] = {}
@@ -96,6 +100,11 @@ class StepRunner:
             "g": np.ones(s, np.float32), "r": np.zeros(s, np.float32), "cfg": np.zeros(s, bool),
             "aidx": np.zeros(s, np.int32),
         }
+        if self.ip is not None:
+            tok = np.zeros((s, self.ip.tokens, p.unet.config.cross_attention_dim), np.float32)
+            state.update(itok=tok, iscale=np.zeros(s, np.float32))
+            if self.cfg:
+                state["nitok"] = np.zeros_like(tok)
         if self.nets:
             k = len(self.nets)
             state.update(
@@ -156,12 +165,13 @@ class StepRunner:
         encoders = {name: getattr(p, name) for name in p.family.encoders}
         lh, lw, ch = self.lh, self.lw, self.channels
         cfg_engine = self.cfg
+        ip = self.ip
 
         def admit(params, state, slot, inputs, init_sigma, cfg, sched, aidx, control, ad=None):
             # the pipeline's conditioning and noise, for a batch of new images; rows for slot
             # index == slots are padding and are dropped by the scatter
             cond, _ = program_lib.conditioning(p.family, encoders, params, inputs, ad,
-                                               None if ad is None else aidx)
+                                               None if ad is None else aidx, ip)
             init_keys, step_keys = program_lib.image_keys(inputs.seeds)
             x = program_lib.normal(init_keys, (lh, lw, ch))
             x = x.astype(jnp.float32) * init_sigma[:, None, None, None]
@@ -174,6 +184,12 @@ class StepRunner:
                 (new["ntime_ids"], new["time_ids"]) = program_lib.cfg_halves(cond.time_ids)
             else:
                 new.update(emb=cond.context, pooled=cond.pooled, time_ids=cond.time_ids)
+            if ip is not None:
+                new["iscale"] = inputs.ip_scale
+                if cfg_engine:
+                    (new["nitok"], new["itok"]) = program_lib.cfg_halves(cond.image_tokens)
+                else:
+                    new["itok"] = cond.image_tokens
             return jax.tree.map(lambda old, v: old.at[slot].set(v.astype(old.dtype), mode="drop"),
                                 state, new)
 
@@ -187,6 +203,7 @@ class StepRunner:
         stochastic = self.stochastic
         variants = sched.step_variants()
         nets = self.nets
+        ip = self.ip
 
         def step(params, state, active, index, local, variant, ad=None):
             s, x = state["sched"], state["x"]
@@ -194,6 +211,11 @@ class StepRunner:
             t = jax.vmap(sched.timestep_for_model)(s, index)
             emb, pooled, tids = state["emb"], state["pooled"], state["time_ids"]
             aidx = state["aidx"]
+            itok = iscale = None
+            unet_params = params["unet"]
+            if ip is not None:  # image prompts: the adapter's layers and each row's tokens
+                itok, iscale = state["itok"], state["iscale"]
+                unet_params = with_layers(unet_params, params["ip_adapter"]["layers"])
             if nets:  # this step's scale of each row for each ControlNet (0 for idle rows)
                 scale = jnp.take_along_axis(state["cscale"], index[:, None, None], axis=2)[..., 0]
                 scale = scale * active[:, None]
@@ -204,17 +226,20 @@ class StepRunner:
                 pooled = jnp.concatenate([state["npooled"][:g], pooled])
                 tids = jnp.concatenate([state["ntime_ids"][:g], tids])
                 aidx = jnp.concatenate([aidx[:g], aidx])
+                if ip is not None:
+                    itok = jnp.concatenate([state["nitok"][:g], itok])
+                    iscale = jnp.concatenate([iscale[:g], iscale])
                 if nets:  # guess mode: the negative rows get no residuals
                     scale = jnp.concatenate([jnp.where(guess[:g], 0.0, scale[:g]), scale])
                     guess = jnp.concatenate([guess[:g], guess])
                     images = tuple(jnp.concatenate([im[:g], im]) for im in images)
-            cond = Cond(emb, pooled, tids)
+            cond = Cond(emb, pooled, tids, itok, iscale)
             down = mid = None
             if nets:
                 down, mid = control_residuals(nets, params["controlnets"], xin, t, cond, images,
                                               scale, guess)
             with adapterlib.applied((ad or {}).get("unet"), aidx):
-                out = p.family.denoise(unet, params["unet"], cond, xin, t,
+                out = p.family.denoise(unet, unet_params, cond, xin, t,
                                        down_block_additional_residuals=down,
                                        mid_block_additional_residual=mid)
             out = out.astype(jnp.float32)
@@ -277,6 +302,8 @@ class StepRunner:
         """The programs' weights: the pipeline's (live: a LoRA fused later is used), and the
         ControlNets' when there are any."""
         p = self.pipe.params
+        if self.ip is not None:
+            p = dict(p, ip_adapter=self.ip.params)
         return dict(p, controlnets=self.pipe.controlnet_params) if self.nets else p
 
     # ------------------------------------------------------------------ running
@@ -288,6 +315,11 @@ class StepRunner:
         items = [h.request for h in take] or [ImageRequest(prompt="", guidance_scale=0.0, seed=0)]
         inputs = dataclasses.replace(p.host_inputs(items, self.height, self.width),
                                      cfg=self.cfg)  # the engine's rows, whatever the items ask
+        if self.ip is not None and inputs.ip_pixels is None:  # no image prompt: scale 0
+            size = self.ip.image_size
+            inputs = dataclasses.replace(
+                inputs, ip_pixels=np.zeros((len(items), size, size, 3), np.float32),
+                ip_scale=np.zeros(len(items), np.float32))
         for h, sd in zip(take, inputs.seeds):
             h.seed = int(sd)
         cfg = np.array([cfg_on(it.guidance_scale) for it in items])

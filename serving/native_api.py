@@ -43,7 +43,8 @@ FORM_CONTROL = {"controlnet": "controlnet", "control_scale": "scale",
 async def generate_body(request: Request) -> GenerateRequest:
     """The body of a ``/v1/generate`` request, as FastAPI would read it for a JSON body (the same
     422s), or from ``multipart/form-data``: every JSON field as a form field (text, read as
-    its type: ``steps=20``, ``stream=true``), each ``control_image`` file one control image in
+    its type: ``steps=20``, ``stream=true``), an ``ip_adapter_image`` file the image prompt,
+    each ``control_image`` file one control image in
     order, and ``controlnet`` / ``control_scale`` / ``control_start`` / ``control_end`` /
     ``control_guess_mode`` given
     once (for every control image) or once per control image. A 422 names every problem; a
@@ -103,9 +104,13 @@ async def _form_body(request: Request) -> tuple[dict, list]:
             else:
                 errors.append((key, "must be a file (a PNG, JPEG or WebP control image)",
                                None))
+        elif key == "ip_adapter_image" and is_file:  # an image prompt, as a file
+            if key in data:
+                errors.append((key, "is given more than once", None))
+            data[key] = base64.b64encode(await value.read()).decode()
         elif is_file:
-            errors.append((key, "must be a text field; only control_image takes a file",
-                           None))
+            errors.append((key, "must be a text field; only control_image and "
+                           "ip_adapter_image take a file", None))
         elif key in FORM_CONTROL:
             per_image[key].append(value)
         elif key == "control_images":

@@ -67,7 +67,7 @@ class ImagesGenerationRequest(BaseModel):
     ip_adapter_image: str | None = Field(
         None, description="An image prompt for the model's IP-Adapter (serve arg ip_adapter): "
         "a base64 PNG, JPEG or WebP file (or a data: URL). Requests with and without one share "
-        "device batches. engine=batch.")
+        "device batches (and step-engine ticks).")
     ip_adapter_scale: float | None = Field(
         None, description="How strongly the image prompt acts: -1 to 5 (0: not at all, 1: the "
         "adapter as trained); omitted: the model's (serve arg ip_adapter_scale).",
@@ -218,7 +218,7 @@ class GenerateRequest(BaseModel):
     ip_adapter_image: str | None = Field(
         None, description="An image prompt for the model's IP-Adapter (serve arg ip_adapter): "
         "a base64 PNG, JPEG or WebP file (or a data: URL). Requests with and without one share "
-        "device batches. engine=batch.")
+        "device batches (and step-engine ticks).")
     ip_adapter_scale: float | None = Field(
         None, description="How strongly the image prompt acts: -1 to 5 (0: not at all, 1: the "
         "adapter as trained); omitted: the model's (serve arg ip_adapter_scale).",
@@ -259,6 +259,9 @@ def generate_openapi_body() -> tuple[dict, dict]:
         return {k: control[field][k] for k in ("type", "minimum", "maximum")}
 
     props.update(
+        ip_adapter_image={"type": "string", "format": "binary",
+                          "description": "An image prompt (a PNG, JPEG or WebP file) for the "
+                          "model's IP-Adapter."},
         control_image={"type": "array", "items": {"type": "string", "format": "binary"},
                        "description": "Control images (PNG, JPEG or WebP files), one per "
                        "ControlNet, in order: ControlNet text-to-image."},

@@ -114,7 +114,7 @@ def adapter_problem(info: dict, name: str | None, field: str) -> Problem | None:
 async def image_prompt(s: ServeSettings, info: dict, image: str | None, scale: float | None,
                        errors: list):
     """A request's ``ip_adapter_image`` (base64) decoded to uint8 (H, W, 3), or None; its
-    problems (no IP-Adapter on this model, the step engine, a bad file, a scale out of range)
+    problems (no IP-Adapter on this model, a bad file, a scale out of range)
     are added to ``errors``."""
     if scale is not None and (p := ip_adapter_scale_problem(scale)) is not None:
         errors.append((p.field, p.message, scale))
@@ -125,10 +125,6 @@ async def image_prompt(s: ServeSettings, info: dict, image: str | None, scale: f
     if not info.get("ip_adapter"):
         errors.append(("ip_adapter_image", "this model has no IP-Adapter (serve arg "
                        "ip_adapter)", None))
-        return None
-    if s.engine == "step":
-        errors.append(("ip_adapter_image", "the step engine (engine=step) does not run image "
-                       "prompts; engine=batch does", None))
         return None
     try:
         data = b64(image)

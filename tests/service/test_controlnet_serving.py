@@ -215,9 +215,9 @@ def test_the_serve_arg_controlnets(sdxl_dir, tmp_path):
 def test_image_prompts_share_batches_and_equal_the_python_api(cn_app, nets, sdxl_dir, ip_file,
                                                               main_app):
     """``ip_adapter_image`` (base64) at its own scale and at the served 0.8 share a batch with a
-    request without one; with control images too; on the OpenAI route as an extra field; each
-    image within one level of the Python API's. Bad values and a model without an IP-Adapter
-    are 422s naming the field."""
+    request without one; with control images too; as a multipart file; on the OpenAI route as
+    an extra field; each image within one level of the Python API's. Bad values and a model
+    without an IP-Adapter are 422s naming the field."""
     from pipelines import ControlNetPipeline, TextToImagePipeline
 
     picture = _control(40)
@@ -247,6 +247,13 @@ def test_image_prompts_share_batches_and_equal_the_python_api(cn_app, nets, sdxl
                       - np.asarray(w.images[0], int)).max() <= 1, k
     assert np.abs(png(got[0]["images"][0]["b64_json"]).astype(int)
                   - png(got[2]["images"][0]["b64_json"]).astype(int)).max() > 2  # scales act
+    form = requests.post(f"{cn_app}/v1/generate", timeout=300,  # multipart: the image a file
+                         files={"ip_adapter_image": ("style.png", picture, "image/png")},
+                         data={"prompt": "a red circle", "seed": "1", "steps": str(STEPS),
+                               "guidance_scale": "0", "ip_adapter_scale": "0.5"})
+    assert form.status_code == 200, form.text
+    assert np.array_equal(png(form.json()["images"][0]["b64_json"]),
+                          png(got[0]["images"][0]["b64_json"]))
     r = requests.post(f"{cn_app}/v1/images/generations", timeout=300, json={
         "prompt": "a red circle", "ip_adapter_image": b64, "ip_adapter_scale": 0.5})
     assert r.status_code == 200, r.text
