@@ -178,13 +178,12 @@ def test_sdxl_pipeline_with_an_image_prompt_equals_diffusers(adapter_file, sdxl_
     assert np.abs(ours - plain).max() > 1e-2  # the image prompt is used
 
 
-def test_images_with_and_without_image_prompts_share_a_batch(adapter_file, sdxl_dir):
+def test_images_with_and_without_image_prompts_share_a_batch(basic_adapter, sdxl_dir):
     """A batch mixing an image prompt (at its own scale) and none: the second image is the
     one a batch without image prompts makes; a scale of 0 makes the image without it; the
     per-call scale overrides the pipeline's."""
-    _, path = adapter_file
     pipe = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
-    pipe.load_ip_adapter(path)
+    pipe.load_ip_adapter(basic_adapter)
     kw = dict(num_inference_steps=2, height=SIZE, width=SIZE, output_type="np")
     cat = dict(prompt="a cat", seed=1, guidance_scale=5.0)
     dog = ImageRequest("a dog", seed=2, guidance_scale=5.0)
