@@ -120,13 +120,15 @@ class StepRunner:
     def _program(self, kind: str, *key):
         def build():
             return {"step": lambda: self._build_step(key[1]), "admit": self._build_admit,
-                    "decode": self._build_decode}[kind]()
+                    "decode": self._build_decode,
+                    "preview": lambda: self._build_preview(self.pipe.preview_decoder[0]),
+                    }[kind]()
 
         shard = {"step": dict(out_shardings=(self._state_sharding, self._sharded),
                               donate_argnums=self._donate(1)),
                  "admit": dict(out_shardings=self._state_sharding,
                                donate_argnums=self._donate(1)),
-                 "decode": {}}[kind]
+                 "decode": {}, "preview": {}}[kind]
         return self._programs.get((kind, *key), build, **shard)
 
     def _donate(self, i):
@@ -294,6 +296,16 @@ class StepRunner:
 
         return decode
 
+    def _build_preview(self, module):
+        """Previews drawn by the pipeline's preview decoder (TAESD), never tiled."""
+        u8 = self.output_type != "np"
+
+        def preview(params, latents, idx):
+            z = jnp.take(latents, idx, axis=0)
+            return program_lib.to_pixels(module.apply({"params": params}, z), u8)
+
+        return preview
+
     def _adapter_args(self):
         tables = self.pipe.adapter_tables
         return () if tables is None else (tables.as_tree(),)
@@ -366,12 +378,16 @@ class StepRunner:
         return executed
 
     def decode(self, slots: list[int], preview: bool = False):
-        """Queue the VAE decode of ``slots``' latents (``preview``: their denoised estimates),
-        batch padded to a bucket; returns the device output for :meth:`fetch`."""
+        """Queue the VAE decode of ``slots``' latents (``preview``: their denoised estimates,
+        drawn by the pipeline's preview decoder when it has one), batch padded to a bucket;
+        returns the device output for :meth:`fetch`."""
         latents = self._state["x0" if preview else "x"]
         n = len(slots)
         b = min(bucket_size(n, self.pipe.mesh.size), self.slots)
         idx = meshlib.place(np.array(slots + [slots[-1]] * (b - n), np.int32), self._sharded)
+        tiny = getattr(self.pipe, "preview_decoder", None)
+        if preview and tiny is not None:  # the tiny decoder draws previews (a few % the cost)
+            return self._program("preview", b, id(tiny[0]))(tiny[1], latents, idx)
         out = self._program("decode", b)(self._params(), latents, idx)
         if self.tiled:
             out = self.pipe.decode_tiled(out, self.output_type != "np")

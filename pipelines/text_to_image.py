@@ -61,6 +61,7 @@ from pipelines.limits import (
     problems,
 )
 from pipelines.loading import DEFAULT_COMPILE_CACHE, enable_compile_cache, model_root
+from pipelines.previews import Previews
 from pipelines.program import HostInputs, PipelineOutput
 from pipelines.prompting import prompt_items
 from pipelines.requests import ImageRequest
@@ -71,7 +72,7 @@ __all__ = ["TextToImagePipeline", "PipelineOutput", "enable_compile_cache", "mod
 _abs_sum = jax.jit(lambda x: jnp.sum(jnp.abs(x.astype(jnp.float32))))
 
 
-class TextToImagePipeline(LoraAdapters, TextualInversion, ImagePrompts):
+class TextToImagePipeline(LoraAdapters, TextualInversion, ImagePrompts, Previews):
     """Text-to-image in JAX. Build with :meth:`from_pretrained`; call like diffusers'
     ``StableDiffusionXLPipeline``. ``family``: the model family (:mod:`maxdiff.family`; default
     SDXL base, or SD 1.x without ``text_encoder_2``)."""
@@ -243,7 +244,7 @@ class TextToImagePipeline(LoraAdapters, TextualInversion, ImagePrompts):
         """Load from a run config (a :class:`pipelines.config.RunConfig`, a YAML path or a name
         in ``configs/``) with optional ``key=value`` overrides. The config's steps, guidance and
         size become this pipeline's defaults; its ``loras`` are fused in order, its
-        ``embeddings`` and its ``ip_adapter`` loaded."""
+        ``embeddings``, ``ip_adapter`` and ``preview_decoder`` loaded."""
         cfg = config if isinstance(config, RunConfig) else load_run_config(config, overrides)
         pipe = cls.from_pretrained(**cfg.pipeline_kwargs())
         if cfg.steps is not None:
@@ -256,6 +257,8 @@ class TextToImagePipeline(LoraAdapters, TextualInversion, ImagePrompts):
             pipe.load_lora_weights(spec.path, adapter_name=spec.name, scale=spec.scale)
         for emb in cfg.embeddings:
             pipe.load_textual_inversion(emb.path, token=emb.token)
+        if cfg.preview_decoder is not None:
+            pipe.load_preview_decoder(cfg.preview_decoder)
         if cfg.ip_adapter is not None:
             pipe.load_ip_adapter(cfg.ip_adapter, image_encoder=cfg.ip_adapter_image_encoder,
                                  scale=cfg.ip_adapter_scale)

@@ -19,7 +19,7 @@ RUN_CONFIG_KEYS = tuple(RunConfig.model_fields)
 TEXT_ARGS = ("config", "model_name", "name", "resource", "model", "unet", "vae",
              "single_file_config", "scheduler", "compile_cache_dir", "dtype", "quantization",
              "attention", "api_keys", "cors_origins", "adapters", "controlnets", "refiner",
-             "ip_adapter", "ip_adapter_image_encoder")
+             "ip_adapter", "ip_adapter_image_encoder", "preview_decoder")
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 class WarmupShape(StrictConfig):

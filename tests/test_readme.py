@@ -57,6 +57,9 @@ NOT_RUN = {
     "pipe = TextToImagePipeline.from_pretrained(\"/models/sdxl-base\")":
         "needs an IP-Adapter file for its model (h94/IP-Adapter): tests/test_ip_adapter.py makes "
         "the same calls on a tiny random adapter and compares them with diffusers",
+    "pipe.load_preview_decoder(\"/models/taesdxl\")":
+        "needs a TAESDXL folder for its model: tests/test_taesd.py loads a tiny random one, "
+        "draws previews with it and compares them with diffusers' AutoencoderTiny",
     "kubectl apply -f deploy/rayservice-gpu.yaml":
         "needs a Kubernetes cluster with the KubeRay operator; tests/test_deploy.py validates "
         "both manifests against Ray Serve's schema and configs/serve.yaml",
