@@ -33,6 +33,19 @@ ImageFormat = Literal["png", "jpeg", "webp"]
 PromptSyntax = Literal["a1111", "compel", "none"]
 
 
+def _ip_image_field():
+    return Field(None, description="An image prompt for the model's IP-Adapter (serve arg "
+                 "ip_adapter): a base64 PNG, JPEG or WebP file (or a data: URL). Requests with "
+                 "and without one share device batches (and step-engine ticks).")
+
+
+def _ip_scale_field():
+    return Field(None, description="How strongly the image prompt acts: -1 to 5 (0: not at "
+                 "all, 1: the adapter as trained); omitted: the model's (serve arg "
+                 "ip_adapter_scale).",
+                 json_schema_extra={"minimum": IP_ADAPTER_SCALE[0], "maximum": IP_ADAPTER_SCALE[1]})
+
+
 class ImagesGenerationRequest(BaseModel):
     """OpenAI Images API ``POST /v1/images/generations``. ``user``, ``quality``, ``style``,
     ``background`` and ``moderation`` are accepted and ignored; unknown fields too. ``model``
@@ -64,14 +77,8 @@ class ImagesGenerationRequest(BaseModel):
         "(word:1.3), (word), [word], BREAK), 'compel' (word+, word-, (words)1.3) or 'none' "
         "(the text as written). Prompts over 75 tokens are encoded in chunks of 75, up to "
         f"{MAX_PROMPT_CHUNKS} (engine=step: one).")
-    ip_adapter_image: str | None = Field(
-        None, description="An image prompt for the model's IP-Adapter (serve arg ip_adapter): "
-        "a base64 PNG, JPEG or WebP file (or a data: URL). Requests with and without one share "
-        "device batches (and step-engine ticks).")
-    ip_adapter_scale: float | None = Field(
-        None, description="How strongly the image prompt acts: -1 to 5 (0: not at all, 1: the "
-        "adapter as trained); omitted: the model's (serve arg ip_adapter_scale).",
-        json_schema_extra={"minimum": IP_ADAPTER_SCALE[0], "maximum": IP_ADAPTER_SCALE[1]})
+    ip_adapter_image: str | None = _ip_image_field()
+    ip_adapter_scale: float | None = _ip_scale_field()
     user: str | None = None
     quality: str | None = None
     style: str | None = None
@@ -215,14 +222,8 @@ class GenerateRequest(BaseModel):
     lora: str | None = Field(None, description="A LoRA adapter the server loaded (its name, see "
                              "/v1/models `maxdiff.adapters`); omitted: the base model. Requests "
                              "with different adapters share batches.")
-    ip_adapter_image: str | None = Field(
-        None, description="An image prompt for the model's IP-Adapter (serve arg ip_adapter): "
-        "a base64 PNG, JPEG or WebP file (or a data: URL). Requests with and without one share "
-        "device batches (and step-engine ticks).")
-    ip_adapter_scale: float | None = Field(
-        None, description="How strongly the image prompt acts: -1 to 5 (0: not at all, 1: the "
-        "adapter as trained); omitted: the model's (serve arg ip_adapter_scale).",
-        json_schema_extra={"minimum": IP_ADAPTER_SCALE[0], "maximum": IP_ADAPTER_SCALE[1]})
+    ip_adapter_image: str | None = _ip_image_field()
+    ip_adapter_scale: float | None = _ip_scale_field()
     output_format: ImageFormat = "png"
     stream: bool = Field(False, description="Server-Sent Events: `progress` events (step, "
                          "total, queue_position; engine=batch: queued and done only), "
