@@ -312,3 +312,20 @@ def test_tpu_report_sums_each_parts_roofline():
         2 / 0.601, rel=1e-3)
     assert got["roofline_s"] == pytest.approx(0.601, rel=1e-3)  # XLA's count: 0.1 s both ways
     assert got["vae_decode"]["hbm_bound"] == "memory" and got["unet_call"]["hbm_bound"] == "compute"
+
+
+def test_preview_cost_times_all_three_settings(sdxl_dir, tmp_path):
+    """benchmarks.preview_cost's round on the tiny model with a tiny random TAESD: every setting
+    runs (the previews' programs compile in the warm-up) and is priced against no previews."""
+    import torch
+    from diffusers import AutoencoderTiny
+
+    from benchmarks.preview_cost import SETTINGS, one_round
+
+    torch.manual_seed(0)
+    AutoencoderTiny(encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+                    num_encoder_blocks=(1, 1), num_decoder_blocks=(1, 1)).save_pretrained(
+        tmp_path / "taesd")
+    out = one_round(str(sdxl_dir), str(tmp_path / "taesd"), reps=1, size=32)
+    assert set(out) == set(SETTINGS) and out["none"]["vs_none"] == 1.0
+    assert all(r["s_per_image"] > 0 for r in out.values())
