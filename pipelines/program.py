@@ -119,8 +119,8 @@ class HostInputs:
     omitted negative prompt that is zeros; ``time_ids`` / ``neg_time_ids`` (N, n)
     micro-conditioning (n from the family); ``guidance`` (N,) (1 where an image runs without
     CFG) and ``rescale`` (N,); ``ip_pixels`` / ``ip_scale``: image prompts for an IP-Adapter
-    (:mod:`pipelines.ip_adapting`; None without any). ``cfg`` (static): whether the batch runs classifier-free
-    guidance (any image's guidance > 1)."""
+    (:mod:`pipelines.ip_adapting`; None without any). ``cfg`` (static): whether the batch runs
+    classifier-free guidance (any image's guidance > 1)."""
 
     seeds: Any
     text: Any

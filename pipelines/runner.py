@@ -35,8 +35,8 @@ __all__ = ["Task", "TEXT", "Job", "Static", "Ctx", "build", "run", "checked_item
 
 class ProgramKey(NamedTuple):
     """What a batch program is cached under: every static choice it closes over. The
-    scheduler, the text encoders and an IP-Adapter go in by object id (the cached program keeps them alive,
-    so no id is reused meanwhile)."""
+    scheduler, the text encoders and an IP-Adapter go in by object id (the cached program
+    keeps them alive, so no id is reused meanwhile)."""
     task: str
     scheduler: int
     bucket: int
