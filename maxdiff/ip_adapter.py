@@ -46,6 +46,8 @@ import numpy as np
 
 from maxdiff import checkpoint
 from maxdiff.checkpoint import CheckpointError
+from maxdiff.models.layers import dense
+from maxdiff.models.transformer import _layer_norm
 
 __all__ = ["ImageContext", "IPAdapterWeights", "read_ip_adapter", "cross_attention_paths",
            "load_ip_adapter", "with_layers", "image_tokens", "PROJECTIONS"]
@@ -67,14 +69,6 @@ class ImageContext:
         return ImageContext(self.text.astype(dtype), self.tokens.astype(dtype), self.scale)
 
 
-def _layer_norm(name: str, dtype: Any) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=1e-5, dtype=dtype, param_dtype=dtype, name=name)
-
-
-def _dense(features: int, name: str, dtype: Any, bias: bool = True) -> nn.Dense:
-    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name)
-
-
 class BasicProjection(nn.Module):
     """``image_embeds`` (B, E) -> (B, tokens, dim): Linear, LayerNorm (names: the file's)."""
 
@@ -84,7 +78,7 @@ class BasicProjection(nn.Module):
 
     @nn.compact
     def __call__(self, embeds: jax.Array) -> jax.Array:
-        h = _dense(self.tokens * self.dim, "proj", self.dtype)(embeds.astype(self.dtype))
+        h = dense(self.tokens * self.dim, "proj", self.dtype)(embeds.astype(self.dtype))
         return _layer_norm("norm", self.dtype)(h.reshape(h.shape[0], self.tokens, self.dim))
 
 
@@ -97,8 +91,8 @@ class FullProjection(nn.Module):
     @nn.compact
     def __call__(self, states: jax.Array) -> jax.Array:
         e = states.shape[-1]
-        h = _dense(e, "proj.0", self.dtype)(states.astype(self.dtype))
-        h = _dense(self.dim, "proj.2", self.dtype)(jax.nn.gelu(h, approximate=False))
+        h = dense(e, "proj.0", self.dtype)(states.astype(self.dtype))
+        h = dense(self.dim, "proj.2", self.dtype)(jax.nn.gelu(h, approximate=False))
         return _layer_norm("proj.3", self.dtype)(h)
 
 
@@ -120,27 +114,27 @@ class PlusProjection(nn.Module):
         b = states.shape[0]
         lat = self.param("latents", nn.initializers.normal(1.0), (1, self.queries, self.hidden))
         lat = jnp.broadcast_to(lat.astype(dt), (b, self.queries, self.hidden))
-        x = _dense(self.hidden, "proj_in", dt)(states.astype(dt))
+        x = dense(self.hidden, "proj_in", dt)(states.astype(dt))
         inner = self.heads * self.dim_head
         for i in range(self.depth):
             p = f"layers.{i}"
             xs = _layer_norm(f"{p}.0.norm1", dt)(x)
             ls = _layer_norm(f"{p}.0.norm2", dt)(lat)
-            q = _dense(inner, f"{p}.0.to_q", dt, bias=False)(ls)
-            kv = _dense(2 * inner, f"{p}.0.to_kv", dt, bias=False)(
+            q = dense(inner, f"{p}.0.to_q", dt, use_bias=False)(ls)
+            kv = dense(2 * inner, f"{p}.0.to_kv", dt, use_bias=False)(
                 jnp.concatenate([xs, ls], axis=1))
             k, v = jnp.split(kv, 2, axis=-1)
             heads = lambda t: t.reshape(b, -1, self.heads, self.dim_head)
             s = jnp.einsum("bqhd,bkhd->bhqk", heads(q), heads(k),
                            preferred_element_type=jnp.float32) * self.dim_head ** -0.5
             o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(dt), heads(v))
-            lat = _dense(self.hidden, f"{p}.0.to_out", dt, bias=False)(
+            lat = dense(self.hidden, f"{p}.0.to_out", dt, use_bias=False)(
                 o.reshape(b, -1, inner)) + lat
             h = _layer_norm(f"{p}.1.0", dt)(lat)
-            h = _dense(self.hidden * self.ff_mult, f"{p}.1.1", dt, bias=False)(h)
-            lat = _dense(self.hidden, f"{p}.1.3", dt, bias=False)(
+            h = dense(self.hidden * self.ff_mult, f"{p}.1.1", dt, use_bias=False)(h)
+            lat = dense(self.hidden, f"{p}.1.3", dt, use_bias=False)(
                 jax.nn.gelu(h, approximate=False)) + lat
-        h = _dense(self.dim, "proj_out", dt)(lat)
+        h = dense(self.dim, "proj_out", dt)(lat)
         return _layer_norm("norm_out", dt)(h)
 
 
