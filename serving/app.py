@@ -44,21 +44,23 @@ request to a job, result to a response), ``client`` (calls to the generator), ``
 """
 
 
+import asyncio
 import functools
 import logging
 import time
 import types
 from typing import Any
 
-from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from serving import cost, errors, native_api, openai_api, security, validation
+from serving import answers, cost, errors, jobs, native_api, openai_api, security, validation
+from serving.answers import Prepared
 from serving.client import GENERATOR, GeneratorClient
-from serving.errors import TIMEOUT_HEADER, ApiError, request_id
+from serving.errors import TIMEOUT_HEADER, ApiError, invalid, invalid_all, request_id
 from serving.gate import CONTROL_ROUTES, EDIT_ROUTES, PROMPT_ROUTES, Gate
 from serving.generator import Generator, StatsBoard
 from serving.models import Catalog
@@ -71,11 +73,16 @@ from serving.schemas import (
     ImageFormat,
     ImagesGenerationRequest,
     ImagesResponse,
+    Job,
+    JobList,
+    JobRequest,
     JobResult,
+    JobStatus,
     generate_openapi_body,
 )
 from serving.schemas import EditRequest as EditBody
 from serving.settings import ServeSettings
+from serving.storage import OutputStore
 
 logger = logging.getLogger("ray.serve")
 
@@ -137,6 +144,11 @@ def _headers(result: JobResult, seeds: bool = False) -> dict:
     return out
 
 
+def key_of(request: Request) -> str | None:
+    """The public id of the request's API key (None when keys are off)."""
+    return getattr(request.state, "key_id", None)
+
+
 def _model_details(s: ServeSettings, info: dict) -> dict:
     """``/v1/models``'s ``maxdiff`` entry: the model's defaults, the engine, this server's
     limits for it and the adapters loaded."""
@@ -189,6 +201,34 @@ class Ingress:
         self.generator = GeneratorClient(generator, settings, self.app_name,
                                          catalog.default.name)
         self.board = StatsBoard.get(self.app_name)
+        self.files = OutputStore(settings.output_store, settings.output_ttl_s, settings.sign_urls,
+                                 settings.output_store_options)
+        self.jobs = jobs.Jobs(settings, self.app_name, self.files, self._job_call)
+
+    async def _job_call(self, prep: Prepared, deadline: float, rid: str | None):
+        return await self.generator.run(prep.job, deadline, rid, prep.model)
+
+    def __del__(self):
+        """Ray Serve stops this replica: its jobs end as interrupted now."""
+        jobs_ = getattr(self, "jobs", None)
+        if jobs_ is not None:
+            jobs_.close()
+
+    async def _answer(self, prep: Prepared, deadline: float, request: Request,
+                      response_format: str | None, seeds: bool = False) -> JSONResponse:
+        """Run a prepared request and answer its route's JSON (images inline or as links)."""
+        result = await self.generator.run(prep.job, deadline, request_id(request), prep.model)
+        data = await answers.answer(prep, result, response_format, self.files,
+                                    self._base_url(request), key_of(request))
+        return JSONResponse(data, headers=_headers(result, seeds=seeds))
+
+    def _base_url(self, request: Request) -> str:
+        """What links to this server start with: the serve arg public_url, else the URL the
+        request came to (its route prefix included)."""
+        if self.s.public_url:
+            return self.s.public_url
+        root = request.scope.get("root_path", "")
+        return f"{request.url.scheme}://{request.url.netloc}{root}"
 
     async def _start(self, request: Request, model: str) -> tuple[float, dict]:
         """(deadline, the model's info) for a generation request."""
@@ -205,21 +245,17 @@ class Ingress:
         """Same request and response as OpenAI's ``images.generate`` with
         ``response_format="b64_json"``. Steps and guidance are the served model's defaults;
         seeds are random (use ``/v1/generate`` for control)."""
-        model = openai_api.model_name(self.catalog, body.model)
-        deadline, info = await self._start(request, model)
-        found: list = []  # the image prompt's problems, reported with the others
-        image = await validation.image_prompt(self.s, info, body.ip_adapter_image,
-                                              body.ip_adapter_scale, found)
-        job = openai_api.generation_job(self.s, info, body, found, image)
-        fmt, quality = body.output_format or "png", body.output_compression
+        deadline = validation.deadline(request, self.s)
+        prep = await openai_api.prepare(self.s, self.generator, self.catalog, body, deadline)
         if body.stream:
-            return await self.generator.stream(job, deadline, request_id(request),
-                                               body.partial_images or 0,
-                                               openai_api.stream_render(job, fmt, quality), model)
-        result = await self.generator.run(job, deadline, request_id(request), model)
-        return JSONResponse(await openai_api.images_response(result, job, fmt, quality, info,
-                                                             model),
-                            headers=_headers(result, seeds=True))
+            if body.response_format == "url":
+                raise invalid("response_format", "streams carry the images themselves; omit "
+                              "response_format or set it to 'b64_json'", "url")
+            return await self.generator.stream(
+                prep.job, deadline, request_id(request), body.partial_images or 0,
+                openai_api.stream_render(prep.job, prep.fmt, body.output_compression),
+                prep.model)
+        return await self._answer(prep, deadline, request, body.response_format, seeds=True)
 
     @api.post("/v1/generate", response_model=GenerateResponse, tags=["native"],
               summary="Generate images with explicit settings",
@@ -242,28 +278,20 @@ class Ingress:
         ``control_image`` files (``controlnet`` / ``control_scale`` / ``control_start`` /
         ``control_end`` / ``control_guess_mode`` once, or once per file)."""
         t0 = time.perf_counter()
-        model = self.catalog.pick(body.model)
         deadline = validation.deadline(request, self.s)
         wanted, fmt = native_api.negotiate(body, request.headers.get("accept"))
-        info = await self.generator.model_info(model, deadline)
-        found: list = []  # the image prompt's problems, reported with the others
-        image = await validation.image_prompt(self.s, info, body.ip_adapter_image,
-                                              body.ip_adapter_scale, found)
-        if body.control_images:
-            job = await native_api.control_job(self.s, info, body, wanted, found, image)
-        else:
-            job = native_api.generation_job(self.s, info, body, wanted, None, found, image)
+        prep = await native_api.prepare_generate(self.s, self.generator, self.catalog, body,
+                                                 wanted, fmt, deadline, t0)
         if body.stream:
-            render = native_api.stream_render(job, fmt, info, model, t0)
-            return await self.generator.stream(job, deadline, request_id(request),
-                                               body.partial_images, render, model)
-        result = await self.generator.run(job, deadline, request_id(request), model)
-        data, blobs = await native_api.response(job, fmt, result, info, model, t0)
-        headers = _headers(result)
-        if wanted is not None:
-            headers["X-Seed"] = str(result.seeds[0])
-            return Response(blobs[0], media_type=f"image/{fmt}", headers=headers)
-        return JSONResponse(data, headers=headers)
+            render = native_api.stream_render(prep.job, fmt, prep.info, prep.model, t0)
+            return await self.generator.stream(prep.job, deadline, request_id(request),
+                                               body.partial_images, render, prep.model)
+        if wanted is None:
+            return await self._answer(prep, deadline, request, body.response_format)
+        result = await self.generator.run(prep.job, deadline, request_id(request), prep.model)
+        _, blobs = await prep.render(result)
+        return Response(blobs[0], media_type=f"image/{fmt}",
+                        headers={**_headers(result), "X-Seed": str(result.seeds[0])})
 
     @api.post("/v1/images/edits", response_model=ImagesResponse, tags=["OpenAI-compatible"],
               summary="Edit an image (OpenAI Images API)",
@@ -308,10 +336,10 @@ class Ingress:
             self.s, info, prompt=prompt, mask=mask, n=n, size=size,
             image=image if image is not None else (image_list[0] if image_list else None),
             response_format=response_format, stream=stream)
-        result = await self.generator.run(job, deadline, request_id(request), model)
-        return JSONResponse(await openai_api.images_response(result, job, output_format or "png",
-                                                             output_compression, info, model),
-                            headers=_headers(result, seeds=True))
+        fmt = output_format or "png"
+        prep = Prepared(model, info, job, fmt, lambda result: openai_api.images_response(
+            result, job, fmt, output_compression, info, model), "data")
+        return await self._answer(prep, deadline, request, response_format, seeds=True)
 
     @api.post("/v1/edit", response_model=EditResponse, tags=["native"],
               summary="Edit an image (image-to-image, inpainting) with explicit settings",
@@ -321,12 +349,92 @@ class Ingress:
         transparency: transparent = repaint). Every setting explicit; the response carries each
         image's seed and timings like ``/v1/generate``."""
         t0 = time.perf_counter()
-        model = self.catalog.pick(body.model)
-        deadline, info = await self._start(request, model)
-        job = await native_api.edit_job(self.s, info, body)
-        result = await self.generator.run(job, deadline, request_id(request), model)
-        data, _ = await native_api.response(job, body.output_format, result, info, model, t0)
-        return JSONResponse(data, headers=_headers(result))
+        deadline = validation.deadline(request, self.s)
+        prep = await native_api.prepare_edit(self.s, self.generator, self.catalog, body,
+                                             deadline, t0)
+        return await self._answer(prep, deadline, request, body.response_format)
+
+    # ------------------------------------------------------------------ jobs and files
+    @api.post("/v1/jobs", status_code=202, response_model=Job, tags=["jobs"],
+              summary="Start a job: a generation or edit answered at once with an id",
+              responses={k: v for k, v in ERROR_RESPONSES.items() if k != 406})
+    async def create_job(self, body: JobRequest, request: Request):
+        """The request ``body`` of ``endpoint`` is checked as that route checks it (422s name
+        ``body.<field>``), then runs in the background: ``GET /v1/jobs/{id}`` tells its status
+        and, once it succeeded, the route's response with the images as links. ``webhook``
+        receives the finished job. At most ``max_active_jobs`` queued or running jobs per API
+        key (429)."""
+        t0 = time.perf_counter()
+        prep = await self._job_prep(body, validation.deadline(request, self.s), t0)
+        base = self._base_url(request)
+        job = await self.jobs.submit(body.endpoint, prep, key_of(request), base,
+                                     request_id(request), body.webhook, body.metadata)
+        return JSONResponse(job, status_code=202, headers={"Location": f"{base}/v1/jobs/"
+                                                                       f"{job['id']}"})
+
+    async def _job_prep(self, body: JobRequest, deadline: float, t0: float) -> Prepared:
+        """The job's request checked by its route's rules."""
+        problems = jobs.request_problems(body)
+        if problems:
+            raise invalid_all(problems)
+        with jobs.nested_errors():
+            inner = jobs.parse_body(body.endpoint, body.body)
+            if body.endpoint == "/v1/generate":
+                return await native_api.prepare_generate(
+                    self.s, self.generator, self.catalog, inner, None, inner.output_format,
+                    deadline, t0)
+            if body.endpoint == "/v1/edit":
+                return await native_api.prepare_edit(self.s, self.generator, self.catalog,
+                                                     inner, deadline, t0)
+            return await openai_api.prepare(self.s, self.generator, self.catalog, inner,
+                                            deadline)
+
+    @api.get("/v1/jobs", response_model=JobList, tags=["jobs"], summary="Your recent jobs",
+             responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})
+    async def list_jobs(self, request: Request,
+                        limit: int = Query(20, ge=1, le=100, description="How many, newest "
+                                           "first."),
+                        status: JobStatus | None = Query(None, description="Only jobs in this "
+                                                         "state.")):
+        """The caller's (its API key's) jobs, newest first."""
+        return await self.jobs.recent(key_of(request), limit, status)
+
+    @api.get("/v1/jobs/{job_id}", response_model=Job, tags=["jobs"], summary="A job's state",
+             responses={k: ERROR_RESPONSES[k] for k in (401, 404, 429, 500)})
+    async def get_job(self, job_id: str, request: Request):
+        """Status (queued, running, succeeded, failed, cancelled), and the result or the
+        error once it ended. Another API key's job is a 404."""
+        return await self.jobs.get(job_id, key_of(request))
+
+    @api.delete("/v1/jobs/{job_id}", response_model=Job, tags=["jobs"], summary="Cancel a job",
+                responses={k: ERROR_RESPONSES[k] for k in (401, 404, 429, 500)})
+    async def cancel_job(self, job_id: str, request: Request):
+        """A queued or running job is cancelled (its device time stops, its webhook is told);
+        a finished one is answered as it is."""
+        return await self.jobs.cancel(job_id, key_of(request))
+
+    @api.get("/v1/webhooks/secret", tags=["jobs"], summary="Your webhook signing secret",
+             responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})
+    async def webhook_secret(self, request: Request):
+        """The secret your jobs' webhooks are signed with (Standard Webhooks: ``whsec_`` +
+        base64; one per API key): check each delivery's ``webhook-signature`` with it."""
+        return {"secret": self.jobs.secret(key_of(request))}
+
+    @api.get("/v1/files/{name}", tags=["jobs"], summary="A stored image",
+             response_class=Response,
+             responses={200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}},
+                        404: {"model": ErrorResponse, "description": "No such image, or it "
+                              "expired."}})
+    async def file(self, name: str):
+        """An image answered as a link (``response_format: "url"``, jobs), until it expires.
+        Open without an API key: the link's 128 random bits are the permission."""
+        found = await asyncio.to_thread(self.files.read, name)
+        if found is None:
+            raise ApiError(404, f"no stored image {name!r} (links expire after output_ttl_s)",
+                           kind="not_found", code="file_not_found")
+        data, media = found
+        return Response(data, media_type=media, headers={"Cache-Control": "private, max-age=3600",
+                                                         "X-Content-Type-Options": "nosniff"})
 
     @api.get("/", response_class=HTMLResponse, tags=["playground"],
              summary="The web playground (a page for people)",
@@ -447,6 +555,7 @@ def build_app(args: dict | None = None):
     settings = ServeSettings.from_args(args)
     catalog = Catalog.from_settings(settings)  # a bad run config or missing model fails here
     key_hashes = security.load_key_hashes(settings.api_keys)
+    jobs.check_places(settings)  # the output store and the jobs database open, or fail here
     actor: dict[str, Any] = {"num_cpus": settings.num_cpus}
     if settings.resource == "GPU":
         actor["num_gpus"] = settings.resource_amount

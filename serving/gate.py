@@ -20,6 +20,8 @@ logger = logging.getLogger("ray.serve")
 EDIT_ROUTES = ("/v1/images/edits", "/v1/edit")  # body limit: max_image_bytes, not max_body_bytes
 CONTROL_ROUTES = ("/v1/generate",)  # max_image_bytes too where ControlNets are loaded
 PROMPT_ROUTES = ("/v1/images/generations",)  # ... and where an IP-Adapter is (image prompts)
+JOB_ROUTES = ("/v1/jobs",)  # a job's body may be an edit's: always max_image_bytes
+FILES = "/v1/files/"  # links to stored images: 128 random bits each, open without a key
 # routes open without an API key
 OPEN = ("/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc")
 
@@ -34,7 +36,7 @@ class Gate:
     requests per route and status in Prometheus metrics."""
 
     ROUTES = ("/v1/images/generations", "/v1/images/edits", "/v1/generate", "/v1/edit",
-              "/healthz", "/v1/models", "/v1/stats")
+              "/healthz", "/v1/models", "/v1/stats", "/v1/jobs", "/v1/files")
 
     def __init__(self, app):
         self.app = app
@@ -51,7 +53,8 @@ class Gate:
                     metrics.Histogram("maxdiff_http_latency_s", "HTTP request latency by route.",
                                       [0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300],
                                       tag_keys=("route",)))
-            route = next((r for r in self.ROUTES if path.endswith(r)), "other")
+            route = next((r for r in self.ROUTES if path.endswith(r)), None) or next(
+                (r for r in ("/v1/jobs", "/v1/files") if f"{r}/" in path), "other")
             self._metrics[0].inc(tags={"route": route, "status": str(status)})
             self._metrics[1].observe(seconds, tags={"route": route})
         except Exception:  # metrics must never fail a request (e.g. outside a Ray worker)
@@ -81,11 +84,11 @@ class Gate:
 
         try:
             path = scope.get("path", "")
-            if "/v1/" in path and not path.endswith(OPEN):
+            if "/v1/" in path and not path.endswith(OPEN) and FILES not in path:
                 denied = self._admit(headers, scope)
                 if denied is not None:
                     return await reply(*denied)
-            images = security.GATE.get("image_routes", EDIT_ROUTES)
+            images = security.GATE.get("image_routes", EDIT_ROUTES) + JOB_ROUTES
             arg = "max_image_bytes" if path.endswith(tuple(images)) else "max_body_bytes"
             limit = security.GATE[arg]
             declared = headers.get(b"content-length")
@@ -132,6 +135,7 @@ class Gate:
         if hashes:
             token = security.bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
             client = security.check_key(token, hashes)
+            scope["state"]["key_id"] = security.key_id(client)
             if client is None:
                 why = ("no API key given: send 'Authorization: Bearer YOUR_KEY' (the openai "
                        "client's api_key)" if token is None else "incorrect API key")

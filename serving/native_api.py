@@ -26,7 +26,8 @@ from pipelines.limits import (
 )
 from pipelines.requests import ControlImage, ControlRequest, EditRequest, GenerationRequest
 from serving import validation
-from serving.errors import ApiError, invalid_all
+from serving.answers import Prepared
+from serving.errors import ApiError, invalid, invalid_all
 from serving.gate import is_json_type, media_type
 from serving.schemas import EditRequest as EditBody
 from serving.schemas import GenerateRequest, JobResult
@@ -171,6 +172,37 @@ def negotiate(body: GenerateRequest, accept: str | None) -> tuple[str | None, st
                                f"{fmt!r}", kind="not_acceptable")
             fmt = wanted
     return wanted, fmt
+
+
+async def prepare_generate(s: ServeSettings, generator, catalog, body: GenerateRequest,
+                           wanted: str | None, fmt: str, deadline: float, t0: float) -> Prepared:
+    """A ``/v1/generate`` request checked against its model (``wanted``, ``fmt``:
+    :func:`negotiate`'s; ``t0``: when it came, for the timings)."""
+    if body.response_format == "url" and (wanted is not None or body.stream):
+        raise invalid("response_format", "'url' answers JSON with links; an image Accept type "
+                      "and streams carry the images themselves", body.response_format)
+    model = catalog.pick(body.model)
+    info = await generator.model_info(model, deadline)
+    found: list = []  # the image prompt's problems, reported with the others
+    image = await validation.image_prompt(s, info, body.ip_adapter_image, body.ip_adapter_scale,
+                                          found)
+    if body.control_images:
+        job = await control_job(s, info, body, wanted, found, image)
+    else:
+        job = generation_job(s, info, body, wanted, None, found, image)
+    return Prepared(model, info, job, fmt,
+                    lambda result: response(job, fmt, result, info, model, t0), "images")
+
+
+async def prepare_edit(s: ServeSettings, generator, catalog, body: EditBody, deadline: float,
+                       t0: float) -> Prepared:
+    """A ``/v1/edit`` request checked against its model."""
+    model = catalog.pick(body.model)
+    info = await generator.model_info(model, deadline)
+    job = await edit_job(s, info, body)
+    fmt = body.output_format
+    return Prepared(model, info, job, fmt,
+                    lambda result: response(job, fmt, result, info, model, t0), "images")
 
 
 def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: str | None,

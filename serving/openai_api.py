@@ -12,6 +12,7 @@ from fastapi import UploadFile
 from pipelines.image_files import encode_image
 from pipelines.requests import EditRequest, GenerationRequest, parse_size
 from serving import validation
+from serving.answers import Prepared
 from serving.errors import invalid, invalid_all
 from serving.models import Catalog
 from serving.native_api import image_settings
@@ -45,6 +46,21 @@ def adapter(info: dict, body: ImagesGenerationRequest) -> str | None:
     return body.lora or from_model
 
 
+async def prepare(s: ServeSettings, generator, catalog: Catalog, body: ImagesGenerationRequest,
+                  deadline: float) -> Prepared:
+    """An ``images.generate`` request checked against its model (``generator``: the
+    :class:`serving.client.GeneratorClient` that knows the model's limits)."""
+    model = model_name(catalog, body.model)
+    info = await generator.model_info(model, deadline)
+    found: list = []  # the image prompt's problems, reported with the others
+    image = await validation.image_prompt(s, info, body.ip_adapter_image, body.ip_adapter_scale,
+                                          found)
+    job = generation_job(s, info, body, found, image)
+    fmt, quality = body.output_format or "png", body.output_compression
+    return Prepared(model, info, job, fmt,
+                    lambda result: images_response(result, job, fmt, quality, info, model), "data")
+
+
 def generation_job(s: ServeSettings, info: dict, body: ImagesGenerationRequest,
                    errors: list | None = None, prompt_image=None) -> GenerationRequest:
     """The job of an ``images.generate`` request (``prompt_image``: its decoded
@@ -74,9 +90,8 @@ async def edit_job(s: ServeSettings, info: dict, *, prompt: str, image: UploadFi
                    response_format: str | None, stream: bool | None) -> EditRequest:
     """The job of an ``images.edit`` request (multipart), or a 422 naming every problem."""
     errors = []
-    if response_format not in (None, "b64_json"):
-        errors.append(("response_format", "only 'b64_json' is supported: this server "
-                       "returns images inline and does not host them at URLs", response_format))
+    if response_format not in (None, "b64_json", "url"):
+        errors.append(("response_format", "must be 'b64_json' or 'url'", response_format))
     if stream:
         errors.append(("stream", "streaming is not supported; omit stream or set it to false",
                        stream))
@@ -95,10 +110,12 @@ async def edit_job(s: ServeSettings, info: dict, *, prompt: str, image: UploadFi
 
 
 async def images_response(result: JobResult, job: GenerationRequest, fmt: str,
-                          quality: int | None, info: dict, model_id: str) -> dict:
-    """The ``ImagesResponse`` body of a finished job. Each image carries its seed (an extra
-    field of its entry, which OpenAI clients keep) and, in its file, the settings that redraw
-    it through ``/v1/generate`` (:func:`serving.native_api.image_settings`)."""
+                          quality: int | None, info: dict, model_id: str
+                          ) -> tuple[dict, list[bytes]]:
+    """The ``ImagesResponse`` body of a finished job and its encoded images. Each image carries
+    its seed (an extra field of its entry, which OpenAI clients keep) and, in its file, the
+    settings that redraw it through ``/v1/generate``
+    (:func:`serving.native_api.image_settings`)."""
     meta = image_settings(job, result.seeds, info, model_id)
     blobs = await asyncio.to_thread(
         lambda: [encode_image(im, fmt, m, quality=quality) for im, m in zip(result.images, meta)])
@@ -107,7 +124,7 @@ async def images_response(result: JobResult, job: GenerationRequest, fmt: str,
             "data": [{"b64_json": base64.b64encode(b).decode(), "revised_prompt": None,
                       "seed": s, **({} if result.filtered is None else {"content_filtered": f})}
                      for b, s, f in zip(blobs, result.seeds,
-                                        result.filtered or [None] * len(blobs))]}
+                                        result.filtered or [None] * len(blobs))]}, blobs
 
 
 def stream_render(job: GenerationRequest, fmt: str, quality: int | None):

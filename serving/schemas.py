@@ -31,6 +31,7 @@ from serving.specs import AdapterSpec, WarmupShape  # noqa: F401 (re-exported)
 # ---------------------------------------------------------------------------------- HTTP models
 ImageFormat = Literal["png", "jpeg", "webp"]
 PromptSyntax = Literal["a1111", "compel", "none"]
+ResponseFormat = Literal["b64_json", "url"]
 
 
 def _ip_image_field():
@@ -59,7 +60,9 @@ class ImagesGenerationRequest(BaseModel):
                           json_schema_extra={"minimum": 1})
     size: str | None = Field("auto", description="'WIDTHxHEIGHT' (e.g. '1024x1024') or 'auto' "
                              "for the model's default size.")
-    response_format: str | None = Field("b64_json", description="Only 'b64_json' is supported.")
+    response_format: str | None = Field("b64_json", description="'b64_json' (the image in the "
+                                        "answer) or 'url' (a link to it in the server's output "
+                                        "store, valid for its output_ttl_s).")
     output_format: ImageFormat | None = Field(None, description="png (default), jpeg or webp.")
     output_compression: int | None = Field(None, ge=0, le=100,
                                            description="jpeg/webp quality, 0-100.")
@@ -92,10 +95,9 @@ class ImagesGenerationRequest(BaseModel):
 
     @field_validator("response_format")
     @classmethod
-    def _only_b64(cls, v):
-        if v not in (None, "b64_json"):
-            raise ValueError("only 'b64_json' is supported: this server returns images inline "
-                             "and does not host them at URLs")
+    def _formats(cls, v):
+        if v not in (None, "b64_json", "url"):
+            raise ValueError("must be 'b64_json' or 'url'")
         return v
 
 
@@ -128,7 +130,11 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 
 
 class ImageData(BaseModel):
-    b64_json: str
+    b64_json: str | None = None
+    url: str | None = Field(None, description="With response_format 'url': where to download "
+                            "the image (until expires_at).")
+    expires_at: int | None = Field(None, description="When url stops working (unix seconds; "
+                                   "not in OpenAI's schema).")
     revised_prompt: str | None = None
     seed: int | None = Field(None, description="The image's seed (not in OpenAI's schema; "
                              "clients keep it): /v1/generate with it and the settings in the "
@@ -225,6 +231,9 @@ class GenerateRequest(BaseModel):
     ip_adapter_image: str | None = _ip_image_field()
     ip_adapter_scale: float | None = _ip_scale_field()
     output_format: ImageFormat = "png"
+    response_format: ResponseFormat = Field("b64_json", description="'b64_json': each image in "
+                                            "the answer; 'url': a link to it in the server's "
+                                            "output store (expires after output_ttl_s).")
     stream: bool = Field(False, description="Server-Sent Events: `progress` events (step, "
                          "total, queue_position; engine=batch: queued and done only), "
                          "`partial_image` events (partial_images; engine=step), then `result` "
@@ -317,10 +326,17 @@ class EditRequest(BaseModel):
                                description="Default: the image's height.")
     num_images: int = Field(1, json_schema_extra={"minimum": 1})
     output_format: ImageFormat = "png"
+    response_format: ResponseFormat = Field("b64_json", description="'b64_json': each image in "
+                                            "the answer; 'url': a link to it in the server's "
+                                            "output store (expires after output_ttl_s).")
 
 
 class GeneratedImage(BaseModel):
-    b64_json: str
+    b64_json: str | None = Field(None, description="The image (response_format 'b64_json').")
+    url: str | None = Field(None, description="Where to download the image (response_format "
+                            "'url').")
+    expires_at: int | None = Field(None, description="When the url stops working (unix "
+                                   "seconds; null: never).")
     seed: int
     content_filtered: bool | None = Field(
         None, description="Whether the model's safety checker blacked this image out (only for "
@@ -362,3 +378,50 @@ class JobResult:
     replica: dict  # id, node_id
     # per image, whether the model's safety checker blacked it out (None: the model has none)
     filtered: list[bool] | None = None
+
+
+# ---------------------------------------------------------------------------------- /v1/jobs
+class JobRequest(BaseModel):
+    """``POST /v1/jobs``: a request to one of the generation routes, run in the background."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    endpoint: Literal["/v1/generate", "/v1/edit", "/v1/images/generations"] = Field(
+        description="The route whose body `body` is.")
+    body: dict = Field(description="That route's JSON body (stream is not allowed). The images "
+                       "of a job are always stored and linked (response_format 'url').")
+    webhook: str | None = Field(None, description="An http(s) URL that receives the finished "
+                                "job (POST, JSON, signed as Standard Webhooks: see "
+                                "/v1/webhooks/secret); retried when it does not answer 2xx.")
+    metadata: dict[str, str] | None = Field(None, description="Your own labels, returned "
+                                            "with the job (at most 16, 512 characters each).")
+
+
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+
+
+class JobWebhook(BaseModel):
+    url: str
+    status: Literal["pending", "delivered", "failed"]
+    attempts: int
+    last_status_code: int | None = None
+
+
+class Job(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    status: JobStatus
+    endpoint: str
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    request_id: str | None = None
+    result: dict | None = Field(None, description="The route's response, images as links.")
+    error: dict | None = Field(None, description="Why it failed: an error body.")
+    metadata: dict[str, str] | None = None
+    webhook: JobWebhook | None = None
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Job]

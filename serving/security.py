@@ -101,6 +101,12 @@ def check_key(token: str | None, hashes: tuple[str, ...]) -> str | None:
     return found
 
 
+def key_id(key_hash: str | None) -> str | None:
+    """A key's public id (jobs, usage, logs): ``key_`` and the first 12 hex digits of its hash;
+    None when keys are off."""
+    return None if key_hash is None else f"key_{key_hash[:12]}"
+
+
 class RateLimiter:
     """A token bucket per client: ``per_minute`` requests a minute, bursts up to that many."""
 

@@ -110,6 +110,27 @@ class ServeSettings(WithAdapters):
     # one: every accelerator it holds), in any currency; None: no cost figures
     price_per_hour: float | None = Field(None, ge=0)
     stats_window_s: float = Field(300.0, gt=0)  # /v1/stats' images/s and cost: this window
+    # outputs and jobs (docs/service.md, "Links and jobs")
+    # where images answered as links (response_format "url", jobs) are written: a folder or an
+    # fsspec URL (s3://bucket/prefix with s3fs, gs://... with gcsfs); None: ~/.cache/maxdiff/outputs
+    output_store: str | None = None
+    # fsspec options for it, e.g. {endpoint_url: http://minio:9000} (s3fs's client_kwargs and
+    # the like); credentials best come from the environment (AWS_ACCESS_KEY_ID, ...)
+    output_store_options: dict = {}
+    output_ttl_s: float | None = Field(3600.0, gt=0)  # how long they stay; None: for good
+    sign_urls: bool = True  # presigned links where the store makes them (else /v1/files/)
+    # what links to this server start with (e.g. https://images.example.com); None: the URL
+    # each request came to
+    public_url: str | None = None
+    # the jobs database (SQLite); None: ~/.cache/maxdiff/jobs.sqlite
+    jobs_db: str | None = None
+    job_timeout_s: float = Field(3600.0, gt=0)  # a job not done by then fails
+    max_running_jobs: int = Field(16, ge=1)  # per ingress replica, sent to the generator at once
+    max_active_jobs: int = Field(1000, ge=1)  # queued or running jobs per API key
+    webhook_secret: str | None = Field(None, min_length=16)  # None: one kept in jobs_db
+    webhook_retries: int = Field(5, ge=0)
+    webhook_backoff_s: float = Field(2.0, ge=0)  # doubles after each failed try
+    webhook_timeout_s: float = Field(10.0, gt=0)
     # faults
     # a replica being removed (scale-down, redeploy) takes no new requests and finishes its
     # in-flight ones within this; checked every graceful_shutdown_wait_loop_s

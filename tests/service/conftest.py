@@ -66,15 +66,19 @@ def cluster(compile_cache):
 
 
 @pytest.fixture(scope="package")
-def main_app(cluster, sdxl_dir):
+def main_app(cluster, sdxl_dir, tmp_path_factory):
     """The main application, deployed without waiting; /healthz and /v1/generate are probed
-    while the generator replica loads and compiles, then until it is ready."""
+    while the generator replica loads and compiles, then until it is ready. Its output store
+    and jobs database are this run's (``outputs``, ``jobs_db``)."""
     from ray import serve
 
     from serving.app import build_app
 
     url = cluster.url
-    serve._run(build_app({"model": str(sdxl_dir), **MAIN_ARGS}), _blocking=False, name="main",
+    store = tmp_path_factory.mktemp("outputs")
+    jobs_db = tmp_path_factory.mktemp("jobs") / "jobs.sqlite"
+    serve._run(build_app({"model": str(sdxl_dir), **MAIN_ARGS, "output_store": str(store),
+                          "jobs_db": str(jobs_db)}), _blocking=False, name="main",
                route_prefix="/")
     probes, early_generate = [], None
     deadline = time.monotonic() + 300
@@ -95,7 +99,8 @@ def main_app(cluster, sdxl_dir):
         time.sleep(0.25)
     else:
         pytest.fail(f"the main app never became healthy; last probes: {probes[-3:]}")
-    yield types.SimpleNamespace(url=url, probes=probes, early_generate=early_generate)
+    yield types.SimpleNamespace(url=url, probes=probes, early_generate=early_generate,
+                                outputs=store, jobs_db=jobs_db)
     serve.delete("main")
 
 

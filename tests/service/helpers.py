@@ -19,6 +19,7 @@ MAIN_ARGS = dict(
     warmup_shapes=[f"{SIZE}x{SIZE}:{STEPS}:0"], max_queued_requests=2, max_n=4, max_steps=8,
     min_size=16, max_size=64, request_timeout_s=120, num_cpus=1, ingress_num_cpus=0,
     model_name="tiny-sdxl", max_cost=0.02, max_image_bytes=2**20,
+    max_running_jobs=2, webhook_backoff_s=0.2,
 )
 KEY_A, KEY_B = "test-key-alpha-0123", "test-key-bravo-4567"
 ORIGIN = "http://playground.test"

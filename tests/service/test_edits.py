@@ -67,9 +67,13 @@ def test_openai_client_edits(main_app, edit_files):
     with open(edit_files.image_png, "rb") as image:  # no size: the image's
         out = client.images.edit(image=[image], prompt="a blue square")
     assert png(out.data[0].b64_json).shape == (SIZE, SIZE, 3) and out.size == f"{SIZE}x{SIZE}"
+    with open(edit_files.image_png, "rb") as image:  # a link to the stored image
+        out = client.images.edit(image=image, prompt="a blue square", response_format="url")
+    assert out.data[0].b64_json is None
+    assert png(requests.get(out.data[0].url, timeout=30).content).shape == (SIZE, SIZE, 3)
     with open(edit_files.image_png, "rb") as image:
-        with pytest.raises(openai.UnprocessableEntityError, match="b64_json"):
-            client.images.edit(image=image, prompt="x", response_format="url")
+        with pytest.raises(openai.UnprocessableEntityError, match="'b64_json' or 'url'"):
+            client.images.edit(image=image, prompt="x", response_format="link")
     shapes = {b["shape"] for rep in requests.get(f"{main_app.url}/v1/stats").json()[
         "replicas"].values() for b in rep["batches"]}
     assert {f"inpaint:{SIZE}x{SIZE}:{STEPS}:nocfg:s0.9999",

@@ -84,8 +84,10 @@ def test_openai_client(main_app):
     assert all(png(d.b64_json).shape == (SIZE, SIZE, 3) for d in out.data)
     assert out.data[0].revised_prompt is None
     assert [m.id for m in client.models.list()] == ["tiny-sdxl"]
-    with pytest.raises(openai.UnprocessableEntityError, match="b64_json"):
-        client.images.generate(prompt="a cat", response_format="url")
+    # a link instead of the image: the same file the image entry would have carried
+    linked = client.images.generate(prompt="a cat", response_format="url")
+    assert linked.data[0].b64_json is None and linked.data[0].url.startswith(main_app.url)
+    assert png(requests.get(linked.data[0].url, timeout=30).content).shape == (SIZE, SIZE, 3)
     # size "auto" (and no size) is the model's default, through the client too
     for size in ("auto", openai.NOT_GIVEN):
         out = client.images.generate(prompt="a red circle", size=size)
