@@ -57,7 +57,17 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from serving import answers, cost, errors, jobs, native_api, openai_api, security, validation
+from serving import (
+    answers,
+    cost,
+    errors,
+    jobs,
+    native_api,
+    openai_api,
+    security,
+    usage,
+    validation,
+)
 from serving.answers import Prepared
 from serving.client import GENERATOR, GeneratorClient
 from serving.errors import TIMEOUT_HEADER, ApiError, invalid, invalid_all, request_id
@@ -176,7 +186,7 @@ class Ingress:
     """Validates, forwards to the generator deployment, encodes. Light: never imports JAX."""
 
     def __init__(self, generator: DeploymentHandle, settings: ServeSettings, catalog: Catalog,
-                 key_hashes: tuple[str, ...] | None = None):
+                 keys: dict[str, security.KeyPolicy] | None = None):
         self.s = settings
         self.catalog = catalog
         self.started = int(time.time())
@@ -186,7 +196,7 @@ class Ingress:
             max_body_bytes=settings.max_body_bytes, max_image_bytes=settings.max_image_bytes,
             image_routes=EDIT_ROUTES + (CONTROL_ROUTES if controlnets or prompts else ())
             + (PROMPT_ROUTES if prompts else ()),
-            key_hashes=key_hashes,
+            key_hashes=None if keys is None else tuple(keys),
             limiter=(security.RateLimiter(settings.rate_limit_per_minute)
                      if settings.rate_limit_per_minute else None))
         if settings.cors_origins:
@@ -203,21 +213,50 @@ class Ingress:
         self.board = StatsBoard.get(self.app_name)
         self.files = OutputStore(settings.output_store, settings.output_ttl_s, settings.sign_urls,
                                  settings.output_store_options)
-        self.jobs = jobs.Jobs(settings, self.app_name, self.files, self._job_call)
+        self.jobs = jobs.Jobs(settings, self.app_name, self.files, self._run)
+        self.accounts = usage.Accounts(
+            settings, self.app_name,
+            {security.key_id(h): p for h, p in (keys or {}).items()}, self.jobs.db.path)
 
-    async def _job_call(self, prep: Prepared, deadline: float, rid: str | None):
-        return await self.generator.run(prep.job, deadline, rid, prep.model)
+    async def _run(self, prep: Prepared, deadline: float, rid: str | None,
+                   key_id: str | None) -> JobResult:
+        """Run a prepared request on the generator: the key's quotas checked, its priority
+        class kept (where classes are set), its usage counted."""
+        await self.accounts.check(key_id, prep.job.n)
+        replicas = 1
+        if self.accounts.gate is not None:
+            replicas = (await self.generator.state())[1].get("generator_replicas", {}).get(
+                "RUNNING", 1)
+        result = await self.accounts.run(
+            lambda: self.generator.run(prep.job, deadline, rid, prep.model), key_id, deadline,
+            replicas)
+        await self.accounts.count(key_id, prep.job, result)
+        return result
+
+    async def _stream(self, prep: Prepared, deadline: float, request: Request,
+                      partial_images: int, render):
+        """Stream a prepared request (quotas checked, usage counted at its result)."""
+        key_id = key_of(request)
+        await self.accounts.check(key_id, prep.job.n)
+
+        async def counted(ev):
+            if ev["type"] == "result":
+                await self.accounts.count(key_id, prep.job, ev["result"])
+            return await render(ev)
+
+        return await self.generator.stream(prep.job, deadline, request_id(request),
+                                           partial_images, counted, prep.model)
 
     def __del__(self):
         """Ray Serve stops this replica: its jobs end as interrupted now."""
-        jobs_ = getattr(self, "jobs", None)
-        if jobs_ is not None:
-            jobs_.close()
+        for part in (getattr(self, "jobs", None), getattr(self, "accounts", None)):
+            if part is not None:
+                part.close()
 
     async def _answer(self, prep: Prepared, deadline: float, request: Request,
                       response_format: str | None, seeds: bool = False) -> JSONResponse:
         """Run a prepared request and answer its route's JSON (images inline or as links)."""
-        result = await self.generator.run(prep.job, deadline, request_id(request), prep.model)
+        result = await self._run(prep, deadline, request_id(request), key_of(request))
         data = await answers.answer(prep, result, response_format, self.files,
                                     self._base_url(request), key_of(request))
         return JSONResponse(data, headers=_headers(result, seeds=seeds))
@@ -251,10 +290,9 @@ class Ingress:
             if body.response_format == "url":
                 raise invalid("response_format", "streams carry the images themselves; omit "
                               "response_format or set it to 'b64_json'", "url")
-            return await self.generator.stream(
-                prep.job, deadline, request_id(request), body.partial_images or 0,
-                openai_api.stream_render(prep.job, prep.fmt, body.output_compression),
-                prep.model)
+            return await self._stream(
+                prep, deadline, request, body.partial_images or 0,
+                openai_api.stream_render(prep.job, prep.fmt, body.output_compression))
         return await self._answer(prep, deadline, request, body.response_format, seeds=True)
 
     @api.post("/v1/generate", response_model=GenerateResponse, tags=["native"],
@@ -284,11 +322,10 @@ class Ingress:
                                                  wanted, fmt, deadline, t0)
         if body.stream:
             render = native_api.stream_render(prep.job, fmt, prep.info, prep.model, t0)
-            return await self.generator.stream(prep.job, deadline, request_id(request),
-                                               body.partial_images, render, prep.model)
+            return await self._stream(prep, deadline, request, body.partial_images, render)
         if wanted is None:
             return await self._answer(prep, deadline, request, body.response_format)
-        result = await self.generator.run(prep.job, deadline, request_id(request), prep.model)
+        result = await self._run(prep, deadline, request_id(request), key_of(request))
         _, blobs = await prep.render(result)
         return Response(blobs[0], media_type=f"image/{fmt}",
                         headers={**_headers(result), "X-Seed": str(result.seeds[0])})
@@ -366,6 +403,7 @@ class Ingress:
         key (429)."""
         t0 = time.perf_counter()
         prep = await self._job_prep(body, validation.deadline(request, self.s), t0)
+        await self.accounts.check(key_of(request), prep.job.n)  # a 429 now, not a failed job
         base = self._base_url(request)
         job = await self.jobs.submit(body.endpoint, prep, key_of(request), base,
                                      request_id(request), body.webhook, body.metadata)
@@ -435,6 +473,15 @@ class Ingress:
         data, media = found
         return Response(data, media_type=media, headers={"Cache-Control": "private, max-age=3600",
                                                          "X-Content-Type-Options": "nosniff"})
+
+    @api.get("/v1/usage", tags=["operations"], summary="Your usage and quotas",
+             responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})
+    async def usage(self, request: Request):
+        """The caller's API key: requests, images, steps and device-seconds (its images'
+        share of their batches' device time) today (UTC) and in all, with their cost at the
+        serve arg ``price_per_hour``; its quotas, when they reset, and its priority class.
+        Without API keys: everyone's, as one anonymous key."""
+        return await self.accounts.report(key_of(request))
 
     @api.get("/", response_class=HTMLResponse, tags=["playground"],
              summary="The web playground (a page for people)",
@@ -554,7 +601,7 @@ def build_app(args: dict | None = None):
     or several models as ``models`` (docs/multi-model.md)."""
     settings = ServeSettings.from_args(args)
     catalog = Catalog.from_settings(settings)  # a bad run config or missing model fails here
-    key_hashes = security.load_key_hashes(settings.api_keys)
+    keys = security.load_keys(settings.api_keys)
     jobs.check_places(settings)  # the output store and the jobs database open, or fail here
     actor: dict[str, Any] = {"num_cpus": settings.num_cpus}
     if settings.resource == "GPU":
@@ -580,4 +627,4 @@ def build_app(args: dict | None = None):
     ingress = Ingress.options(num_replicas=settings.ingress_replicas,
                               max_ongoing_requests=settings.ingress_max_ongoing_requests,
                               ray_actor_options={"num_cpus": settings.ingress_num_cpus})
-    return ingress.bind(generator.bind(catalog, settings), settings, catalog, key_hashes)
+    return ingress.bind(generator.bind(catalog, settings), settings, catalog, keys)

@@ -36,7 +36,7 @@ class Gate:
     requests per route and status in Prometheus metrics."""
 
     ROUTES = ("/v1/images/generations", "/v1/images/edits", "/v1/generate", "/v1/edit",
-              "/healthz", "/v1/models", "/v1/stats", "/v1/jobs", "/v1/files")
+              "/healthz", "/v1/models", "/v1/stats", "/v1/jobs", "/v1/files", "/v1/usage")
 
     def __init__(self, app):
         self.app = app

@@ -334,11 +334,11 @@ def post(url: str, body: bytes, headers: dict, timeout_s: float) -> int | None:
 
 
 class Jobs:
-    """The jobs of one ingress replica: ``call(prepared, deadline, rid)`` runs a checked
-    request on the generator."""
+    """The jobs of one ingress replica: ``call(prepared, deadline, rid, key_id)`` runs a
+    checked request on the generator."""
 
     def __init__(self, settings, app: str, files: OutputStore,
-                 call: Callable[[Prepared, float, str | None], Awaitable]):
+                 call: Callable[[Prepared, float, str | None, str | None], Awaitable]):
         self.s, self.app, self.files = settings, app, files
         self.db = JobStore(settings.jobs_db)
         self.owner = uuid.uuid4().hex
@@ -403,7 +403,7 @@ class Jobs:
                 if not await asyncio.to_thread(self.db.start, job_id):
                     return  # cancelled while queued
                 deadline = t0 + self.s.job_timeout_s
-                result = await self._call(prep, deadline, rid)
+                result = await self._call(prep, deadline, rid, key_id)
                 data = await answer(prep, result, "url", self.files, base_url, key_id)
                 await asyncio.to_thread(self.db.finish, job_id, "succeeded", data)
         except asyncio.CancelledError:  # a DELETE (the row says so already) or shutdown
@@ -419,11 +419,12 @@ class Jobs:
             self.tasks.pop(job_id, None)
         await self.deliver(job_id)
 
-    async def _call(self, prep: Prepared, deadline: float, rid: str | None):
+    async def _call(self, prep: Prepared, deadline: float, rid: str | None,
+                    key_id: str | None):
         """The generator's result; a full queue (503) is waited out until the deadline."""
         while True:
             try:
-                return await self.call(prep, deadline, rid)
+                return await self.call(prep, deadline, rid, key_id)
             except ApiError as e:
                 wait = self.s.retry_after_s
                 if e.status != 503 or time.monotonic() + wait >= deadline:

@@ -17,6 +17,7 @@ import os
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 ENV_KEYS = "MAXDIFF_API_KEYS"
@@ -49,11 +50,43 @@ def _read_key_file(path: Path, origin: str) -> list[str]:
         raise ValueError(f"{origin}: cannot read the key file {path} ({type(e).__name__})") from None
 
 
-def load_key_hashes(api_keys=None, environ=None) -> tuple[str, ...] | None:
-    """SHA-256 hex digests of the accepted keys, or None when keys are off.
+@dataclass(frozen=True)
+class KeyPolicy:
+    """What one API key may do: its ``priority`` class (higher goes first when requests wait;
+    0 by default) and its quotas per UTC day (None: none)."""
 
-    ``api_keys``: None (then ``MAXDIFF_API_KEYS``), a list of keys / hashes, or one string
-    that is a file's path (if such a file exists) or a single key."""
+    priority: int = 0
+    images_per_day: int | None = None
+    device_seconds_per_day: float | None = None
+
+
+_POLICY_FIELDS = {"priority": int, "images_per_day": int, "device_seconds_per_day": float}
+
+
+def _policy(words: list[str], where: str) -> KeyPolicy:
+    """A key entry's ``name=value`` words as its policy; a ValueError naming the entry."""
+    given = {}
+    for word in words:
+        name, eq, value = word.partition("=")
+        if not eq or name not in _POLICY_FIELDS:
+            raise ValueError(f"{where}: {word!r} is not a key setting; give "
+                             f"{', '.join(f'{k}=N' for k in _POLICY_FIELDS)}")
+        try:
+            given[name] = _POLICY_FIELDS[name](value)
+        except ValueError:
+            raise ValueError(f"{where}: {name}={value!r} is not a number") from None
+        if name != "priority" and given[name] < 0:
+            raise ValueError(f"{where}: {name} must be >= 0, got {value}")
+    return KeyPolicy(**given)
+
+
+def load_keys(api_keys=None, environ=None) -> dict[str, KeyPolicy] | None:
+    """The accepted keys' SHA-256 hex digests and their policies, or None when keys are off.
+
+    ``api_keys``: None (then ``MAXDIFF_API_KEYS``), a list of entries, or one string that is a
+    file's path (if such a file exists) or a single entry. An entry is a key or
+    ``sha256:<hex>``, then optionally ``priority=N``, ``images_per_day=N``,
+    ``device_seconds_per_day=N`` separated by spaces."""
     environ = os.environ if environ is None else environ
     if api_keys is None:
         path = environ.get(ENV_KEYS)
@@ -68,17 +101,25 @@ def load_key_hashes(api_keys=None, environ=None) -> tuple[str, ...] | None:
             origin = f"api_keys file {items[0]}"
         else:
             entries, origin = _entries(items), "api_keys"
-    hashes = []
-    for e in entries:
+    keys: dict[str, KeyPolicy] = {}
+    for n, entry in enumerate(entries, 1):
+        e, *words = entry.split()
         m = _HASHED.match(e)
         if e.startswith("sha256:") and not m:
             raise ValueError(f"{origin}: 'sha256:' must be followed by 64 hex digits")
         if not m and len(e) < 8:
             raise ValueError(f"{origin}: an API key must have at least 8 characters")
-        hashes.append(m.group(1).lower() if m else hash_key(e))
-    if not hashes:
+        digest = m.group(1).lower() if m else hash_key(e)
+        keys.setdefault(digest, _policy(words, f"{origin}, entry {n} ({key_id(digest)})"))
+    if not keys:
         raise ValueError(f"{origin}: no keys in it (one key or sha256:<hex> a line)")
-    return tuple(dict.fromkeys(hashes))
+    return keys
+
+
+def load_key_hashes(api_keys=None, environ=None) -> tuple[str, ...] | None:
+    """SHA-256 hex digests of the accepted keys (:func:`load_keys`), or None when keys are off."""
+    keys = load_keys(api_keys, environ)
+    return None if keys is None else tuple(keys)
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -26,10 +26,14 @@ from .helpers import (
     GUARDED_ARGS,
     KEY_A,
     KEY_B,
+    KEY_HIGH,
+    KEY_LOW,
+    KEY_QUOTA,
     MAIN_ARGS,
     MODEL_A,
     MODEL_B,
     MULTI_ARGS,
+    QUOTA_IMAGES,
     STEP_ARGS,
     STEP_MODEL,
     STEPS,
@@ -120,16 +124,22 @@ def pipe(cluster, sdxl_dir):
 
 @pytest.fixture(scope="package")
 def guarded(cluster, sdxl_dir, tmp_path_factory):
-    """API keys from a file (one plain, one hashed), a rate limit, CORS for one origin, limits
-    that leave few shapes (32x32, at most 2 steps, one image) so fuzzing stays cheap."""
+    """API keys from a file (one plain, one hashed; one with a priority class above the
+    others', one with a daily quota), a rate limit, CORS for one origin, limits that leave few
+    shapes (32x32, at most 2 steps, one image) so fuzzing stays cheap."""
     from ray import serve
 
     from serving.app import build_app
     from serving.security import hash_key
 
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text(f"# maxdiff API keys\n{KEY_A}\n\nsha256:{hash_key(KEY_B)}\n")
-    serve.run(build_app({"model": str(sdxl_dir), **GUARDED_ARGS, "api_keys": str(keys)}),
+    keys.write_text(f"# maxdiff API keys\n{KEY_A}\n\nsha256:{hash_key(KEY_B)}\n"
+                    f"{KEY_HIGH} priority=10\n{KEY_LOW}\n"
+                    f"sha256:{hash_key(KEY_QUOTA)} images_per_day={QUOTA_IMAGES}\n")
+    state = tmp_path_factory.mktemp("guarded-state")  # jobs, usage and stored images
+    serve.run(build_app({"model": str(sdxl_dir), **GUARDED_ARGS, "api_keys": str(keys),
+                         "jobs_db": str(state / "db.sqlite"),
+                         "output_store": str(state / "outputs")}),
               name="guarded", route_prefix="/guarded")
     yield f"{cluster.url}/guarded"
     serve.delete("guarded")

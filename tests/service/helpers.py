@@ -22,6 +22,9 @@ MAIN_ARGS = dict(
     max_running_jobs=2, webhook_backoff_s=0.2,
 )
 KEY_A, KEY_B = "test-key-alpha-0123", "test-key-bravo-4567"
+# the guarded app's keys with policies: a priority class above the others', and a daily quota
+KEY_HIGH, KEY_LOW, KEY_QUOTA = "test-key-high-8910", "test-key-low-1112", "test-key-quota-1314"
+QUOTA_IMAGES = 3
 ORIGIN = "http://playground.test"
 GUARDED_ARGS = dict(MAIN_ARGS, max_steps=5000, min_size=SIZE, max_size=SIZE, max_n=1,
                     max_cost=0.002, rate_limit_per_minute=400, cors_origins=[ORIGIN],

@@ -1,0 +1,107 @@
+"""Usage, quotas and priorities per API key on the guarded application (its key file gives
+KEY_HIGH priority 10 and KEY_QUOTA a daily quota): ``/v1/usage`` equals what was sent; a
+passed quota is a 429 naming it; a high-class request overtakes a queue kept full by a
+low-class key."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import requests
+
+from .helpers import KEY_A, KEY_HIGH, KEY_LOW, KEY_QUOTA, QUOTA_IMAGES, SIZE, auth
+
+pytest.importorskip("ray.serve")
+
+
+def _usage(url, key):
+    r = requests.get(f"{url}/v1/usage", headers=auth(key), timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_usage_equals_what_was_sent(guarded):
+    before = _usage(guarded, KEY_A)
+    assert before["key_id"].startswith("key_") and before["priority"] == 0
+    for steps in (1, 2, 2):
+        r = requests.post(f"{guarded}/v1/generate", headers=auth(KEY_A), timeout=120,
+                          json={"prompt": "counted", "steps": steps})
+        assert r.status_code == 200, r.text
+    r = requests.post(f"{guarded}/v1/images/generations", headers=auth(KEY_A), timeout=120,
+                      json={"prompt": "counted", "size": f"{SIZE}x{SIZE}"})
+    assert r.status_code == 200, r.text
+    after = _usage(guarded, KEY_A)
+    default_steps = requests.get(f"{guarded}/v1/models", headers=auth(KEY_A),
+                                 timeout=30).json()["data"][0]["maxdiff"]["default_steps"]
+    for part in ("today", "total"):
+        grew = {k: after[part][k] - before[part][k] for k in ("requests", "images", "steps")}
+        assert grew == {"requests": 4, "images": 4, "steps": 5 + default_steps}, grew
+        assert after[part]["device_s"] > before[part]["device_s"]
+    assert after["resets_at"] > time.time()
+    assert requests.get(f"{guarded}/v1/usage", timeout=30).status_code == 401
+
+
+def test_a_passed_quota_is_a_429_naming_it(guarded):
+    for _ in range(QUOTA_IMAGES):
+        r = requests.post(f"{guarded}/v1/generate", headers=auth(KEY_QUOTA), timeout=120,
+                          json={"prompt": "within the quota"})
+        assert r.status_code == 200, r.text
+    for path, body in (("/v1/generate", {"prompt": "one too many"}),
+                       ("/v1/jobs", {"endpoint": "/v1/generate",
+                                     "body": {"prompt": "one too many"}})):
+        r = requests.post(f"{guarded}{path}", headers=auth(KEY_QUOTA), json=body, timeout=120)
+        assert r.status_code == 429, r.text
+        err = r.json()["error"]
+        assert err["code"] == "quota_exceeded" and f"images_per_day={QUOTA_IMAGES}" in \
+            err["message"] and "resets at" in err["message"]
+        assert 0 < int(r.headers["retry-after"]) <= 86400
+    usage = _usage(guarded, KEY_QUOTA)
+    assert usage["today"]["images"] == QUOTA_IMAGES
+    assert usage["quotas"]["images_per_day"] == QUOTA_IMAGES
+    # another key is not held by it
+    assert requests.post(f"{guarded}/v1/generate", headers=auth(KEY_A), timeout=120,
+                         json={"prompt": "free"}).status_code == 200
+
+
+def test_a_high_class_request_overtakes_a_full_queue(guarded):
+    """40 clients of the low key keep sending (the gate lets 8 requests reach the replica: two
+    batches of 4; the rest wait at the ingress), then one request of the high key: at most the
+    two batches already at the replica run before it, and it goes ahead of low requests sent
+    before it (first come, first served it would wait behind some 30)."""
+    low, done = [], threading.Event()
+
+    def keep_sending(i):
+        for k in range(8):
+            if done.is_set():
+                return
+            at = time.monotonic()
+            r = requests.post(f"{guarded}/v1/generate", headers=auth(KEY_LOW), timeout=300,
+                              json={"prompt": f"low {i}", "seed": 100 * i + k})
+            low.append((at, time.monotonic(), r))
+
+    threads = [threading.Thread(target=keep_sending, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while len(low) < 8:  # serving, with the queue full
+        assert time.monotonic() < deadline, "the low requests were not answered"
+        time.sleep(0.05)
+    sent = time.monotonic()
+    high = requests.post(f"{guarded}/v1/generate", headers=auth(KEY_HIGH), timeout=300,
+                         json={"prompt": "high", "seed": 99})
+    done.set()
+    for t in threads:
+        t.join()
+    assert high.status_code == 200 and all(r.status_code == 200 for *_, r in low), \
+        [r.text for *_, r in low if r.status_code != 200][:1]
+    h = high.json()["timings"]["batch_id"]
+    batch = {id(r): r.json()["timings"]["batch_id"] for *_, r in low}
+    answered = [batch[id(r)] for _, end, r in low if end < sent]
+    assert answered, "no low request was answered before the high one was sent"
+    # at most two batches between: the one running and the one queued at the replica when
+    # it was sent (+1: the running batch's answers may still have been on their way)
+    assert h - max(answered) <= 4, (h, max(answered))
+    overtaken = [batch[id(r)] for start, _, r in low if start < sent and batch[id(r)] > h]
+    assert len(overtaken) >= 8, (h, sorted(batch.values()))
