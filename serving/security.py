@@ -35,9 +35,10 @@ def hash_key(key: str) -> str:
 
 
 def _entries(values) -> list[str]:
+    """Key entries: blank lines, ``#`` lines and `` #`` comments after an entry dropped."""
     out = []
     for v in values:
-        v = str(v).strip()
+        v = str(v).split(" #", 1)[0].strip()
         if v and not v.startswith("#"):
             out.append(v)
     return out

@@ -126,6 +126,7 @@ RUNNERS = {
     "jobs": lambda lang, code: first_line(code) == "# jobs.jsonl",
     "tiny": lambda lang, code: "tiny.make_sdxl_pipeline" in code,
     "keys": lambda lang, code: "MAXDIFF_API_KEYS=" in code,
+    "keyfile": lambda lang, code: lang == "text" and first_line(code).startswith("sha256:"),
     "json": lambda lang, code: lang == "json",
     "yaml": lambda lang, code: lang == "yaml",
 }
@@ -153,6 +154,16 @@ def codes(name: str) -> list[str]:
 def the(name: str) -> str:
     code, = codes(name)
     return code
+
+
+def test_key_file_blocks_load():
+    """A key file example loads as the service reads one, each entry with its settings."""
+    from serving.security import load_keys
+
+    for code in codes("keyfile"):
+        keys = load_keys(code.splitlines())
+        assert len(keys) == len(code.strip().splitlines())
+        assert any(p.priority or p.images_per_day for p in keys.values())
 
 
 def test_json_blocks_parse():
