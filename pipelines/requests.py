@@ -220,6 +220,9 @@ class GenerationRequest:
     # model's); not in the key (images with and without one share a batch)
     ip_adapter_image: Any = field(default=None, compare=False, repr=False)
     ip_adapter_scale: float | None = None
+    # its API key's class (higher first) where the service orders waiting requests by class;
+    # the step engine's queue reads it
+    priority: int = field(default=0, compare=False)
 
     @property
     def key(self) -> ShapeKey:

@@ -120,8 +120,8 @@ class StepEngine:
     # ------------------------------------------------------------------ public API
     def submit(self, request: ImageRequest, steps: int | None = None,
                on_progress: Callable[[Handle], None] | None = None,
-               previews: Iterable[int] = (), controls: Sequence[ControlImage] | None = None
-               ) -> Handle:
+               previews: Iterable[int] = (), controls: Sequence[ControlImage] | None = None,
+               priority: int = 0) -> Handle:
         """Queue one image (``steps`` None: the pipeline's default). It joins a free slot at
         a coming tick, in the policy's order. ``on_progress(handle)`` is called from the
         ticking thread once the device has run each of its steps (``handle.step`` is then that
@@ -169,7 +169,7 @@ class StepEngine:
                              "(the steps after which to decode a preview)")
         return self.scheduler.submit(Handle(request=request, steps=int(steps),
                                             on_progress=on_progress, previews=previews,
-                                            controls=controls))
+                                            controls=controls, priority=int(priority)))
 
     def cancel(self, handle: Handle) -> None:
         """Cancel an image: a queued one leaves the queue, a running one frees its slot at the

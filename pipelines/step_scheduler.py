@@ -85,6 +85,7 @@ class Handle:
     started_at: float | None = None
     finished_at: float | None = None
     cancel_requested: bool = False
+    priority: int = 0  # its class: higher classes are admitted first (aged: CLASS_AGING_TICKS)
 
     @property
     def done(self) -> bool:
@@ -133,6 +134,18 @@ class ShortestRemainingSteps(Policy):
 
 
 POLICIES: dict[str, type[Policy]] = {"fifo": Fifo, "srs": ShortestRemainingSteps}
+
+
+CLASS_AGING_TICKS = 100  # ticks a queued image waits to gain one class
+
+
+def by_class(order: list[Handle]) -> list[Handle]:
+    """``order`` (a policy's) regrouped by class, highest first: a queued image's class is its
+    ``priority`` plus one for every CLASS_AGING_TICKS ticks it waited, so none is starved.
+    All of class 0 (no classes in use): ``order`` itself."""
+    if not any(h.priority for h in order):
+        return order
+    return sorted(order, key=lambda h: -(h.priority + h.waited_ticks / CLASS_AGING_TICKS))
 
 
 def make_policy(policy: str | Policy) -> Policy:
@@ -224,7 +237,7 @@ class SlotScheduler:
         with self.lock:
             if handle not in self.queue:
                 return 0
-            return self.policy.order(self.queue).index(handle) + 1
+            return by_class(self.policy.order(self.queue)).index(handle) + 1
 
     @property
     def active(self) -> int:
@@ -257,7 +270,7 @@ class SlotScheduler:
         running. The images left queued wait one more tick (``waited_ticks``)."""
         free = [k for k, h in enumerate(self.slot_handles) if h is None]
         with self.lock:
-            take = self.policy.order(self.queue)[:len(free)]
+            take = by_class(self.policy.order(self.queue))[:len(free)]
             chosen = {id(h) for h in take}
             self.queue = [h for h in self.queue if id(h) not in chosen]
             for h in self.queue:
@@ -274,7 +287,7 @@ class SlotScheduler:
         """Update the queued images' positions (policy order); returns those that moved."""
         moved = []
         with self.lock:
-            for k, h in enumerate(self.policy.order(self.queue), start=1):
+            for k, h in enumerate(by_class(self.policy.order(self.queue)), start=1):
                 if h.queue_position != k:
                     h.queue_position = k
                     moved.append(h)

@@ -223,12 +223,13 @@ class Ingress:
         """Run a prepared request on the generator: the key's quotas checked, its priority
         class kept (where classes are set), its usage counted."""
         await self.accounts.check(key_id, prep.job.n)
+        job = self.accounts.classed(prep.job, key_id)
         replicas = 1
         if self.accounts.gate is not None:
             replicas = (await self.generator.state())[1].get("generator_replicas", {}).get(
                 "RUNNING", 1)
         result = await self.accounts.run(
-            lambda: self.generator.run(prep.job, deadline, rid, prep.model), key_id, deadline,
+            lambda: self.generator.run(job, deadline, rid, prep.model), key_id, deadline,
             replicas)
         await self.accounts.count(key_id, prep.job, result)
         return result
@@ -244,8 +245,9 @@ class Ingress:
                 await self.accounts.count(key_id, prep.job, ev["result"])
             return await render(ev)
 
-        return await self.generator.stream(prep.job, deadline, request_id(request),
-                                           partial_images, counted, prep.model)
+        return await self.generator.stream(self.accounts.classed(prep.job, key_id), deadline,
+                                           request_id(request), partial_images, counted,
+                                           prep.model)
 
     def __del__(self):
         """Ray Serve stops this replica: its jobs end as interrupted now."""

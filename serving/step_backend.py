@@ -212,7 +212,7 @@ class StepBackend(Backend):
         controls = job.pipeline_controls() if isinstance(job, ControlRequest) else None
         images = []
         for item in job.images():
-            h = eng.submit(item, job.steps, on_progress, previews, controls)
+            h = eng.submit(item, job.steps, on_progress, previews, controls, job.priority)
             self._images[h] = image = _Image(h, eng, loop.create_future())
             images.append(image)
         self._wake_engines()

@@ -7,6 +7,7 @@ imports JAX."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import heapq
 import itertools
@@ -184,6 +185,11 @@ class Accounts:
         err = quota_error(policy, used, images, key_id)
         if err is not None:
             raise err
+
+    def classed(self, job, key_id: str | None):
+        """``job`` carrying its key's class (the step engine's queue orders by it)."""
+        priority = self.policy(key_id).priority
+        return job if priority == job.priority else dataclasses.replace(job, priority=priority)
 
     async def run(self, call, key_id: str | None, deadline: float, replicas: int):
         """``await call()`` (a generator call) behind the priority gate, if there is one;

@@ -179,3 +179,33 @@ def test_policy_names_and_errors():
     with pytest.raises(ValueError, match="multiple of the mesh size 2"):
         SlotScheduler(3, 2, 10)
     assert np.array_equal(SlotScheduler(4, 2, 10).batch_sizes, [2, 4])
+
+
+@pytest.mark.parametrize("policy", ["fifo", "srs"])
+def test_classes_go_first_and_age(policy):
+    """A higher class is admitted before every lower one queued before it, under either
+    policy; a low-class image that waited CLASS_AGING_TICKS ticks per class goes first."""
+    from pipelines.step_scheduler import CLASS_AGING_TICKS
+
+    s = SlotScheduler(1, 1, 50, policy=policy)
+    s.submit(_h(3, name="running"))
+    _tick(s)  # it holds the only slot for three ticks
+    for name in ("low-1", "low-2"):
+        s.submit(_h(3, name=name))
+    high = _h(3, name="high")
+    high.priority = 5
+    s.submit(high)
+    assert s.queue_position(high) == 1
+    order = []
+    while s.queued or s.active:
+        order += [h.request.prompt for h in _tick(s)[0]]
+    assert order == ["high", "low-1", "low-2"]
+    aged = SlotScheduler(1, 1, 50, policy=policy)
+    aged.submit(_h(1, name="running"))
+    _tick(aged)
+    old = aged.submit(_h(1, name="old"))
+    old.waited_ticks = 3 * CLASS_AGING_TICKS  # as if it had waited that long
+    new = _h(1, name="new")
+    new.priority = 2
+    aged.submit(new)
+    assert [h.request.prompt for h in _tick(aged)[0]] == ["old"]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-SERVICE_STEP = ("test_step_serving", "test_multi_model", "test_cost", "test_metrics")
+SERVICE_STEP = ("test_step_serving", "test_multi_model", "test_cost", "test_metrics",
+                "test_step_priority")
 HEAVY = ("service-step", "service", "test_demo_model", "test_readme", "test_pipeline",
          "test_quantization", "test_cli", "test_controlnet_pipeline", "test_sd_pipeline",
          "test_ip_adapter")
