@@ -37,6 +37,10 @@ events, then ``result`` (the route's JSON response). An error after the stream h
 ``error`` event with the usual error body. A client that disconnects cancels its image (its
 step-engine slot is freed at the next tick).
 
+Images as links (``response_format: "url"``), jobs (``/v1/jobs``, webhooks) and usage per key
+(``/v1/usage``; quotas, priority classes): docs/service.md; their routes are
+:class:`serving.job_routes.JobRoutes`', the FastAPI app itself :mod:`serving.api`'s.
+
 This module declares the routes and ``build_app``; the work is done by ``gate`` (request ids,
 keys, rate and body limits), ``validation``, ``openai_api`` and ``native_api`` (each dialect's
 request to a job, result to a response), ``client`` (calls to the generator), ``sse`` and
@@ -44,14 +48,12 @@ request to a job, result to a response), ``client`` (calls to the generator), ``
 """
 
 
-import asyncio
 import functools
 import logging
 import time
-import types
 from typing import Any
 
-from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
+from fastapi import Depends, File, Form, Request, UploadFile
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -60,7 +62,6 @@ from ray.serve.handle import DeploymentHandle
 from serving import (
     answers,
     cost,
-    errors,
     jobs,
     native_api,
     openai_api,
@@ -69,10 +70,12 @@ from serving import (
     validation,
 )
 from serving.answers import Prepared
+from serving.api import api, key_of
 from serving.client import GENERATOR, GeneratorClient
-from serving.errors import TIMEOUT_HEADER, ApiError, invalid, invalid_all, request_id
-from serving.gate import CONTROL_ROUTES, EDIT_ROUTES, PROMPT_ROUTES, Gate
+from serving.errors import TIMEOUT_HEADER, ApiError, invalid, request_id
+from serving.gate import CONTROL_ROUTES, EDIT_ROUTES, PROMPT_ROUTES
 from serving.generator import Generator, StatsBoard
+from serving.job_routes import JobRoutes
 from serving.models import Catalog
 from serving.schemas import (
     ERROR_RESPONSES,
@@ -83,12 +86,7 @@ from serving.schemas import (
     ImageFormat,
     ImagesGenerationRequest,
     ImagesResponse,
-    Job,
-    JobList,
-    JobRequest,
     JobResult,
-    JobStatus,
-    generate_openapi_body,
 )
 from serving.schemas import EditRequest as EditBody
 from serving.settings import ServeSettings
@@ -103,32 +101,6 @@ logger = logging.getLogger("ray.serve")
 # through engine=step against 61 in-process). Tries are cheap: two queue-length probes.
 ROUTER_BACKOFF = {"initial_backoff_s": 0.005, "backoff_multiplier": 2, "max_backoff_s": 0.05}
 INGRESS = "Ingress"
-
-api = FastAPI(
-    title="maxdiff",
-    summary="SDXL-family text-to-image over HTTP (JAX on Ray Serve).",
-    description="`POST /v1/images/generations` speaks the OpenAI Images API (point the "
-                "`openai` client's `base_url` here); `POST /v1/generate` exposes every setting "
-                "and reports seeds and timings. Requests that share size, steps and CFG on/off "
-                "are batched onto the accelerators together.",
-    version="0.1.0",
-)
-api.add_middleware(Gate)
-errors.install(api)
-
-
-def _openapi(self: FastAPI) -> dict:
-    """FastAPI's schema plus ``/v1/generate``'s request body: it reads the body itself (JSON or
-    multipart, :func:`serving.native_api.generate_body`), so FastAPI cannot describe it."""
-    if self.openapi_schema is None:
-        schema = FastAPI.openapi(self)
-        body, components = generate_openapi_body()
-        schema["paths"]["/v1/generate"]["post"]["requestBody"] = body
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
-    return self.openapi_schema
-
-
-api.openapi = types.MethodType(_openapi, api)
 
 # the page may talk to this server only; its script and style are inline
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; connect-src 'self'; img-src 'self' "
@@ -154,11 +126,6 @@ def _headers(result: JobResult, seeds: bool = False) -> dict:
     return out
 
 
-def key_of(request: Request) -> str | None:
-    """The public id of the request's API key (None when keys are off)."""
-    return getattr(request.state, "key_id", None)
-
-
 def _model_details(s: ServeSettings, info: dict) -> dict:
     """``/v1/models``'s ``maxdiff`` entry: the model's defaults, the engine, this server's
     limits for it and the adapters loaded."""
@@ -182,7 +149,7 @@ def _model_details(s: ServeSettings, info: dict) -> dict:
 # Ray Serve freezes the app (and these methods' globals) here: helpers go above.
 @serve.deployment(name=INGRESS)
 @serve.ingress(api)
-class Ingress:
+class Ingress(JobRoutes):
     """Validates, forwards to the generator deployment, encodes. Light: never imports JAX."""
 
     def __init__(self, generator: DeploymentHandle, settings: ServeSettings, catalog: Catalog,
@@ -392,98 +359,6 @@ class Ingress:
         prep = await native_api.prepare_edit(self.s, self.generator, self.catalog, body,
                                              deadline, t0)
         return await self._answer(prep, deadline, request, body.response_format)
-
-    # ------------------------------------------------------------------ jobs and files
-    @api.post("/v1/jobs", status_code=202, response_model=Job, tags=["jobs"],
-              summary="Start a job: a generation or edit answered at once with an id",
-              responses={k: v for k, v in ERROR_RESPONSES.items() if k != 406})
-    async def create_job(self, body: JobRequest, request: Request):
-        """The request ``body`` of ``endpoint`` is checked as that route checks it (422s name
-        ``body.<field>``), then runs in the background: ``GET /v1/jobs/{id}`` tells its status
-        and, once it succeeded, the route's response with the images as links. ``webhook``
-        receives the finished job. At most ``max_active_jobs`` queued or running jobs per API
-        key (429)."""
-        t0 = time.perf_counter()
-        prep = await self._job_prep(body, validation.deadline(request, self.s), t0)
-        await self.accounts.check(key_of(request), prep.job.n)  # a 429 now, not a failed job
-        base = self._base_url(request)
-        job = await self.jobs.submit(body.endpoint, prep, key_of(request), base,
-                                     request_id(request), body.webhook, body.metadata)
-        return JSONResponse(job, status_code=202, headers={"Location": f"{base}/v1/jobs/"
-                                                                       f"{job['id']}"})
-
-    async def _job_prep(self, body: JobRequest, deadline: float, t0: float) -> Prepared:
-        """The job's request checked by its route's rules."""
-        problems = jobs.request_problems(body)
-        if problems:
-            raise invalid_all(problems)
-        with jobs.nested_errors():
-            inner = jobs.parse_body(body.endpoint, body.body)
-            if body.endpoint == "/v1/generate":
-                return await native_api.prepare_generate(
-                    self.s, self.generator, self.catalog, inner, None, inner.output_format,
-                    deadline, t0)
-            if body.endpoint == "/v1/edit":
-                return await native_api.prepare_edit(self.s, self.generator, self.catalog,
-                                                     inner, deadline, t0)
-            return await openai_api.prepare(self.s, self.generator, self.catalog, inner,
-                                            deadline)
-
-    @api.get("/v1/jobs", response_model=JobList, tags=["jobs"], summary="Your recent jobs",
-             responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})
-    async def list_jobs(self, request: Request,
-                        limit: int = Query(20, ge=1, le=100, description="How many, newest "
-                                           "first."),
-                        status: JobStatus | None = Query(None, description="Only jobs in this "
-                                                         "state.")):
-        """The caller's (its API key's) jobs, newest first."""
-        return await self.jobs.recent(key_of(request), limit, status)
-
-    @api.get("/v1/jobs/{job_id}", response_model=Job, tags=["jobs"], summary="A job's state",
-             responses={k: ERROR_RESPONSES[k] for k in (401, 404, 429, 500)})
-    async def get_job(self, job_id: str, request: Request):
-        """Status (queued, running, succeeded, failed, cancelled), and the result or the
-        error once it ended. Another API key's job is a 404."""
-        return await self.jobs.get(job_id, key_of(request))
-
-    @api.delete("/v1/jobs/{job_id}", response_model=Job, tags=["jobs"], summary="Cancel a job",
-                responses={k: ERROR_RESPONSES[k] for k in (401, 404, 429, 500)})
-    async def cancel_job(self, job_id: str, request: Request):
-        """A queued or running job is cancelled (its device time stops, its webhook is told);
-        a finished one is answered as it is."""
-        return await self.jobs.cancel(job_id, key_of(request))
-
-    @api.get("/v1/webhooks/secret", tags=["jobs"], summary="Your webhook signing secret",
-             responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})
-    async def webhook_secret(self, request: Request):
-        """The secret your jobs' webhooks are signed with (Standard Webhooks: ``whsec_`` +
-        base64; one per API key): check each delivery's ``webhook-signature`` with it."""
-        return {"secret": self.jobs.secret(key_of(request))}
-
-    @api.get("/v1/files/{name}", tags=["jobs"], summary="A stored image",
-             response_class=Response,
-             responses={200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}},
-                        404: {"model": ErrorResponse, "description": "No such image, or it "
-                              "expired."}})
-    async def file(self, name: str):
-        """An image answered as a link (``response_format: "url"``, jobs), until it expires.
-        Open without an API key: the link's 128 random bits are the permission."""
-        found = await asyncio.to_thread(self.files.read, name)
-        if found is None:
-            raise ApiError(404, f"no stored image {name!r} (links expire after output_ttl_s)",
-                           kind="not_found", code="file_not_found")
-        data, media = found
-        return Response(data, media_type=media, headers={"Cache-Control": "private, max-age=3600",
-                                                         "X-Content-Type-Options": "nosniff"})
-
-    @api.get("/v1/usage", tags=["operations"], summary="Your usage and quotas",
-             responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})
-    async def usage(self, request: Request):
-        """The caller's API key: requests, images, steps and device-seconds (its images'
-        share of their batches' device time) today (UTC) and in all, with their cost at the
-        serve arg ``price_per_hour``; its quotas, when they reset, and its priority class.
-        Without API keys: everyone's, as one anonymous key."""
-        return await self.accounts.report(key_of(request))
 
     @api.get("/", response_class=HTMLResponse, tags=["playground"],
              summary="The web playground (a page for people)",
