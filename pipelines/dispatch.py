@@ -64,15 +64,20 @@ class Pipelines:
         """Programs the composed pipelines compiled (:attr:`pipe`'s own not included)."""
         return sum(p.num_compiled for p in self._composed.values())
 
-    def generate(self, key, items: Sequence[ImageRequest], extras: Sequence[Any]
-                 ) -> PipelineOutput:
-        """Run one device batch of ``key``'s kind (see the module's docstring)."""
+    def generate(self, key, items: Sequence[ImageRequest], extras: Sequence[Any],
+                 on_denoised=None) -> PipelineOutput:
+        """Run one device batch of ``key``'s kind (see the module's docstring);
+        ``on_denoised(step, timestep, x0 (N, C, h, w))`` (text-to-image only) sees each step's
+        estimate of the clean latents (streamed previews)."""
+        if on_denoised is not None:
+            return _text(self, key, list(items), list(extras), on_denoised)
         return _KINDS[type(key)](self, key, list(items), list(extras))
 
 
-def _text(pipes: Pipelines, key: ShapeKey, items, extras) -> PipelineOutput:
+def _text(pipes: Pipelines, key: ShapeKey, items, extras, on_denoised=None) -> PipelineOutput:
     return pipes.pipe.generate(items, height=key.height, width=key.width,
-                               num_inference_steps=key.steps,
+                               num_inference_steps=key.steps, on_step=on_denoised,
+                               denoised=on_denoised is not None,
                                progress=False)  # the CLI and the service report their own
 
 

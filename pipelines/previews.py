@@ -45,6 +45,23 @@ class Previews:
         self.preview_decoder = None
         self._preview_fn = None
 
+    def draw_preview(self, latents) -> list:
+        """PIL images of latents (N, C, H/f, W/f): by the preview decoder where one is loaded,
+        else by the VAE (a full decode: what a preview costs without a tiny decoder)."""
+        import jax
+
+        from pipelines import program as program_lib
+
+        if self.preview_decoder is not None:
+            return self.preview(latents)
+        if getattr(self, "_vae_preview_fn", None) is None:
+            vae = self.vae
+            self._vae_preview_fn = jax.jit(
+                lambda p, z: program_lib.finish(vae, p, z, program_lib.out_kind("pil", False)))
+        z = np.asarray(latents, np.float32).transpose(0, 2, 3, 1)
+        return program_lib.host_images(self._vae_preview_fn(self.params["vae"], z), z.shape[0],
+                                       "pil")
+
     def preview(self, latents, output_type: str = "pil") -> Any:
         """Draw latents (N, C, H/f, W/f) in diffusers' layout (a ``callback_on_step_end``'s
         ``latents``) with the preview decoder: PIL images, or float32 (N, H, W, 3) in [0, 1]

@@ -297,13 +297,14 @@ def guide_pair(uncond, text, g, r):
 
 
 def denoise(sched, model, x, state, start, end, *, cfg: bool, g, r, step_keys, shape,
-            extra=None, after_step=None):
+            extra=None, after_step=None, on_denoised=None):
     """Scheduler steps ``start`` .. ``end - 1`` (model calls) on latents ``x`` (B, h, w, C):
     scale the input, append ``extra`` channels (a 9-channel inpainting UNet's mask and masked
     image), double the batch for CFG, ``model(xin, t, i)`` (the UNet, with whatever it needs
     at step ``i``), :func:`guide` with each image's guidance ``g`` and rescale ``r`` (B,),
     step noise from ``step_keys`` for stochastic samplers, the scheduler step, then
-    ``after_step(i, state, x) -> x`` (inpainting's blend). Returns the latents.
+    ``after_step(i, state, x) -> x`` (inpainting's blend); ``on_denoised(i, state, x0)`` sees
+    each step's estimate of the clean latents (previews). Returns the latents.
 
     Python int bounds run a ``lax.scan`` over ``arange(start, end)``; traced bounds (an edit's
     start step, a base's ``denoising_end``, a refiner's ``denoising_start``) a
@@ -323,6 +324,8 @@ def denoise(sched, model, x, state, start, end, *, cfg: bool, g, r, step_keys, s
         if cfg:
             xin = cfg_rows(xin, xin)
         out = guide(model(xin, t, i).astype(jnp.float32), cfg, g, r)
+        if on_denoised is not None:
+            on_denoised(i, state, sched.denoised(state, out, x, i))
         noise = None
         if stochastic:
             noise = step_noise(step_keys, i, shape)

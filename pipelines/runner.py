@@ -169,6 +169,7 @@ class Job:
     inputs: program_lib.HostInputs | None = None  # made by run() when None
     scheduler: Any = None  # the sampler the items asked for (None: the pipeline's)
     on_step: Any = None  # on_step(step, timestep, latents (N, C, h, w)) after each step
+    denoised: bool = False  # on_step sees each step's estimate of the clean latents instead
     progress: bool = False  # a progress bar over the steps (tqdm)
 
     @property
@@ -226,7 +227,8 @@ def build(task: Task, pipe, static: Static, scheduler=None):
                                 cfg=inputs.cfg, g=inputs.guidance, r=inputs.rescale,
                                 step_keys=keys[-1], shape=ctx.shape, extra=task.extra(ctx),
                                 after_step=_with_hooks(task.after_step(ctx), static.hooks,
-                                                       scheduler))
+                                                       scheduler),
+                                on_denoised=_denoised_hook(static.hooks, scheduler))
         x, vae, vae_params = task.then(ctx, x)
         return program_lib.finish(vae, vae_params, x, static.out)
 
@@ -242,11 +244,22 @@ def _step_done(i, t, x) -> None:
         listener(int(i), t, x)
 
 
+def _denoised_hook(hooks: str, scheduler):
+    """For ``"denoised"`` hooks: a host callback with the step index, its timestep and the
+    step's estimate of the clean latents (previews), else None."""
+    if hooks != "denoised":
+        return None
+
+    def hook(i, state, x0):
+        jax.debug.callback(_step_done, i, scheduler.timestep_for_model(state, i), x0)
+    return hook
+
+
 def _with_hooks(after_step, hooks: str, scheduler):
     """``after_step`` followed by a host callback with the step index, its timestep and (for
-    ``"latents"``) the latents; unchanged without ``hooks``, so a call that asks for nothing
-    runs the same program."""
-    if not hooks:
+    ``"latents"``) the latents; unchanged without ``hooks`` (or with ``"denoised"``, reported
+    by :func:`_denoised_hook`), so a call that asks for nothing runs the same program."""
+    if hooks in ("", "denoised"):
         return after_step
 
     def hooked(i, state, x):
@@ -303,7 +316,8 @@ def run(job: Job) -> program_lib.PipelineOutput:
     put = program_lib.BatchPut(pipe.mesh, bucket)
     rep = meshlib.replicated(pipe.mesh)
     tiled = job.output_type != "latent" and decoder.uses_vae_tiling(job.height, job.width)
-    hooks = "latents" if job.on_step is not None else ("progress" if job.progress else "")
+    hooks = ("denoised" if job.denoised else "latents") if job.on_step is not None \
+        else ("progress" if job.progress else "")
     static = Static(lh, lw, job.steps, inputs.cfg,
                     program_lib.out_kind(job.output_type, tiled), job.key, hooks)
     state = sched.set_timesteps(job.steps, (bucket, lh, lw, pipe.vae.config.latent_channels))

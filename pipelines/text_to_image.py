@@ -407,7 +407,7 @@ class TextToImagePipeline(LoraAdapters, TextualInversion, ImagePrompts, Previews
                  width: int | None = None, num_inference_steps: int | None = None,
                  latents: np.ndarray | None = None, output_type: str = "pil",
                  denoising_end: float | None = None, on_step=None,
-                 progress: bool | None = None) -> PipelineOutput:
+                 progress: bool | None = None, denoised: bool = False) -> PipelineOutput:
         """Generate one image per :class:`ImageRequest` in one device batch (padded to a bucket).
 
         Every item has its own prompt, negative prompt, seed and guidance; they share the size
@@ -416,7 +416,9 @@ class TextToImagePipeline(LoraAdapters, TextualInversion, ImagePrompts, Previews
         fill batches across prompts with this. With a :attr:`refiner`, ``denoising_end`` or
         ``output_type="latent"`` the two-stage program runs (:mod:`pipelines.refiner`).
         ``on_step(step, timestep, latents (N, C, H/f, W/f))`` and ``progress``: see
-        :meth:`__call__` (text-to-image; the two-stage program reports no steps).
+        :meth:`__call__` (text-to-image; the two-stage program reports no steps); with
+        ``denoised`` ``on_step`` gets each step's estimate of the clean latents instead (what
+        previews draw: :meth:`preview`).
         """
         t0 = time.perf_counter()
         if self.refiner is not None or denoising_end is not None or output_type not in ("pil", "np"):
@@ -427,7 +429,7 @@ class TextToImagePipeline(LoraAdapters, TextualInversion, ImagePrompts, Previews
                                                     width, output_type, samplers=True)
         latents = self.initial_latents(latents, len(items), height, width)
         return run(Job(TEXT, self, items, height, width, steps, output_type, t0,
-                       rows={"latents": latents}, on_step=on_step,
+                       rows={"latents": latents}, on_step=on_step, denoised=denoised,
                        progress=sys.stderr.isatty() if progress is None else bool(progress)))
 
     def initial_latents(self, latents, n: int, height: int, width: int) -> np.ndarray | None:

@@ -33,6 +33,15 @@ _SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 BATCH_IDS = itertools.count(1)
 
 
+def partial_steps(steps: int, partial_images: int) -> list[int]:
+    """After which steps (1-based) a stream's ``partial_images`` previews are drawn: spread
+    evenly, never after the last step (that is the image itself)."""
+    if steps <= 1:
+        return []
+    return sorted({max(1, min(steps - 1, round(steps * (k + 1) / (partial_images + 1))))
+                   for k in range(partial_images)})
+
+
 class InvalidJob(ValueError):
     """A job the pipeline refuses (the ingress maps it to a 422)."""
 

@@ -40,7 +40,7 @@ from pipelines.requests import (
     pad_to,
     plan_batches,
 )
-from serving.backend import BATCH_IDS, Backend, past_deadline
+from serving.backend import BATCH_IDS, Backend, partial_steps, past_deadline
 from serving.schemas import JobResult
 
 
@@ -82,24 +82,47 @@ class BatchBackend(Backend):
         """Nothing to give up: a device batch that has started runs to its end."""
         return 0
 
-    async def generate(self, job: GenerationRequest, timeout_s: float | None) -> JobResult:
+    async def generate(self, job: GenerationRequest, timeout_s: float | None,
+                       watcher: _Watcher | None = None) -> JobResult:
         """Queue ``job`` (or an :class:`EditRequest`) with the jobs of its key; returns when its
-        batch has run."""
+        batch has run. ``watcher``: told each step of a streamed text-to-image job."""
         now = time.perf_counter()
         result = await self._batcher(job.key)(
-            (job, now, None if timeout_s is None else now + timeout_s))
+            (job, now, None if timeout_s is None else now + timeout_s, watcher))
         if isinstance(result, Exception):
             raise result
         return result
 
     async def stream(self, job: GenerationRequest, timeout_s: float | None,
                      partial_images: int = 0):
-        """No steps to report: the queued event (``queue_position`` None: request batching
-        does not know it), the finished one, then the result; no partial images (OpenAI's
-        streaming allows fewer than asked)."""
+        """The queued event (``queue_position`` None: request batching does not know it); for
+        text-to-image, progress after each step and ``partial_images`` previews (each step's
+        estimate of the clean image, drawn by the preview decoder where one is loaded, else
+        the VAE) spread over the steps, as engine=step sends them; then the result. The batch
+        that carries a streamed text-to-image job runs the program variant that reports its
+        steps (compiled on first use)."""
         yield {"type": "progress", "step": 0, "total": job.steps, "queue_position": None}
-        result = await self.generate(job, timeout_s)
-        yield {"type": "progress", "step": job.steps, "total": job.steps, "queue_position": 0}
+        watcher = None
+        if type(job) is GenerationRequest:
+            watcher = _Watcher(self.pipe, job.steps, partial_steps(job.steps, partial_images))
+        run = asyncio.ensure_future(self.generate(job, timeout_s, watcher))
+        try:
+            while watcher is not None and not run.done():
+                getter = asyncio.ensure_future(watcher.events.get())
+                await asyncio.wait({getter, run}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            result = await run
+        finally:
+            run.cancel()
+        if watcher is not None:
+            async for event in watcher.rest():
+                yield event
+        if watcher is None or watcher.seen < job.steps:
+            yield {"type": "progress", "step": job.steps, "total": job.steps,
+                   "queue_position": 0}
         yield {"type": "result", "result": result}
 
     # ------------------------------------------------------------------ batching
@@ -130,9 +153,16 @@ class BatchBackend(Backend):
             extra = None
         return [(item, extra) for item in job.images()]
 
-    def _device_batch(self, key: tuple, items: list):
-        """Run one padded device batch of ``key``'s items (blocking)."""
-        return self.pipes.generate(key, [r for r, _ in items], [e for _, e in items])
+    def _device_batch(self, key: tuple, items: list, watchers: dict | None = None):
+        """Run one padded device batch of ``key``'s items (blocking); ``watchers``: row ->
+        the :class:`_Watcher` of a streamed job (its steps reported to it)."""
+        on_denoised = None
+        if watchers:
+            def on_denoised(step, t, x0):  # in JAX's callback thread: hand the rows over
+                for row, watcher in watchers.items():
+                    watcher.step_done(step + 1, x0[row:row + 1])
+        return self.pipes.generate(key, [r for r, _ in items], [e for _, e in items],
+                                   on_denoised)
 
     async def _run_batch(self, key: ShapeKey | EditKey, queued: list[tuple]) -> list:
         """Run one batch of same-key jobs as device batches of at most ``batch_images``
@@ -147,7 +177,7 @@ class BatchBackend(Backend):
         for _, part, _ in plan_batches(images, lambda _: key, self.settings.batch_images,
                                             self.pipe.mesh.size):
             now = time.perf_counter()
-            expired |= {j for j, (_, _, deadline) in enumerate(queued)
+            expired |= {j for j, (_, _, deadline, _) in enumerate(queued)
                         if deadline is not None and now > deadline}
             part = [(j, item) for j, item in part if j not in expired]
             if not part:
@@ -161,7 +191,8 @@ class BatchBackend(Backend):
                 if started is None:
                     started = time.perf_counter()
                 out = await asyncio.to_thread(
-                    self._device_batch, key, pad_to([item for _, item in part], bucket))
+                    self._device_batch, key, pad_to([item for _, item in part], bucket),
+                    {row: queued[j][3] for row, (j, _) in enumerate(part) if queued[j][3]})
             self._compiled.add(program)
             flags = out.nsfw_content_detected or [None] * len(out.images)
             for (j, _), image, seed, flag in zip(part, out.images, out.seeds, flags):
@@ -185,7 +216,7 @@ class BatchBackend(Backend):
         if buckets:
             self.meters.step_time(generate / max(key.steps, 1) / len(buckets))
         results = []
-        for j, (_, arrived, _) in enumerate(queued):
+        for j, (_, arrived, _, _) in enumerate(queued):
             if j in expired:
                 results.append(past_deadline(arrived, " in the queue; its images were not "
                                                       "started"))
@@ -199,3 +230,46 @@ class BatchBackend(Backend):
                 batch=batch, replica=self.replica,
                 filtered=None if any(f is None for f in flags) else flags))
         return results
+
+
+class _Watcher:
+    """A streamed text-to-image job's view of its device batch: progress after each step and
+    its previews at ``at`` (steps, 1-based), as stream events in ``events``. The device batch
+    reports steps from JAX's callback thread; previews are drawn off it, in order."""
+
+    def __init__(self, pipe, steps: int, at: list[int]):
+        self.pipe, self.steps, self.at = pipe, steps, at
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.seen = 0
+        self._drawn: asyncio.Future | None = None  # the last preview being drawn
+
+    def step_done(self, step: int, x0) -> None:
+        """From the callback thread (a step reported once per device: counted once)."""
+        if step <= self.seen:
+            return
+        self.seen = step
+        x0 = np.array(x0)  # a copy: the device's buffer is not ours
+        self.loop.call_soon_threadsafe(self._queue, step, x0)
+
+    def _queue(self, step: int, x0) -> None:
+        self.events.put_nowait({"type": "progress", "step": step, "total": self.steps,
+                                "queue_position": 0})
+        if step in self.at:
+            before = self._drawn
+            self._drawn = asyncio.ensure_future(self._draw(step, x0, before))
+
+    async def _draw(self, step: int, x0, before) -> None:
+        if before is not None:
+            await before  # previews go out in step order
+        image = (await asyncio.to_thread(self.pipe.draw_preview, x0))[0]
+        self.events.put_nowait({"type": "partial_image", "index": self.at.index(step),
+                                "step": step, "image": np.asarray(image)})
+
+    async def rest(self):
+        """The events still to send once the batch has run (previews still being drawn)."""
+        await asyncio.sleep(0)  # the callbacks' last hand-overs
+        if self._drawn is not None:
+            await self._drawn
+        while not self.events.empty():
+            yield self.events.get_nowait()

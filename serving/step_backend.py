@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipelines.requests import ControlRequest, GenerationRequest
-from serving.backend import BATCH_IDS, Backend, past_deadline
+from serving.backend import BATCH_IDS, Backend, partial_steps, past_deadline
 from serving.schemas import JobResult
 
 logger = logging.getLogger("ray.serve")
@@ -265,8 +265,7 @@ class StepBackend(Backend):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         n = job.steps
-        partial_at = sorted({max(1, min(n - 1, round(n * (k + 1) / (partial_images + 1))))
-                             for k in range(partial_images)}) if n > 1 else []
+        partial_at = partial_steps(n, partial_images)
 
         def progress(h):  # in the ticking thread: after a step ran, or a new queue position
             ev = [{"type": "progress", "step": h.step, "total": h.steps,

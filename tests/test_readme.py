@@ -492,7 +492,8 @@ def test_serve_run_with_a_model_folder_and_curl(paths):
 def test_serve_yaml_openai_curl_and_a_size_too_large(paths):
     """``serve run configs/serve.yaml`` on the embedded model: the OpenAI and curl examples as
     written; then the most common OpenAI size, far above what the model is for, is a prompt
-    422 naming the limit, and the service keeps serving."""
+    422 naming the limit, and the service keeps serving; the official openai client streaming
+    with partial_images gets partial images and the completed one (engine=batch)."""
     work, subs = paths
     served = Served(_serve_line(subs, "serve run configs/serve.yaml"), work)
     try:
@@ -516,6 +517,11 @@ def test_serve_yaml_openai_curl_and_a_size_too_large(paths):
         t0 = time.monotonic()
         assert len(client.images.generate(prompt="a red circle", size="64x64").data) == 1
         assert time.monotonic() - t0 < 60
+        # streamed with partial images from the default (engine=batch) server: previews too
+        got = [e.type for e in client.images.generate(prompt="a red circle", stream=True,
+                                                      partial_images=2)]
+        assert got.count("image_generation.partial_image") >= 1, got
+        assert got[-1] == "image_generation.completed", got
     finally:
         served.stop()
 

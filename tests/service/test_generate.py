@@ -277,33 +277,49 @@ def test_prometheus_metrics(cluster, main_app):
                                 if line.startswith("ray_serve") or "maxdiff" in line})
 
 
-def test_the_batch_engine_streams_too(main_app):
-    """engine=batch (this app) answers "stream": true as well, so a client never needs to know
-    the engine: /v1/generate sends the queued progress event, the finished one and the result,
-    whose image is the one the same request gets without streaming; the official openai
-    client's images.generate(stream=True) gets its completed event (no partial images: request
-    batching has no steps to show, and OpenAI allows fewer than asked). A stream is still one
-    image."""
+def test_the_batch_engine_streams_too(main_app, pipe):
+    """engine=batch (this app) streams like engine=step, so a client never needs to know the
+    engine: /v1/generate sends the queued progress event, progress after each step, the
+    partial image (the step's estimate of the clean image: the Python API's
+    ``generate(on_step=..., denoised=True)`` estimate drawn by ``draw_preview``, within one
+    level) and the result, whose image is the one the same request gets without streaming;
+    the official openai client's images.generate(stream=True, partial_images=2) gets a partial
+    image, then the completed one. A stream is still one image."""
+    from pipelines.requests import ImageRequest
+
     openai = pytest.importorskip("openai")
 
     body = {"prompt": "a blue square", "seed": 5, "steps": STEPS}
-    with requests.post(f"{main_app.url}/v1/generate", json={**body, "stream": True},
+    with requests.post(f"{main_app.url}/v1/generate", json={**body, "stream": True,
+                                                            "partial_images": 1},
                        stream=True, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = list(sse_events(r))
-    assert [n for n, _ in events] == ["progress", "progress", "result"], events
-    assert events[0][1] == {"step": 0, "total": STEPS, "queue_position": None}
-    assert events[1][1]["step"] == STEPS
+    names = [n for n, _ in events]
+    assert names[-1] == "result" and names.count("partial_image") == 1, names
+    progress = [e for n, e in events if n == "progress"]
+    assert progress[0] == {"step": 0, "total": STEPS, "queue_position": None}
+    assert [e["step"] for e in progress] == list(range(STEPS + 1)), progress
+    partial = dict(events)["partial_image"]
+    assert partial["index"] == 0 and partial["step"] == 1
+    seen = {}
+    pipe.generate([ImageRequest("a blue square", seed=5, guidance_scale=0.0)], height=SIZE,
+                  width=SIZE, num_inference_steps=STEPS, denoised=True,
+                  on_step=lambda i, t, x0: seen.setdefault(i + 1, np.array(x0)))
+    want = np.asarray(pipe.draw_preview(seen[1])[0], np.int16)
+    assert np.abs(png(partial["b64_json"]).astype(np.int16) - want).max() <= 1
     plain = requests.post(f"{main_app.url}/v1/generate", json=body, timeout=120).json()
-    assert events[2][1]["seeds"] == plain["seeds"] == [5]
-    np.testing.assert_array_equal(png(events[2][1]["images"][0]["b64_json"]),
+    result = events[-1][1]
+    assert result["seeds"] == plain["seeds"] == [5]
+    np.testing.assert_array_equal(png(result["images"][0]["b64_json"]),
                                   png(plain["images"][0]["b64_json"]))
 
     client = openai.OpenAI(base_url=f"{main_app.url}/v1", api_key="unused", max_retries=0)
     got = list(client.images.generate(model="tiny-sdxl", prompt="a green triangle",
                                       size=f"{SIZE}x{SIZE}", stream=True, partial_images=2))
-    assert [e.type for e in got] == ["image_generation.completed"]
-    assert png(got[0].b64_json).shape == (SIZE, SIZE, 3)
+    assert [e.type for e in got] == ["image_generation.partial_image",
+                                     "image_generation.completed"]
+    assert all(png(e.b64_json).shape == (SIZE, SIZE, 3) for e in got)
     r = requests.post(f"{main_app.url}/v1/generate", json={"prompt": "x", "stream": True,
                                                             "num_images": 2}, timeout=30)
     assert r.status_code == 422 and r.json()["error"]["param"] == "num_images", r.text
