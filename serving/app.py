@@ -28,7 +28,8 @@ and native alike; ``<model>:<adapter>`` on the OpenAI routes) names one, omitted
 name not served is a 404 ``model_not_found`` naming the choices. The call to the generator
 carries the name as Ray Serve's multiplexed model id (:mod:`serving.models`).
 
-Streaming (both engines; only ``engine=step`` has steps and partial images to send):
+Streaming (both engines: progress after each step and partial images; on engine=batch for
+text-to-image):
 ``"stream": true`` on
 ``/v1/images/generations`` answers Server-Sent Events in the OpenAI Images API format
 (``image_generation.partial_image`` events for ``partial_images``, then
