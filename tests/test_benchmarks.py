@@ -329,3 +329,26 @@ def test_preview_cost_times_all_three_settings(sdxl_dir, tmp_path):
     out = one_round(str(sdxl_dir), str(tmp_path / "taesd"), reps=1, size=32)
     assert set(out) == set(SETTINGS) and out["none"]["vs_none"] == 1.0
     assert all(r["s_per_image"] > 0 for r in out.values())
+
+
+def test_published_step_vs_batch_intervals_come_from_the_committed_log():
+    """Every step-against-batch ratio the pages publish is what benchmarks.loadgen_intervals
+    computes from the committed LoadGen JSON (capacity intervals from the brackets, Offline
+    ranges, equal-load latency ratios)."""
+    from benchmarks.loadgen_intervals import summary, table
+
+    s = summary(json.loads((ROOT / "docs/results/loadgen-2026-12-03/loadgen.json").read_text()))
+    uniform, mixed = s["uniform"], s["mixed"]
+    assert uniform["batch"]["capacity"] == (17.2931, 19.2145)  # held, failed
+    cap = {w: "{:.2f}–{:.2f}×".format(*s[w]["capacity_ratio"]) for w in s}
+    assert cap == {"uniform": "1.09–1.36×", "mixed": "1.03–1.17×"}
+    pages = {p: (ROOT / p).read_text() for p in ("README.md", "docs/performance.md",
+                                                  "docs/service.md", "docs/benchmarks.md")}
+    assert f"{cap['uniform']} / {cap['mixed']}" in pages["README.md"]
+    for page in ("docs/performance.md", "docs/service.md"):
+        assert cap["uniform"][:-1] in pages[page] and cap["mixed"][:-1] in pages[page], page
+    assert table(s) in pages["docs/benchmarks.md"]
+    perf = pages["docs/performance.md"]
+    for w, p50, p99 in (("uniform", uniform["p50_ratio"], uniform["p99_ratio"]),
+                        ("mixed", mixed["p50_ratio"], mixed["p99_ratio"])):
+        assert f"{w} p50 {p50:.2f}×, p99 {p99:.2f}×" in perf
