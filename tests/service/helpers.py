@@ -108,3 +108,38 @@ def sse_events(response):
             name = line[len("event: "):]
         elif line.startswith("data: "):
             yield name, json.loads(line[len("data: "):])
+
+
+def high_among_low(url, low_key, high_key, clients=40, per_client=8):
+    """``clients`` threads of ``low_key`` keep sending /v1/generate (``per_client`` each at
+    most); once 8 are answered (the queue full), one request of ``high_key``. Returns (the
+    high response, when it was sent, when answered, the low ones as (sent, answered,
+    response)); every response a 200."""
+    low, done = [], threading.Event()
+
+    def keep_sending(i):
+        for k in range(per_client):
+            if done.is_set():
+                return
+            at = time.monotonic()
+            r = requests.post(f"{url}/v1/generate", headers=auth(low_key), timeout=300,
+                              json={"prompt": f"low {i}", "seed": 100 * i + k})
+            low.append((at, time.monotonic(), r))
+
+    threads = [threading.Thread(target=keep_sending, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while len(low) < 8:
+        assert time.monotonic() < deadline, "the low requests were not answered"
+        time.sleep(0.05)
+    sent = time.monotonic()
+    high = requests.post(f"{url}/v1/generate", headers=auth(high_key), timeout=300,
+                         json={"prompt": "high", "seed": 99})
+    answered = time.monotonic()
+    done.set()
+    for t in threads:
+        t.join()
+    assert high.status_code == 200 and all(r.status_code == 200 for *_, r in low), \
+        [r.text for *_, r in low if r.status_code != 200][:1]
+    return high, sent, answered, low

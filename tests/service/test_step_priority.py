@@ -4,13 +4,9 @@ class)."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
-import requests
 
-from .helpers import KEY_HIGH, KEY_LOW, SIZE, STEP_ARGS, auth
+from .helpers import KEY_HIGH, KEY_LOW, SIZE, STEP_ARGS, high_among_low
 
 pytest.importorskip("ray.serve")
 
@@ -39,35 +35,11 @@ def test_a_high_class_request_takes_the_next_free_slot(step_keys):
     ahead of the low requests queued before it: few low images finish while it waits and
     runs (the slots' current images and their successors), where first come, first served
     it would wait behind some 30."""
-    url = step_keys
-    low, done = [], threading.Event()
-
-    def keep_sending(i):
-        for k in range(6):
-            if done.is_set():
-                return
-            at = time.monotonic()
-            r = requests.post(f"{url}/v1/generate", headers=auth(KEY_LOW), timeout=300,
-                              json={"prompt": f"low {i}", "seed": 100 * i + k})
-            low.append((at, time.monotonic(), r))
-
-    threads = [threading.Thread(target=keep_sending, args=(i,)) for i in range(40)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 120
-    while len(low) < 8:  # serving, with the queue full
-        assert time.monotonic() < deadline, "the low requests were not answered"
-        time.sleep(0.05)
-    sent = time.monotonic()
-    high = requests.post(f"{url}/v1/generate", headers=auth(KEY_HIGH), timeout=300,
-                         json={"prompt": "high", "seed": 99})
-    answered = time.monotonic()
-    done.set()
-    for t in threads:
-        t.join()
-    assert high.status_code == 200 and all(r.status_code == 200 for *_, r in low), \
-        [r.text for *_, r in low if r.status_code != 200][:1]
+    _, sent, answered, low = high_among_low(step_keys, KEY_LOW, KEY_HIGH, per_client=6)
     meanwhile = sum(sent < end < answered for _, end, r in low)
     overtaken = sum(start < sent and end > answered for start, end, r in low)
-    assert meanwhile <= 6, meanwhile  # 2 slots: their images, their successors, in transit
-    assert overtaken >= 8, overtaken
+    # 2 slots: their images, their successors while it waits for a slot and runs, answers in
+    # transit, and those finishing while the ingress looks up the replicas (a busy machine);
+    # first come, first served: the 30 or so queued ahead of it
+    assert meanwhile <= 10, (meanwhile, overtaken)
+    assert overtaken >= 8, (meanwhile, overtaken)

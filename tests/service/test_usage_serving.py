@@ -5,13 +5,21 @@ low-class key."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import requests
 
-from .helpers import KEY_A, KEY_HIGH, KEY_LOW, KEY_QUOTA, QUOTA_IMAGES, SIZE, auth
+from .helpers import (
+    KEY_A,
+    KEY_HIGH,
+    KEY_LOW,
+    KEY_QUOTA,
+    QUOTA_IMAGES,
+    SIZE,
+    auth,
+    high_among_low,
+)
 
 pytest.importorskip("ray.serve")
 
@@ -70,32 +78,7 @@ def test_a_high_class_request_overtakes_a_full_queue(guarded):
     batches of 4; the rest wait at the ingress), then one request of the high key: at most the
     two batches already at the replica run before it, and it goes ahead of low requests sent
     before it (first come, first served it would wait behind some 30)."""
-    low, done = [], threading.Event()
-
-    def keep_sending(i):
-        for k in range(8):
-            if done.is_set():
-                return
-            at = time.monotonic()
-            r = requests.post(f"{guarded}/v1/generate", headers=auth(KEY_LOW), timeout=300,
-                              json={"prompt": f"low {i}", "seed": 100 * i + k})
-            low.append((at, time.monotonic(), r))
-
-    threads = [threading.Thread(target=keep_sending, args=(i,)) for i in range(40)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 120
-    while len(low) < 8:  # serving, with the queue full
-        assert time.monotonic() < deadline, "the low requests were not answered"
-        time.sleep(0.05)
-    sent = time.monotonic()
-    high = requests.post(f"{guarded}/v1/generate", headers=auth(KEY_HIGH), timeout=300,
-                         json={"prompt": "high", "seed": 99})
-    done.set()
-    for t in threads:
-        t.join()
-    assert high.status_code == 200 and all(r.status_code == 200 for *_, r in low), \
-        [r.text for *_, r in low if r.status_code != 200][:1]
+    high, sent, _, low = high_among_low(guarded, KEY_LOW, KEY_HIGH)
     h = high.json()["timings"]["batch_id"]
     batch = {id(r): r.json()["timings"]["batch_id"] for *_, r in low}
     answered = [batch[id(r)] for _, end, r in low if end < sent]
