@@ -42,9 +42,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import ray
@@ -118,11 +120,13 @@ class StatsBoard:
 
 class LoadedModel:
     """One model loaded on a generator replica: its pipeline (with its adapters), backends
-    and metrics. ``replica``: the replica's identity, ``device_lock`` and ``report()`` its own,
-    shared by its models; ``meters``: this model's on this replica (kept across reloads)."""
+    and metrics. ``replica``: the replica's identity, ``device_lock``, ``report()`` and
+    ``batch_ids`` (its batch id sequence) its own, shared by its models; ``meters``: this
+    model's on this replica (kept across reloads)."""
 
     def __init__(self, served: Served, settings: ServeSettings, meters: Meters,
-                 device_lock: asyncio.Lock, replica: dict, report, on_unload=None):
+                 device_lock: asyncio.Lock, replica: dict, report, on_unload=None,
+                 batch_ids: Iterator[int] | None = None):
         from pipelines import TextToImagePipeline
 
         t0 = time.perf_counter()
@@ -140,8 +144,9 @@ class LoadedModel:
         self.replica = replica
         self._on_unload = on_unload
         parts = (self.pipe, settings, meters, device_lock, replica, report)
+        shared = dict(controlnets=self.controlnets, batch_ids=batch_ids)
         # edits and ControlNet requests, and generation with engine=batch
-        self.batches = BatchBackend(*parts, controlnets=self.controlnets)
+        self.batches = BatchBackend(*parts, **shared)
         self.backend: Backend = self.batches
         if settings.engine == "step":
             from serving.specs import STEP_REFINER
@@ -150,7 +155,7 @@ class LoadedModel:
             if self.pipe.refiner is not None:  # (a config file's refiner key)
                 raise ValueError(STEP_REFINER)
 
-            self.backend = StepBackend(*parts, controlnets=self.controlnets)
+            self.backend = StepBackend(*parts, **shared)
         self.warmup_s, self.warmed = 0.0, []
 
     def __del__(self):
@@ -281,6 +286,9 @@ class Generator:
                         "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
         self._board = StatsBoard.get(ctx.app_name)
         self._device_lock = asyncio.Lock()  # FIFO: every model's batches take turns
+        # one batch id sequence for the replica's life: a model loaded again, or another
+        # model's engine, never starts again at 1 (X-Maxdiff-Replica names the replica)
+        self._batch_ids = itertools.count(1)
         self._recent = collections.deque(maxlen=256)  # every model's batches, newest last
         self._meters: dict[str, Meters] = {}
         self._loaded: dict[str, LoadedModel] = {}  # what the multiplexer holds, LRU first
@@ -314,7 +322,7 @@ class Generator:
             meters = self._meters[name]
             task = self._loading[name] = asyncio.ensure_future(asyncio.to_thread(
                 LoadedModel, served, self.settings, meters, self._device_lock, self.replica,
-                self._report, self._forget))
+                self._report, self._forget, self._batch_ids))
         try:
             model = await asyncio.shield(task)
         finally:
