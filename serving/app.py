@@ -451,7 +451,17 @@ class Ingress:
              responses={503: {"description": "No generator replica has finished warming up."}})
     async def healthz(self):
         """200 once a generator replica has loaded the model and compiled its warm-up shapes;
-        503 (with ``Retry-After``) before that."""
+        503 (with ``Retry-After``) before that. The body: ``status`` (``ok`` /
+        ``warming_up``); ``generator_replicas``: how many generator replicas are in each Ray
+        Serve replica state (``STARTING``: loading the model and compiling its warm-up shapes,
+        ``RUNNING``: serving, ``UPDATING``: taking a new config, ``RECOVERING``: restarting after
+        a failure, ``STOPPING``: removed by a scale-down or redeploy, draining,
+        ``PENDING_MIGRATION``: moving off a draining node); ``generator_status``: the
+        deployment's (``HEALTHY``, ``UPDATING``, ``UPSCALING``, ``DOWNSCALING``, ``UNHEALTHY``,
+        ``DEPLOY_FAILED``; ``missing`` when the application has none); ``scaled_to_zero: true``
+        at zero replicas under autoscaling after a first replica was ready (still 200: a
+        request starts a replica); ``error`` instead of the states when the Ray controller
+        cannot be read (503)."""
         ready, detail = await self.generator.state()
         if ready:
             return {"status": "ok", **detail}
