@@ -238,10 +238,12 @@ class StepBackend(Backend):
         self.meters.served(batch, len(pixels))
         self.meters.queue_wait(started - arrived)
         self.meters.step_time((finished - started) / max(job.steps, 1))
+        flags = [h.nsfw for h in handles]  # None: not checked (no checker, or turned off)
         return JobResult(images=pixels, seeds=[h.seed for h in handles],
                          timings={"queue_s": started - arrived, "prepare_s": 0.0,
                                   "generate_s": finished - started},
-                         batch=batch, replica=self.replica)
+                         batch=batch, replica=self.replica,
+                         filtered=None if any(f is None for f in flags) else flags)
 
     async def generate(self, job: GenerationRequest, timeout_s: float | None) -> JobResult:
         """Run ``job`` on the step engine of its size; its images are cancelled (slots freed at

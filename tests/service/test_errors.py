@@ -51,6 +51,13 @@ BAD_REQUESTS = [
     ("/v1/generate", {"prompt": "x", "prompt_syntax": "html"}, "prompt_syntax", "a1111"),
     ("/v1/generate", {"prompt": "x", "output_format": "gif"}, "output_format", "png"),
     ("/v1/generate", {"prompt": "x", "colour": "red"}, "colour", "Extra inputs"),
+    # the main application has no allow_moderation_low: "low" is refused, naming it
+    ("/v1/generate", {"prompt": "x", "moderation": "low"}, "moderation", "allow_moderation_low"),
+    ("/v1/images/generations", {"prompt": "x", "moderation": "low"}, "moderation",
+     "allow_moderation_low"),
+    ("/v1/images/generations", {"prompt": "x", "moderation": "high"}, "moderation",
+     "'auto' or 'low'"),
+    ("/v1/generate", {"prompt": "x", "moderation": "none"}, "moderation", "'auto' or 'low'"),
     ("/v1/generate", [1, 2], "body", "valid dictionary"),
 ]
 
