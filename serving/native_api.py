@@ -335,6 +335,8 @@ def image_settings(job: GenerationRequest, seeds, info: dict, model_id: str) -> 
         scale = info["ip_adapter"]["scale"] if job.ip_adapter_scale is None \
             else job.ip_adapter_scale
         mode = {**mode, "ip_adapter_image": "given", "ip_adapter_scale": f"{scale:g}"}
+    if not job.safety_checker:  # moderation "low": redrawn unchecked only with it
+        mode = {**mode, "moderation": "low"}
     return [image_info(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=seed,
                        steps=job.steps, guidance=job.guidance_scale,
                        size=f"{job.width}x{job.height}",

@@ -8,12 +8,15 @@ cases, on the main application)."""
 
 from __future__ import annotations
 
+import base64
+import io
 import types
 
 import numpy as np
 import pytest
 import requests
 import tiny
+from PIL import Image
 
 from .helpers import MAIN_ARGS, SIZE, STEPS, concurrently, generate, png
 
@@ -86,6 +89,8 @@ def test_moderation_low_answers_the_unchecked_pixels(sd1):
     for d, w in zip(data, want):
         pixels = png(d["b64_json"]).astype(int)
         assert pixels.max() > 0 and np.abs(pixels - w).max() <= 1
+    # the file records it with the settings that redraw the image through /v1/generate
+    assert Image.open(io.BytesIO(base64.b64decode(data[0]["b64_json"]))).text["moderation"] == "low"
 
 
 def test_checked_and_unchecked_requests_share_a_device_batch(sd1):
