@@ -158,9 +158,9 @@ class PipelineOutput:
     images: Any
     seeds: list[int]
     timings: dict[str, float] = field(default_factory=dict)
-    # per image, whether the safety checker blacked it out (None: no checker ran; diffusers'
-    # name)
-    nsfw_content_detected: list[bool] | None = None
+    # per image, whether the safety checker blacked it out (None: no checker ran; an entry
+    # None: the image's ImageRequest turned it off; diffusers' name)
+    nsfw_content_detected: list[bool | None] | None = None
 
 
 def image_keys(seeds: jax.Array, n: int = 2) -> tuple[jax.Array, ...]:
@@ -399,7 +399,7 @@ def collect(out, n: int, output_type: str, tiled_decoder=None) -> Any:
 
 
 def output(images, seeds: Sequence[int], t0: float, t1: float, batch: int,
-           nsfw: list[bool] | None = None, **timings) -> PipelineOutput:
+           nsfw: list[bool | None] | None = None, **timings) -> PipelineOutput:
     """The :class:`PipelineOutput` of a run that started at ``t0`` and launched its program at
     ``t1`` (``time.perf_counter()``), with the task's own ``timings``."""
     return PipelineOutput(images, [int(s) for s in seeds],

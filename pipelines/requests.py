@@ -122,7 +122,10 @@ class ImageRequest:
     text-to-image only). ``ip_adapter_image``: an image prompt (PIL image, or an
     (H, W, 3) uint8 / float [0, 1] array) for the pipeline's IP-Adapter
     (``load_ip_adapter``), at ``ip_adapter_scale`` (None: the pipeline's); images without one
-    share a batch with those that have one.
+    share a batch with those that have one. ``safety_checker``: False skips the pipeline's
+    safety checker (SD 1.x checkpoints that ship one) for this image alone: it is neither
+    checked nor blacked out, and its ``nsfw_content_detected`` entry is None; images with and
+    without it share a batch.
     """
 
     prompt: str
@@ -143,9 +146,13 @@ class ImageRequest:
     scheduler: str | None = None
     ip_adapter_image: Any = field(default=None, compare=False, repr=False)
     ip_adapter_scale: float | None = None
+    safety_checker: bool = True
 
     def validate(self, index: int = 0) -> None:
         where = f"item {index}: " if index else ""
+        if not isinstance(self.safety_checker, bool):
+            raise ValueError(f"{where}safety_checker must be True or False, got "
+                             f"{self.safety_checker!r}")
         for name in ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2", "adapter",
                      "scheduler"):
             v = getattr(self, name)
@@ -223,6 +230,9 @@ class GenerationRequest:
     # its API key's class (higher first) where the service orders waiting requests by class;
     # the step engine's queue reads it
     priority: int = field(default=0, compare=False)
+    # False: the model's safety checker skips this request's images (ImageRequest's); not in
+    # the key (images with and without it share a batch)
+    safety_checker: bool = True
 
     @property
     def key(self) -> ShapeKey:
@@ -236,7 +246,8 @@ class GenerationRequest:
                              guidance_scale=self.guidance_scale, adapter=self.adapter,
                              prompt_syntax=self.prompt_syntax, scheduler=self.scheduler,
                              ip_adapter_image=self.ip_adapter_image,
-                             ip_adapter_scale=self.ip_adapter_scale)
+                             ip_adapter_scale=self.ip_adapter_scale,
+                             safety_checker=self.safety_checker)
                 for s in image_seeds(self.seed, self.n)]
 
     def validate(self) -> None:

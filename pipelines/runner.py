@@ -358,8 +358,8 @@ def run(job: Job) -> program_lib.PipelineOutput:
             steps.close()
     nsfw = None
     checker = getattr(decoder, "safety_checker", None)
-    if checker is not None and job.output_type in ("pil", "np"):
-        images, nsfw = checker.check(images)
+    if checker is not None and job.output_type in ("pil", "np"):  # images whose items keep it
+        images, nsfw = checker.check(images, [it.safety_checker for it in job.items])
     return program_lib.output(images, np.asarray(inputs.seeds), job.t0, t1, bucket, nsfw,
                               **job.timings)
 

@@ -8,8 +8,10 @@ one step (each with its own timestep, step count and scheduler memory), queues t
 of the images that take their last step, then waits until at most ``lookahead`` ticks are left
 on the device and reports steps, previews and finished images. An image's pixels equal the
 pipeline's for it alone (to float32 rounding), whatever shared its steps: its schedule,
-noise and guidance are its own. The compiled programs are bounded and known
-(:meth:`StepEngine.warmup` compiles them all). The host-only deciding is
+noise and guidance are its own; a finished image goes through the pipeline's safety checker
+(SD 1.x checkpoints that ship one) as the pipeline's would, and so do its previews, unless its
+request turned it off (``ImageRequest.safety_checker``). The compiled programs are bounded and
+known (:meth:`StepEngine.warmup` compiles them all). The host-only deciding is
 :class:`pipelines.step_scheduler.SlotScheduler`; the device side is :class:`StepRunner`. How
 and why, in detail: docs/step-engine.md.
 """
@@ -235,7 +237,12 @@ class StepEngine:
 
     def warmup(self) -> int:
         """Compile every program this engine can run (the step programs and the admit and
-        decode programs of each batch size) without touching any slot; returns how many."""
+        decode programs of each batch size, and the safety checker's for up to ``slots``
+        finished images where the pipeline has one) without touching any slot; returns how
+        many the runner compiled."""
+        checker = getattr(self.pipe, "safety_checker", None)
+        if checker is not None:
+            checker.warmup(self.slots)
         return self.runner.warmup()
 
     # ------------------------------------------------------------------ execution
@@ -271,17 +278,33 @@ class StepEngine:
             if h.on_progress is not None and h not in tick.previewed and h not in tick.finishing:
                 h.on_progress(h)
         if tick.previewed:
-            for h, im in zip(tick.previewed, self._fetch(tick.previews, len(tick.previewed))):
+            previews, _ = self._checked(tick.previewed,
+                                        self._fetch(tick.previews, len(tick.previewed)))
+            for h, im in zip(tick.previewed, previews):
                 h.preview, h.preview_step = im, h.step
                 if h.on_progress is not None and h.status == "running" and h not in tick.finishing:
                     h.on_progress(h)
         if not tick.finishing:
             return []
-        self.scheduler.finished(tick.finishing, self._fetch(tick.images, len(tick.finishing)))
+        images, flags = self._checked(tick.finishing,
+                                      self._fetch(tick.images, len(tick.finishing)))
+        for h, flag in zip(tick.finishing, flags):
+            h.nsfw = flag
+        self.scheduler.finished(tick.finishing, images)
         for h in tick.finishing:
             if h.on_progress is not None:
                 h.on_progress(h)
         return list(tick.finishing)
+
+    def _checked(self, handles: list[Handle], images: list) -> tuple[list, list]:
+        """``images`` (of ``handles``: finished images or previews) through the pipeline's
+        safety checker (SD 1.x checkpoints that ship one) where the image's request keeps it
+        on, as the pipeline does: (the images, flagged ones black; a flag per image, None
+        where it was off or there is no checker)."""
+        checker = getattr(self.pipe, "safety_checker", None)
+        if checker is None:
+            return images, [None] * len(images)
+        return checker.check(images, [h.request.safety_checker for h in handles])
 
     def _fetch(self, out, n: int) -> list:
         t0 = time.perf_counter()

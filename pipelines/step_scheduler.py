@@ -63,7 +63,9 @@ class Handle:
     done (PIL image, or float32 (H, W, 3) in [0, 1] with ``output_type="np"``); ``seed``: the
     seed used (drawn at admission when the request has none); ``preview`` / ``preview_step``:
     the latest decoded denoised estimate asked for with ``submit(previews=...)`` and the step it
-    was taken after; ``controls``: its ControlNet conditioning, as submitted."""
+    was taken after; ``controls``: its ControlNet conditioning, as submitted; ``nsfw``: once
+    done, whether the pipeline's safety checker blacked ``image`` out (None: no checker, or its
+    request turned it off)."""
 
     request: ImageRequest
     steps: int
@@ -79,6 +81,7 @@ class Handle:
     slot: int | None = None
     seed: int | None = None
     image: Any = None
+    nsfw: bool | None = None
     preview: Any = None
     preview_step: int = 0
     submitted_at: float = field(default_factory=time.perf_counter)

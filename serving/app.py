@@ -376,7 +376,17 @@ class Ingress(JobRoutes):
              responses={503: {"description": "No generator replica has finished warming up."}})
     async def healthz(self):
         """200 once a generator replica has loaded the model and compiled its warm-up shapes;
-        503 (with ``Retry-After``) before that."""
+        503 (with ``Retry-After``) before that. The body: ``status`` (``ok`` /
+        ``warming_up``); ``generator_replicas``: how many generator replicas are in each Ray
+        Serve replica state (``STARTING``: loading the model and compiling its warm-up shapes,
+        ``RUNNING``: serving, ``UPDATING``: taking a new config, ``RECOVERING``: restarting after
+        a failure, ``STOPPING``: removed by a scale-down or redeploy, draining,
+        ``PENDING_MIGRATION``: moving off a draining node); ``generator_status``: the
+        deployment's (``HEALTHY``, ``UPDATING``, ``UPSCALING``, ``DOWNSCALING``, ``UNHEALTHY``,
+        ``DEPLOY_FAILED``; ``missing`` when the application has none); ``scaled_to_zero: true``
+        at zero replicas under autoscaling after a first replica was ready (still 200: a
+        request starts a replica); ``error`` instead of the states when the Ray controller
+        cannot be read (503)."""
         ready, detail = await self.generator.state()
         if ready:
             return {"status": "ok", **detail}
@@ -451,24 +461,36 @@ class Ingress(JobRoutes):
     @api.get("/v1/stats", tags=["operations"], summary="Recent batches per generator replica",
              responses={k: ERROR_RESPONSES[k] for k in (401, 429, 500)})
     async def stats(self):
-        """Every generator replica of this application (whichever ingress replica served its
-        requests): its node, images served, compiled programs and recent batches (newest
-        last), as each replica last reported them (after every batch) to the application's
-        stats actor; ``report_age_s`` says how long ago. Replicas that are gone are listed
-        until they have been silent for 10 minutes. ``throughput``: images/s and, with the serve
-        arg ``price_per_hour`` (per replica), the cost per 1,000 images of each live replica and
-        in total over the last ``stats_window_s`` (:mod:`serving.cost`)."""
+        """Every live generator replica of this application (whichever ingress replica served
+        its requests): its node, images served, compiled programs and recent batches (newest
+        last), as it last reported them (after every batch and health check) to the
+        application's stats actor; ``report_age_s`` says how long ago, ``state`` is Ray
+        Serve's. Live: the replicas Ray Serve's controller runs (``live_from: "controller"``);
+        the others that reported (scaled down, redeployed, failed; ``STOPPING`` while drained)
+        are in ``removed`` (id, node, pid, ``last_seen``) for 10 minutes. When the controller
+        cannot be read, ``live_from`` is ``"reports"`` (``live_error`` says why): the replicas
+        that reported in the last 10 minutes and have not shut down. ``throughput``: images/s
+        and, with the serve arg ``price_per_hour`` (per replica), the cost per 1,000 images of
+        each live replica and in total over the last ``stats_window_s``
+        (:mod:`serving.cost`)."""
+        source: dict = {"live_from": "controller"}
         try:
-            replicas = await self.board.snapshot.remote()
+            live = await self.generator.live_replicas()
+        except Exception as e:  # the controller is unreachable: the reports alone, flagged
+            live, source = None, {"live_from": "reports", "live_error": f"{type(e).__name__}: {e}"}
+        try:
+            snap = await self.board.snapshot.remote(live)
         except Exception as e:  # the stats actor is gone: report, never fail
             logger.warning("stats actor unavailable: %s", type(e).__name__)
             self.board = StatsBoard.get(self.app_name)
-            replicas = {}
+            snap = {"replicas": {}, "removed": []}
+        replicas = snap["replicas"]
         figures = cost.throughput(replicas, time.time(), self.s.stats_window_s,
                                   self.s.price_per_hour, 3 * self.s.health_check_period_s)
         for r in replicas.values():
             r.pop("images_by_second", None)  # summed up in throughput
-        return {"replicas": replicas, "throughput": figures}
+        return {"replicas": replicas, "removed": snap["removed"], **source,
+                "throughput": figures}
 
 
 # ---------------------------------------------------------------------------------- builder

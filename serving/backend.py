@@ -14,7 +14,7 @@ import collections
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from ray.serve import metrics
 
@@ -25,12 +25,6 @@ from serving.settings import ServeSettings
 
 _SECONDS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 _SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
-
-
-# Batch ids: one sequence per replica process, shared by every model and engine it loads, so an
-# id names one batch of that replica for as long as it runs (a model loaded again, or another
-# model's engine, never starts again at 1); the X-Maxdiff-Replica header names the replica.
-BATCH_IDS = itertools.count(1)
 
 
 def partial_steps(steps: int, partial_images: int) -> list[int]:
@@ -146,17 +140,21 @@ class Meters:
 class Backend(abc.ABC):
     """Runs a replica's generation jobs on ``pipe`` (the replica's pipeline), holding
     ``device_lock`` (the replica's, FIFO: shared by its backends) while it uses the devices, and
-    calls ``report()`` after each batch it ran. ``name``: the serve arg ``engine`` that picks
-    it; ``streams_steps``: its streams report every step and partial images (else only the
-    queued and finished events)."""
+    calls ``report()`` after each batch it ran. ``batch_ids``: the replica's batch id sequence,
+    shared by every model and engine it loads, so an id names one batch of the replica for as
+    long as it runs (a backend of its own without one). ``name``: the serve arg ``engine`` that
+    picks it; ``streams_steps``: its streams report every step and partial images (else only
+    the queued and finished events)."""
 
     name: str
     streams_steps: bool
 
     def __init__(self, pipe, settings: ServeSettings, meters: Meters, device_lock: asyncio.Lock,
-                 replica: dict, report: Callable[[], None], controlnets: dict | None = None):
+                 replica: dict, report: Callable[[], None], controlnets: dict | None = None,
+                 batch_ids: Iterator[int] | None = None):
         self.pipe, self.settings, self.meters = pipe, settings, meters
         self.replica, self._report = replica, report
+        self.batch_ids = itertools.count(1) if batch_ids is None else batch_ids
         self._device_lock = device_lock
         # the pipelines composed on ``pipe`` by request kind (controlnets: name -> (module,
         # params), loaded), made on first use

@@ -26,6 +26,7 @@ import collections
 import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 
 import numpy as np
 from ray import serve
@@ -40,7 +41,7 @@ from pipelines.requests import (
     pad_to,
     plan_batches,
 )
-from serving.backend import BATCH_IDS, Backend, partial_steps, past_deadline
+from serving.backend import Backend, partial_steps, past_deadline
 from serving.schemas import JobResult
 
 
@@ -51,8 +52,9 @@ class BatchBackend(Backend):
     name = "batch"
     streams_steps = False
 
-    def __init__(self, *parts, controlnets: dict | None = None):
-        super().__init__(*parts, controlnets=controlnets)
+    def __init__(self, *parts, controlnets: dict | None = None,
+                 batch_ids: Iterator[int] | None = None):
+        super().__init__(*parts, controlnets=controlnets, batch_ids=batch_ids)
         self._batchers: dict[tuple, object] = {}
         self._compiled: set[tuple] = set()  # (height, width, steps, cfg, padded batch) run so far
 
@@ -201,7 +203,7 @@ class BatchBackend(Backend):
             prepare += out.timings["prepare_s"]
             generate += out.timings["generate_s"]
         n_images = sum(len(v) for v in done.values())
-        batch = {"id": next(BATCH_IDS), "requests": len(jobs), "images": n_images,
+        batch = {"id": next(self.batch_ids), "requests": len(jobs), "images": n_images,
                  "device_batches": buckets, "shape": str(key), "generate_s": generate,
                  "expired": len(expired),
                  "adapters": dict(collections.Counter(

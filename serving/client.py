@@ -27,6 +27,14 @@ async def _await(response):
     return await response
 
 
+def _serve_details() -> dict:
+    """Ray Serve's view of every application, deployment and replica (what ``serve.status()``
+    summarises: it reads the same controller call, and drops the replicas' ids)."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client().get_serve_details()
+
+
 class GeneratorClient:
     """Calls to the generator deployment of application ``app_name`` through ``handle``."""
 
@@ -68,6 +76,16 @@ class GeneratorClient:
         self._state = (time.monotonic(), ready, detail)
         self._ready_seen |= ready
         return ready, detail
+
+    async def live_replicas(self) -> dict[str, str]:
+        """The generator deployment's replicas as Ray Serve's controller lists them: replica id
+        (the ``replica_id.unique_id`` each replica reports under) -> state (``RUNNING``,
+        ``STOPPING``, ...). Raises when the controller cannot be read."""
+        details = await asyncio.to_thread(_serve_details)
+        app = (details.get("applications") or {}).get(self.app_name) or {}
+        dep = (app.get("deployments") or {}).get(GENERATOR) or {}
+        return {r["replica_id"]: str(getattr(r["state"], "value", r["state"]))
+                for r in dep.get("replicas") or ()}
 
     async def _check_ready(self) -> None:
         """A 503 (warming up) until a generator replica has been seen ready."""

@@ -8,9 +8,10 @@ ready_at)``; its images/s is its images in the window over those seconds, and wi
 ``price_per_hour`` (per replica) its cost per 1,000 images is ``price_per_hour x seconds / 3600
 / images x 1000`` (= the price per second over images/s, x 1000). The total adds up the live
 replicas' images and replica-seconds: ``images_per_s`` is the sum of theirs, and
-``cost_per_1000_images`` is the price of all their replica-seconds over all their images. A
-replica whose last report is older than ``live_s`` (three health-check periods) is gone and is
-left out of the total; it stays listed until the stats actor forgets it."""
+``cost_per_1000_images`` is the price of all their replica-seconds over all their images. The
+replicas are ``/v1/stats``' live ones (those Ray Serve runs); one whose last report is older
+than ``live_s`` (three health-check periods: a replica that stopped answering its health
+checks) is left out of the figures too."""
 
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ tiny program on the replica's devices with the loaded weights and raises if that
 hangs, so Ray Serve replaces the replica. After every batch a replica reports its stats to the
 application's :class:`StatsBoard` actor, which ``/v1/stats`` reads (and after every health
 check, so an idle replica's report stays fresh), and every model it loads publishes its
-defaults and limits there for ``/v1/models``.
+defaults and limits there for ``/v1/models``. ``/v1/stats`` lists the replicas Ray Serve's
+controller runs, and the others that reported as removed (:func:`split_replicas`).
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import ray
@@ -71,16 +74,41 @@ def size_multiple(pipe) -> int:
     return pipe.vae_scale_factor
 
 
+def split_replicas(reports: dict[str, tuple[float, dict]], gone: dict[str, float],
+                   live: dict[str, str] | None, now: float) -> dict:
+    """``/v1/stats``' ``replicas`` and ``removed``, from the replicas' last reports (replica id
+    -> (unix time, stats)), those that said they shut down (``gone``: id -> unix time) and
+    ``live``: Ray Serve's replicas of the generator deployment (id -> state; None: the
+    controller could not be read). A replica is live unless it shut down, Ray Serve is draining
+    it (``STOPPING``) or no longer lists it; with ``live`` None, unless it shut down. A live
+    replica that has not reported yet (loading its model) is not listed.
+
+    ``replicas``: id -> its stats, ``report_age_s`` and ``state`` (Ray Serve's; None when not
+    known); ``removed``: each other replica that reported (``id``, ``node_id``, ``pid``,
+    ``last_seen``: unix time of its last report or goodbye, ``state``: ``STOPPING`` while Ray
+    Serve drains it, else None), most recently seen first."""
+    replicas, removed = {}, []
+    for rid, (at, stats) in reports.items():
+        state = None if live is None else live.get(rid)
+        if rid not in gone and (live is None or state not in (None, "STOPPING")):
+            replicas[rid] = {**stats, "report_age_s": round(now - at, 1), "state": state}
+            continue
+        removed.append({"id": rid, "node_id": stats.get("node_id"), "pid": stats.get("pid"),
+                        "last_seen": round(max(at, gone.get(rid, 0.0)), 1), "state": state})
+    removed.sort(key=lambda r: -r["last_seen"])
+    return {"replicas": replicas, "removed": removed}
+
+
 @ray.remote(num_cpus=0)
 class _Board:
-    """Latest stats of each generator replica of one application."""
+    """Latest stats of each generator replica of one application, and the models' infos."""
 
     FORGET_S = 600.0
 
     def __init__(self):
-        self.replicas: dict[str, tuple[float, dict]] = {}
+        self.replicas: dict[str, tuple[float, dict]] = {}  # id -> (unix time, last report)
         self.infos: dict[str, dict] = {}  # catalog key:model name -> the model's info
-        self.gone: set[str] = set()  # replicas that shut down
+        self.gone: dict[str, float] = {}  # replicas that shut down -> when
 
     def describe(self, key: str, info: dict) -> None:
         self.infos[key] = info
@@ -93,22 +121,23 @@ class _Board:
             self.replicas[replica_id] = (time.time(), stats)
 
     def forget(self, replica_id: str) -> None:
-        """A replica that shut down (scaled down, redeployed): out of the stats at once (a
-        late report from it is ignored)."""
-        self.replicas.pop(replica_id, None)
-        self.gone.add(replica_id)
+        """A replica that shut down (scaled down, redeployed): removed at once, whatever the
+        controller says (a late report from it is ignored)."""
+        self.gone[replica_id] = time.time()
 
-    def snapshot(self) -> dict:
+    def snapshot(self, live: dict[str, str] | None = None) -> dict:
+        """:func:`split_replicas` of the replicas seen in the last 10 minutes (older ones are
+        forgotten)."""
         now = time.time()
         self.replicas = {k: v for k, v in self.replicas.items() if now - v[0] < self.FORGET_S}
-        return {k: {**stats, "report_age_s": round(now - at, 1)}
-                for k, (at, stats) in self.replicas.items()}
+        self.gone = {k: t for k, t in self.gone.items() if now - t < self.FORGET_S}
+        return split_replicas(self.replicas, self.gone, live, now)
 
 
 class StatsBoard:
     """The stats actor of an application: one named, detached Ray actor per application name
     (namespace ``maxdiff``), created by whichever replica asks first; redeploying the
-    application reuses it. Replicas silent for 10 minutes are forgotten."""
+    application reuses it. Replicas seen last 10 minutes ago are forgotten."""
 
     @staticmethod
     def get(app_name: str):
@@ -118,11 +147,13 @@ class StatsBoard:
 
 class LoadedModel:
     """One model loaded on a generator replica: its pipeline (with its adapters), backends
-    and metrics. ``replica``: the replica's identity, ``device_lock`` and ``report()`` its own,
-    shared by its models; ``meters``: this model's on this replica (kept across reloads)."""
+    and metrics. ``replica``: the replica's identity, ``device_lock``, ``report()`` and
+    ``batch_ids`` (its batch id sequence) its own, shared by its models; ``meters``: this
+    model's on this replica (kept across reloads)."""
 
     def __init__(self, served: Served, settings: ServeSettings, meters: Meters,
-                 device_lock: asyncio.Lock, replica: dict, report, on_unload=None):
+                 device_lock: asyncio.Lock, replica: dict, report, on_unload=None,
+                 batch_ids: Iterator[int] | None = None):
         from pipelines import TextToImagePipeline
 
         t0 = time.perf_counter()
@@ -140,8 +171,9 @@ class LoadedModel:
         self.replica = replica
         self._on_unload = on_unload
         parts = (self.pipe, settings, meters, device_lock, replica, report)
+        shared = dict(controlnets=self.controlnets, batch_ids=batch_ids)
         # edits and ControlNet requests, and generation with engine=batch
-        self.batches = BatchBackend(*parts, controlnets=self.controlnets)
+        self.batches = BatchBackend(*parts, **shared)
         self.backend: Backend = self.batches
         if settings.engine == "step":
             from serving.specs import STEP_REFINER
@@ -150,7 +182,7 @@ class LoadedModel:
             if self.pipe.refiner is not None:  # (a config file's refiner key)
                 raise ValueError(STEP_REFINER)
 
-            self.backend = StepBackend(*parts, controlnets=self.controlnets)
+            self.backend = StepBackend(*parts, **shared)
         self.warmup_s, self.warmed = 0.0, []
 
     def __del__(self):
@@ -267,8 +299,8 @@ class Generator:
 
     def __del__(self):
         """Ray Serve calls this when the replica shuts down (autoscaling removed it, the
-        application was redeployed or deleted): its stats leave ``/v1/stats`` at once rather
-        than after the board's 10 minutes."""
+        application was redeployed or deleted): ``/v1/stats`` lists it as removed at once, even
+        where the Ray controller cannot be read."""
         board, replica = getattr(self, "_board", None), getattr(self, "replica", None)
         if board is not None and replica is not None:
             with contextlib.suppress(Exception):
@@ -281,6 +313,9 @@ class Generator:
                         "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
         self._board = StatsBoard.get(ctx.app_name)
         self._device_lock = asyncio.Lock()  # FIFO: every model's batches take turns
+        # one batch id sequence for the replica's life: a model loaded again, or another
+        # model's engine, never starts again at 1 (X-Maxdiff-Replica names the replica)
+        self._batch_ids = itertools.count(1)
         self._recent = collections.deque(maxlen=256)  # every model's batches, newest last
         self._meters: dict[str, Meters] = {}
         self._loaded: dict[str, LoadedModel] = {}  # what the multiplexer holds, LRU first
@@ -314,7 +349,7 @@ class Generator:
             meters = self._meters[name]
             task = self._loading[name] = asyncio.ensure_future(asyncio.to_thread(
                 LoadedModel, served, self.settings, meters, self._device_lock, self.replica,
-                self._report, self._forget))
+                self._report, self._forget, self._batch_ids))
         try:
             model = await asyncio.shield(task)
         finally:

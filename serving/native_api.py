@@ -219,6 +219,7 @@ def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: 
     height = h0 if body.height is None else body.height
     errors = list(errors or [])
     sampler = validation.sampler(info, body.scheduler, errors)
+    checked = validation.safety_checker(s, body.moderation, errors)
     if (problem := validation.adapter_problem(info, body.lora, "lora")) is not None:
         errors.append(problem)
     errors += validation.stream_problems(body.stream, body.num_images, "num_images")
@@ -234,7 +235,8 @@ def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: 
         raise invalid_all(errors)
     return GenerationRequest(body.prompt, body.negative_prompt, body.seed, body.num_images,
                              width, height, steps, guidance, body.lora, body.prompt_syntax,
-                             sampler, prompt_image, body.ip_adapter_scale)
+                             sampler, prompt_image, body.ip_adapter_scale,
+                             safety_checker=checked)
 
 
 async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: str | None,
@@ -290,7 +292,8 @@ async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wante
     return ControlRequest(job.prompt, job.negative_prompt, job.seed, job.n, job.width,
                           job.height, job.steps, job.guidance_scale, job.adapter,
                           job.prompt_syntax, job.scheduler, job.ip_adapter_image,
-                          job.ip_adapter_scale, controls=controls)
+                          job.ip_adapter_scale, safety_checker=job.safety_checker,
+                          controls=controls)
 
 
 async def edit_job(s: ServeSettings, info: dict, body: EditBody) -> EditRequest:
@@ -332,6 +335,8 @@ def image_settings(job: GenerationRequest, seeds, info: dict, model_id: str) -> 
         scale = info["ip_adapter"]["scale"] if job.ip_adapter_scale is None \
             else job.ip_adapter_scale
         mode = {**mode, "ip_adapter_image": "given", "ip_adapter_scale": f"{scale:g}"}
+    if not job.safety_checker:  # moderation "low": redrawn unchecked only with it
+        mode = {**mode, "moderation": "low"}
     return [image_info(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=seed,
                        steps=job.steps, guidance=job.guidance_scale,
                        size=f"{job.width}x{job.height}",

@@ -75,6 +75,7 @@ def generation_job(s: ServeSettings, info: dict, body: ImagesGenerationRequest,
             raise invalid("size", f"{e}, or 'auto'", body.size) from None
     errors = list(errors or []) + validation.stream_problems(body.stream, n, "n")
     sampler = validation.sampler(info, body.scheduler, errors)
+    checked = validation.safety_checker(s, body.moderation, errors)
     errors += validation.problems(s, info, DOOR, prompt=body.prompt,
                                   prompt_syntax=body.prompt_syntax,
                                   steps=info["default_steps"], n=n, width=width, height=height)
@@ -82,7 +83,8 @@ def generation_job(s: ServeSettings, info: dict, body: ImagesGenerationRequest,
         raise invalid_all(errors)
     return GenerationRequest(body.prompt, None, None, n, width, height, info["default_steps"],
                              info["default_guidance"], adapter(info, body), body.prompt_syntax,
-                             sampler, prompt_image, body.ip_adapter_scale)
+                             sampler, prompt_image, body.ip_adapter_scale,
+                             safety_checker=checked)
 
 
 async def edit_job(s: ServeSettings, info: dict, *, prompt: str, image: UploadFile | None,

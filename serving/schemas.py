@@ -32,12 +32,21 @@ from serving.specs import AdapterSpec, WarmupShape  # noqa: F401 (re-exported)
 ImageFormat = Literal["png", "jpeg", "webp"]
 PromptSyntax = Literal["a1111", "compel", "none"]
 ResponseFormat = Literal["b64_json", "url"]
+Moderation = Literal["auto", "low"]  # OpenAI's values (serving.validation.safety_checker)
 
 
 def _ip_image_field():
     return Field(None, description="An image prompt for the model's IP-Adapter (serve arg "
                  "ip_adapter): a base64 PNG, JPEG or WebP file (or a data: URL). Requests with "
                  "and without one share device batches (and step-engine ticks).")
+
+
+def _moderation_field():
+    return Field(None, description="'auto' (default): the model's safety checker (SD 1.x "
+                 "checkpoints that ship one) checks the images and blacks out the flagged ones "
+                 "(content_filtered); 'low': it skips this request's images, where the server "
+                 "allows it (serve arg allow_moderation_low; else a 422). Requests with either "
+                 "share device batches.")
 
 
 def _ip_scale_field():
@@ -48,8 +57,8 @@ def _ip_scale_field():
 
 
 class ImagesGenerationRequest(BaseModel):
-    """OpenAI Images API ``POST /v1/images/generations``. ``user``, ``quality``, ``style``,
-    ``background`` and ``moderation`` are accepted and ignored; unknown fields too. ``model``
+    """OpenAI Images API ``POST /v1/images/generations``. ``user``, ``quality``, ``style``
+    and ``background`` are accepted and ignored; unknown fields too. ``model``
     names a served model (``<model>:<adapter>`` also picks a LoRA adapter it loaded, as does the
     extra field ``lora``)."""
 
@@ -86,7 +95,7 @@ class ImagesGenerationRequest(BaseModel):
     quality: str | None = None
     style: str | None = None
     background: str | None = None
-    moderation: str | None = None
+    moderation: Moderation | None = _moderation_field()
     stream: bool | None = Field(None, description="Server-Sent Events: `partial_images` "
                                 "`image_generation.partial_image` events (servers with "
                                 "engine=step), then `image_generation.completed`; n=1.")
@@ -141,7 +150,7 @@ class ImageData(BaseModel):
                              "image file's text chunks redraws the image.")
     content_filtered: bool | None = Field(
         None, description="Whether the model's safety checker blacked this image out (models "
-        "that ship one, SD 1.x).")
+        "that ship one, SD 1.x); absent where none ran (no checker, or moderation 'low').")
 
 
 class ImagesResponse(BaseModel):
@@ -230,6 +239,7 @@ class GenerateRequest(BaseModel):
                              "with different adapters share batches.")
     ip_adapter_image: str | None = _ip_image_field()
     ip_adapter_scale: float | None = _ip_scale_field()
+    moderation: Moderation | None = _moderation_field()
     output_format: ImageFormat = "png"
     response_format: ResponseFormat = Field("b64_json", description="'b64_json': each image in "
                                             "the answer; 'url': a link to it in the server's "
@@ -340,7 +350,8 @@ class GeneratedImage(BaseModel):
     seed: int
     content_filtered: bool | None = Field(
         None, description="Whether the model's safety checker blacked this image out (only for "
-        "models that ship one, SD 1.x: diffusers' nsfw_content_detected).")
+        "models that ship one, SD 1.x: diffusers' nsfw_content_detected); absent where none "
+        "ran (no checker, or moderation 'low').")
 
 
 class GenerateResponse(BaseModel):
@@ -376,7 +387,8 @@ class JobResult:
     timings: dict[str, float]
     batch: dict  # the batch it ran in: id, requests, images, device_batches, shape
     replica: dict  # id, node_id
-    # per image, whether the model's safety checker blacked it out (None: the model has none)
+    # per image, whether the model's safety checker blacked it out (None: no image was checked:
+    # the model has no checker, or the request turned it off)
     filtered: list[bool] | None = None
 
 

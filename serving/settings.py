@@ -105,6 +105,9 @@ class ServeSettings(WithAdapters):
     rate_limit_per_minute: float | None = Field(None, gt=0)  # per API key (or client address)
     cors_origins: tuple[str, ...] = ()  # origins allowed to call from a browser; () : no CORS
     log_prompts: bool = False  # prompts appear in the logs only when true
+    # a request's `moderation: "low"` turns the model's safety checker (SD 1.x checkpoints that
+    # ship one) off for its images; refused (422) unless true
+    allow_moderation_low: bool = False
     playground: bool = True  # the web playground at GET / (docs/service.md, "Playground")
     # cost (/v1/stats): what one generator replica costs per hour (its host, or its share of
     # one: every accelerator it holds), in any currency; None: no cost figures

@@ -24,12 +24,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from pipelines.requests import ControlRequest, GenerationRequest
-from serving.backend import BATCH_IDS, Backend, partial_steps, past_deadline
+from serving.backend import Backend, partial_steps, past_deadline
 from serving.schemas import JobResult
 
 logger = logging.getLogger("ray.serve")
@@ -52,8 +53,9 @@ class StepBackend(Backend):
     name = "step"
     streams_steps = True
 
-    def __init__(self, *parts, controlnets: dict | None = None):
-        super().__init__(*parts, controlnets=controlnets)
+    def __init__(self, *parts, controlnets: dict | None = None,
+                 batch_ids: Iterator[int] | None = None):
+        super().__init__(*parts, controlnets=controlnets, batch_ids=batch_ids)
         # (height, width, ControlNet names) -> engine; names () for text-to-image
         self._engines: dict[tuple[int, int, tuple], object] = {}
         self._warming: dict[tuple[int, int, tuple], asyncio.Future] = {}  # being compiled
@@ -230,16 +232,18 @@ class StepBackend(Backend):
         finished = max(h.finished_at for h in handles)
         pixels = [np.asarray(h.image) for h in handles]
         # ids in the order requests finish
-        batch = {"id": next(BATCH_IDS), "requests": 1, "images": len(pixels),
+        batch = {"id": next(self.batch_ids), "requests": 1, "images": len(pixels),
                  "engine": "step", "shape": f"{self._name(self._key(job))}:{job.steps}",
                  "slots": images[0].engine.slots, "generate_s": finished - started}
         self.meters.served(batch, len(pixels))
         self.meters.queue_wait(started - arrived)
         self.meters.step_time((finished - started) / max(job.steps, 1))
+        flags = [h.nsfw for h in handles]  # None: not checked (no checker, or turned off)
         return JobResult(images=pixels, seeds=[h.seed for h in handles],
                          timings={"queue_s": started - arrived, "prepare_s": 0.0,
                                   "generate_s": finished - started},
-                         batch=batch, replica=self.replica)
+                         batch=batch, replica=self.replica,
+                         filtered=None if any(f is None for f in flags) else flags)
 
     async def generate(self, job: GenerationRequest, timeout_s: float | None) -> JobResult:
         """Run ``job`` on the step engine of its size; its images are cancelled (slots freed at

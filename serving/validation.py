@@ -101,6 +101,21 @@ def sampler(info: dict, name: str | None, errors: list) -> str | None:
     return name
 
 
+def safety_checker(s: ServeSettings, moderation: str | None, errors: list) -> bool:
+    """Whether a request's ``moderation`` (``auto``, ``low`` or None: the body's schema
+    refuses other values) keeps the model's safety checker on for its images: ``auto`` (or
+    omitted) keeps it; ``low`` turns it off where the serve arg ``allow_moderation_low``
+    allows, else adds its problem to ``errors``."""
+    if moderation != "low":
+        return True
+    if not s.allow_moderation_low:
+        errors.append(("moderation", "'low' turns the model's safety checker off, which this "
+                       "server does not allow (serve arg allow_moderation_low); omit it or send "
+                       "'auto'", moderation))
+        return True
+    return False
+
+
 def adapter_problem(info: dict, name: str | None, field: str) -> Problem | None:
     """None, or (field, message, value) when ``name`` is no adapter the replicas loaded."""
     loaded = [a["name"] for a in info.get("adapters") or []]

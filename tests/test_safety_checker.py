@@ -1,6 +1,8 @@
 """SD 1.x's safety checker (maxdiff.models.safety_checker) against diffusers'
 StableDiffusionSafetyChecker on random weights: the same images flagged and blacked out by the
-whole pipeline, the flags reported as ``nsfw_content_detected``, and off when asked."""
+whole pipeline, the flags reported as ``nsfw_content_detected``, and off when asked: for the
+pipeline, or for one image of a batch (``ImageRequest.safety_checker``). The step engine
+checks its finished images the same way."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import tiny
 import torch
 
 from pipelines import TextToImagePipeline
+from pipelines.requests import ImageRequest
 
 SIZE = 32
 KW = dict(num_inference_steps=2, guidance_scale=5.0, height=SIZE, width=SIZE, output_type="np")
@@ -24,44 +27,12 @@ def _latents():
 @pytest.fixture(scope="module")
 def checked_dir(tmp_path_factory):
     """A tiny SD 1.x folder with a random safety checker whose first concept's threshold
-    lies between the images' scores, so some images are flagged and some are not."""
-    from diffusers import StableDiffusionPipeline
-    from diffusers.pipelines.stable_diffusion.safety_checker import (
-        StableDiffusionSafetyChecker,
-    )
-    from transformers import CLIPConfig, CLIPImageProcessor
-
+    lies between the images' scores, so two of the four images are flagged."""
     base = tmp_path_factory.mktemp("sd1-plain")
     tiny.make_sd_pipeline(base)
     ours = TextToImagePipeline.from_pretrained(base, compile_cache_dir=None)
     images = ours(PROMPTS, latents=_latents(), **KW).images
-    torch.manual_seed(3)
-    config = CLIPConfig(vision_config=dict(hidden_size=32, intermediate_size=64,
-                                           num_hidden_layers=2, num_attention_heads=4,
-                                           image_size=32, patch_size=8),
-                        text_config=dict(hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=1, num_attention_heads=4),
-                        projection_dim=16)
-    checker = StableDiffusionSafetyChecker(config).eval()
-    with torch.no_grad():
-        for p in checker.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-        checker.special_care_embeds_weights.fill_(2.0)  # never: no adjustment
-        checker.concept_embeds_weights.fill_(2.0)
-    fe = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    pixels = fe(images=[(im * 255).round().astype(np.uint8) for im in images],
-                return_tensors="pt").pixel_values
-    with torch.no_grad():
-        emb = checker.visual_projection(checker.vision_model(pixels)[1])
-        cos = torch.nn.functional.normalize(emb) @ torch.nn.functional.normalize(
-            checker.concept_embeds).T
-        scores = np.sort(cos[:, 0].numpy())
-        checker.concept_embeds_weights[0] = float(scores[1] + scores[2]) / 2  # two of four
-    pipe = StableDiffusionPipeline.from_pretrained(base, safety_checker=checker,
-                                                   feature_extractor=fe)
-    out = tmp_path_factory.mktemp("sd1-checked")
-    pipe.save_pretrained(out)
-    return out
+    return tiny.add_safety_checker(base, tmp_path_factory.mktemp("sd1-checked"), images)
 
 
 @pytest.mark.parity
@@ -94,3 +65,67 @@ def test_off_when_asked(checked_dir):
     assert all(img.max() > 0 for img in out.images)
     cfg = load_run_config(None, [f"model={checked_dir}", "safety_checker=false"])
     assert cfg.pipeline_kwargs()["safety_checker"] is False
+
+
+def test_an_image_whose_request_turns_it_off_is_left_alone(checked_dir):
+    """``ImageRequest(safety_checker=False)``: that image alone skips the checker (flag None,
+    its pixels as the checker-less pipeline's, black or not), the others of its batch are
+    checked as before."""
+    pipe = TextToImagePipeline.from_pretrained(checked_dir, compile_cache_dir=None)
+    full = pipe(PROMPTS, latents=_latents(), **KW).nsfw_content_detected
+    flagged = [k for k, f in enumerate(full) if f]
+    kept = [k for k, f in enumerate(full) if not f]
+    checked = {flagged[0], kept[0]}  # a flagged image checked, another not
+    items = [ImageRequest(p, guidance_scale=KW["guidance_scale"], safety_checker=k in checked)
+             for k, p in enumerate(PROMPTS)]
+    run = dict(latents=_latents(), num_inference_steps=2, height=SIZE, width=SIZE,
+               output_type="np")
+    out = pipe.generate(items, **run)
+    off = TextToImagePipeline.from_pretrained(checked_dir, compile_cache_dir=None,
+                                              safety_checker=False).generate(items, **run)
+    assert out.nsfw_content_detected == [f if k in checked else None
+                                         for k, f in enumerate(full)]
+    assert out.images[flagged[0]].max() == 0 and out.images[flagged[1]].max() > 0
+    for k in range(len(PROMPTS)):
+        if k != flagged[0]:  # every image but the checked flagged one: the unchecked pixels
+            np.testing.assert_allclose(out.images[k], off.images[k], atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def euler_checked(tmp_path_factory):
+    """(A tiny SD 1.x folder on Euler, which the step engine runs, with a safety checker that
+    flags two of ``SEEDED``'s images; those images' requests.)"""
+    base = tmp_path_factory.mktemp("sd1-euler")
+    tiny.make_sd_pipeline(base, scheduler_config=tiny.SDXL_SCHEDULER)
+    items = [ImageRequest(p, seed=20 + k, guidance_scale=KW["guidance_scale"])
+             for k, p in enumerate(PROMPTS)]
+    pipe = TextToImagePipeline.from_pretrained(base, compile_cache_dir=None)
+    images = pipe.generate(items, num_inference_steps=2, height=SIZE, width=SIZE,
+                           output_type="np").images
+    return tiny.add_safety_checker(base, tmp_path_factory.mktemp("sd1-euler-checked"),
+                                   images), items
+
+
+def test_the_step_engine_checks_each_image_as_the_pipeline_does(euler_checked):
+    """The step engine runs the pipeline's safety checker on its finished images: the same
+    flags and black images as the pipeline's batch; an image whose request turns it off
+    finishes unchecked (``nsfw`` None, not black) beside them."""
+    from dataclasses import replace
+
+    from pipelines.step_engine import StepEngine
+
+    folder, items = euler_checked
+    pipe = TextToImagePipeline.from_pretrained(folder, compile_cache_dir=None)
+    want = pipe.generate(items, num_inference_steps=2, height=SIZE, width=SIZE,
+                         output_type="np")
+    assert sum(want.nsfw_content_detected) == 2
+    eng = StepEngine(pipe, SIZE, SIZE, slots=4, output_type="np")
+    handles = [eng.submit(it, 2) for it in items]
+    unchecked = [eng.submit(replace(it, safety_checker=False), 2) for it in items]
+    eng.run_until_idle()
+    assert [h.nsfw for h in handles] == want.nsfw_content_detected
+    for h, im, flag, free in zip(handles, want.images, want.nsfw_content_detected, unchecked):
+        assert (h.image.max() == 0) == flag and free.nsfw is None and free.image.max() > 0
+        np.testing.assert_allclose(h.image, im, atol=2e-5)
+        if not flag:
+            np.testing.assert_allclose(free.image, h.image, atol=2e-5)

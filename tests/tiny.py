@@ -281,6 +281,48 @@ def make_sd_pipeline(folder: str | Path, *, v2: bool = False, seed: int = 0,
     return pipe
 
 
+def add_safety_checker(base: str | Path, out: str | Path, images, flagged: int = 2) -> Path:
+    """``base`` (a tiny SD 1.x folder) saved to ``out`` with a random diffusers
+    ``StableDiffusionSafetyChecker`` and its feature extractor (32-pixel crops), its first
+    concept's threshold set between the scores of ``images`` (float (N, H, W, 3) in [0, 1],
+    what the folder makes for some request) so that the ``flagged`` highest-scoring of them
+    are flagged and the others are not; no other concept flags anything."""
+    import numpy as np
+    from diffusers import StableDiffusionPipeline
+    from diffusers.pipelines.stable_diffusion.safety_checker import (
+        StableDiffusionSafetyChecker,
+    )
+    from transformers import CLIPConfig, CLIPImageProcessor
+
+    torch.manual_seed(3)
+    config = CLIPConfig(vision_config=dict(hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=4,
+                                           image_size=32, patch_size=8),
+                        text_config=dict(hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=4),
+                        projection_dim=16)
+    checker = StableDiffusionSafetyChecker(config).eval()
+    with torch.no_grad():
+        for p in checker.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        checker.special_care_embeds_weights.fill_(2.0)  # never: no adjustment
+        checker.concept_embeds_weights.fill_(2.0)
+    fe = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    pixels = fe(images=[(np.asarray(im) * 255).round().astype(np.uint8) for im in images],
+                return_tensors="pt").pixel_values
+    with torch.no_grad():
+        emb = checker.visual_projection(checker.vision_model(pixels)[1])
+        cos = torch.nn.functional.normalize(emb) @ torch.nn.functional.normalize(
+            checker.concept_embeds).T
+        scores = np.sort(cos[:, 0].numpy())
+        k = len(scores) - flagged
+        checker.concept_embeds_weights[0] = float(scores[k - 1] + scores[k]) / 2
+    pipe = StableDiffusionPipeline.from_pretrained(base, safety_checker=checker,
+                                                   feature_extractor=fe)
+    pipe.save_pretrained(out)
+    return Path(out)
+
+
 SDXL_SCHEDULER = dict(
     beta_start=0.00085,
     beta_end=0.012,

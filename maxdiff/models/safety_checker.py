@@ -66,9 +66,10 @@ class SafetyCheckerModel(nn.Module):
 
 class SafetyChecker:
     """A loaded safety checker: ``check(images)`` -> (images with the flagged ones black, a
-    flag per image). ``images``: PIL images or float (N, H, W, 3) in [0, 1] (what the
-    pipelines return); the checker sees them as diffusers' pipelines hand them over (uint8
-    PIL images through the feature extractor)."""
+    flag per image). ``images``: PIL images, float (H, W, 3) arrays in [0, 1] or one float
+    (N, H, W, 3) array (what the pipelines return); the checker sees them as diffusers'
+    pipelines hand them over (uint8 PIL images through the feature extractor). The CLIP tower
+    runs on batches padded to a power of two, so few programs are ever compiled."""
 
     def __init__(self, module: SafetyCheckerModel, params: dict, processor: dict):
         self.module, self.params, self.processor = module, params, processor
@@ -102,11 +103,26 @@ class SafetyChecker:
             out.append((a - p["mean"]) / p["std"])
         return np.stack(out).astype(np.float32)
 
+    def scores(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Cosines with the special-care concepts and with the concepts, (N, n_special) and
+        (N, n_concepts), of preprocessed ``pixels`` (N, S, S, 3), run padded to a power of
+        two."""
+        n = len(pixels)
+        padded = np.zeros((1 << (n - 1).bit_length(), *pixels.shape[1:]), np.float32)
+        padded[:n] = pixels
+        special, concepts = self._fn(self.params, jnp.asarray(padded))
+        return (np.asarray(special, np.float64)[:n], np.asarray(concepts, np.float64)[:n])
+
+    def warmup(self, max_images: int) -> None:
+        """Compile the programs of every padded batch size up to ``max_images`` images."""
+        crop = self.processor["crop"]
+        for b in sorted({1 << (n - 1).bit_length() for n in range(1, max_images + 1)}):
+            self.scores(np.zeros((b, crop, crop, 3), np.float32))
+
     def flags(self, images) -> list[bool]:
         """Whether each image shows a concept the checker flags (diffusers' rule, scores
         rounded to 3 decimals)."""
-        special, concepts = (np.asarray(a, np.float64) for a in self._fn(
-            self.params, jnp.asarray(self.pixels(images))))
+        special, concepts = self.scores(self.pixels(images))
         sw = np.asarray(self.params["special_care_embeds_weights"], np.float64)
         cw = np.asarray(self.params["concept_embeds_weights"], np.float64)
         out = []
@@ -119,15 +135,32 @@ class SafetyChecker:
                            for k in range(len(c))))
         return out
 
-    def check(self, images) -> tuple[Any, list[bool]]:
-        flagged = self.flags(images)
+    def check(self, images, which=None) -> tuple[Any, list[bool | None]]:
+        """(``images`` with the flagged ones black, a flag per image). ``which``: per image
+        whether to check it (default: all); an image not checked is returned as it is, with
+        the flag None."""
+        which = [True] * len(images) if which is None else [bool(w) for w in which]
+        checked = [k for k, w in enumerate(which) if w]
+        flagged: list[bool | None] = [None] * len(images)
+        if not checked:
+            return images, flagged
+        for k, f in zip(checked, self.flags([images[k] for k in checked])):
+            flagged[k] = f
+        black = [k for k in checked if flagged[k]]
         if isinstance(images, np.ndarray):
             images = images.copy()
-            images[np.asarray(flagged, bool)] = 0.0
+            images[black] = 0.0
             return images, flagged
-        from PIL import Image
+        return [_black(im) if k in black else im for k, im in enumerate(images)], flagged
 
-        return [Image.new("RGB", im.size) if f else im for im, f in zip(images, flagged)], flagged
+
+def _black(image):
+    """A black image of ``image``'s size and kind (PIL RGB, or an array of its shape)."""
+    if isinstance(image, np.ndarray):
+        return np.zeros_like(image)
+    from PIL import Image
+
+    return Image.new("RGB", image.size)
 
 
 def load_safety_checker(folder: str | os.PathLike, feature_extractor: str | os.PathLike,

@@ -1,6 +1,7 @@
 """Autoscaling on the local multi-node cluster (two ``maxdiff_host`` hosts): load rises ->
 a second generator replica; load falls -> one again, drained while a request stream runs
 (every request answered, none lost); idle -> zero replicas, and a request then starts one.
+``/v1/stats`` follows: a removed replica leaves its ``replicas`` for its ``removed``.
 
 Short delays (test settings, not the defaults) keep it cheap; every state is polled for with
 a generous timeout, never assumed after a sleep."""
@@ -48,6 +49,41 @@ def wait_for(what, predicate, timeout=240):
             return seen
         time.sleep(0.25)
     pytest.fail(f"{what}: not reached in {timeout} s; replica states seen: {seen}")
+
+
+def stats_once(url, done, timeout=30) -> dict:
+    """``/v1/stats`` once ``done(stats)`` (a replica Ray Serve removed leaves its replicas at
+    once; the poll only absorbs a report in flight), failing after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not done(stats := requests.get(f"{url}/v1/stats", timeout=30).json()):
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.5)
+    return stats
+
+
+def test_stats_list_live_replicas_and_removed_ones():
+    """``/v1/stats``' split (serving.generator.split_replicas): with the controller's view, a
+    replica it no longer lists, or drains, or that said goodbye is removed (with its node, pid
+    and when it was last seen) and a live one that has not reported is not listed; without
+    it, every replica that has not said goodbye is listed."""
+    from serving.generator import split_replicas
+
+    reports = {rid: (100.0 + k, {"node_id": f"n{k}", "pid": k, "images": k})
+               for k, rid in enumerate(["run", "drain", "dropped", "bye"])}
+    gone = {"bye": 105.0}
+    live = {"run": "RUNNING", "drain": "STOPPING", "bye": "RUNNING", "new": "STARTING"}
+    out = split_replicas(reports, gone, live, now=110.0)
+    assert list(out["replicas"]) == ["run"]
+    assert out["replicas"]["run"] == {"node_id": "n0", "pid": 0, "images": 0,
+                                      "report_age_s": 10.0, "state": "RUNNING"}
+    assert out["removed"] == [
+        {"id": "bye", "node_id": "n3", "pid": 3, "last_seen": 105.0, "state": "RUNNING"},
+        {"id": "dropped", "node_id": "n2", "pid": 2, "last_seen": 102.0, "state": None},
+        {"id": "drain", "node_id": "n1", "pid": 1, "last_seen": 101.0, "state": "STOPPING"}]
+    unknown = split_replicas(reports, gone, None, now=110.0)
+    assert list(unknown["replicas"]) == ["run", "drain", "dropped"]
+    assert [r["id"] for r in unknown["removed"]] == ["bye"]
+    assert unknown["replicas"]["drain"]["state"] is None
 
 
 class Stream:
@@ -99,6 +135,12 @@ def test_replicas_follow_the_load_and_scale_down_drains(cluster, sdxl_dir):
         light = Stream(url, 1)
         heavy = load.stop()
         wait_for("one replica again", lambda s: s == {"RUNNING": 1})
+        served_by = {o[2] for o in load.outcomes if o[0] == 200}
+        stats = stats_once(url, lambda st: len(st["replicas"]) == 1)
+        (kept,) = stats["replicas"]
+        assert stats["live_from"] == "controller" and stats["replicas"][kept]["state"] == "RUNNING"
+        gone = served_by - {kept}  # the scaled-down replica: out of replicas, into removed
+        assert len(gone) == 1 and gone <= {r["id"] for r in stats["removed"]}, stats["removed"]
         n_after = len(light.outcomes)
         while len(light.outcomes) < n_after + 3:  # served on by the remaining replica
             time.sleep(0.1)
@@ -110,11 +152,10 @@ def test_replicas_follow_the_load_and_scale_down_drains(cluster, sdxl_dir):
         assert all(retry for _, retry, _ in shed), "a 503 without Retry-After"
         # idle: down to zero replicas; /healthz stays 200 (a request starts a replica)
         wait_for("zero replicas when idle", lambda s: s == {})
-        # the removed replicas leave /v1/stats as they go (not after the board's 10 minutes)
-        deadline = time.monotonic() + 30
-        while requests.get(f"{url}/v1/stats", timeout=30).json()["replicas"]:
-            assert time.monotonic() < deadline, "removed replicas still in /v1/stats"
-            time.sleep(0.5)
+        # the removed replicas leave /v1/stats' replicas as they go, into its removed
+        stats = stats_once(url, lambda st: not st["replicas"])
+        assert served_by <= {r["id"] for r in stats["removed"]}, stats["removed"]
+        assert all(r["last_seen"] <= time.time() and r["node_id"] for r in stats["removed"])
         health = requests.get(f"{url}/healthz", timeout=30)
         assert health.status_code == 200 and health.json().get("scaled_to_zero") is True
         r = generate(url, seed=7, width=SIZE, height=SIZE, timeout=180)

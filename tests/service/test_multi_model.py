@@ -222,7 +222,8 @@ def test_an_int8_model_answers_the_openai_client_with_the_python_apis_pixels(mul
     route's seeds are random and not reported) equal the Python API's with
     ``quantization="int8"`` for the same request to the bit: one image, so the same padded batch
     (1) and program (uint8 output), which int8 activations need (docs/python-api.md); they
-    differ from A's float32 pixels. Last in the module: loading it swaps a replica's model."""
+    differ from A's float32 pixels. After the tests that read which replica holds which model:
+    loading it swaps a replica's model."""
     import openai
     from PIL import Image
 
@@ -243,3 +244,21 @@ def test_an_int8_model_answers_the_openai_client_with_the_python_apis_pixels(mul
     got = png(b64)
     np.testing.assert_array_equal(got, np.asarray(ours))
     assert np.abs(got.astype(int) - want[A]).max() > 0  # quantized: not A's float32 pixels
+
+
+def test_batch_ids_never_repeat_on_a_replica_across_model_loads(multi):
+    """Three models on two replicas that hold one each: requests that cycle through them make
+    replicas load models again, and each replica's batch ids (``timings.batch_id``, the
+    replica named by ``X-Maxdiff-Replica``) keep rising across the loads and both models'
+    backends, never starting again at 1."""
+    per_replica: dict[str, list[tuple[str, int]]] = {}
+    for k, name in enumerate([A, B, Q] * 3):
+        r = generate(multi, seed=30 + k, model=name, **BODY)
+        assert r.status_code == 200, r.text
+        per_replica.setdefault(r.headers["X-Maxdiff-Replica"], []).append(
+            (name, r.json()["timings"]["batch_id"]))
+    swapped = [rid for rid, seen in per_replica.items() if len({m for m, _ in seen}) > 1]
+    assert swapped, per_replica  # a replica that held one model at a time served two
+    for rid, seen in per_replica.items():
+        ids = [i for _, i in seen]
+        assert all(a < b for a, b in zip(ids, ids[1:])), (rid, seen)
