@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 
 from serving.answers import Prepared, answer
 from serving.errors import ApiError, error_body, internal_message
-from serving.storage import OutputStore
+from serving.storage import OutputStore, cache_path
 
 logger = logging.getLogger("ray.serve")
 
@@ -69,8 +69,18 @@ CREATE TABLE IF NOT EXISTS secrets (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 
 
 def default_path() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "maxdiff", "jobs.sqlite")
+    return cache_path("jobs.sqlite")
+
+
+def open_db(path: str, schema: str) -> tuple[sqlite3.Connection, threading.Lock]:
+    """The service database at ``path`` (autocommit, WAL: several processes on one host share
+    it) with ``schema`` applied, and the lock its one connection is used under."""
+    db = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
+    lock = threading.Lock()
+    with lock:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(schema)
+    return db, lock
 
 
 def interrupted() -> dict:
@@ -85,13 +95,8 @@ class JobStore:
     def __init__(self, path: str | None):
         self.path = path or default_path()
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self._db = sqlite3.connect(self.path, timeout=30, check_same_thread=False,
-                                   isolation_level=None)
+        self._db, self._lock = open_db(self.path, _SCHEMA)
         self._db.row_factory = sqlite3.Row
-        self._lock = threading.Lock()
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(_SCHEMA)
 
     def _exec(self, sql: str, args=()) -> list[sqlite3.Row]:
         with self._lock:

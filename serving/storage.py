@@ -31,10 +31,16 @@ FILE_NAME = re.compile(r"^([0-9a-f]{32})\.(png|jpeg|webp)$")
 MAX_SIGNED_S = 7 * 24 * 3600
 
 
+def cache_path(name: str) -> str:
+    """``name`` in maxdiff's cache folder (``$XDG_CACHE_HOME/maxdiff``, else ``~/.cache``):
+    where the service keeps its state when no path is given."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "maxdiff", name)
+
+
 def default_root() -> str:
     """The local folder images go to when ``output_store`` is not given."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "maxdiff", "outputs")
+    return cache_path("outputs")
 
 
 @dataclass(frozen=True)

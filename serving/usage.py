@@ -12,11 +12,10 @@ import datetime as dt
 import heapq
 import itertools
 import math
-import sqlite3
-import threading
 import time
 
 from serving.errors import ApiError
+from serving.jobs import open_db
 from serving.security import KeyPolicy
 
 ANONYMOUS = ""  # the key id of requests when keys are off
@@ -47,12 +46,7 @@ class UsageStore:
     a thread)."""
 
     def __init__(self, path: str):
-        self._db = sqlite3.connect(path, timeout=30, check_same_thread=False,
-                                   isolation_level=None)
-        self._lock = threading.Lock()
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(_SCHEMA)
+        self._db, self._lock = open_db(path, _SCHEMA)
 
     def add(self, app: str, key_id: str | None, requests: int, images: int, steps: int,
             device_s: float, now: float | None = None) -> None:
