@@ -13,8 +13,6 @@ from pipelines.requests import GenerationRequest
 from serving.schemas import JobResult
 from serving.storage import OutputStore
 
-FORMATS = ("b64_json", "url")
-
 
 @dataclass
 class Prepared:

@@ -73,7 +73,7 @@ from serving import (
 from serving.answers import Prepared
 from serving.api import api, key_of
 from serving.client import GENERATOR, GeneratorClient
-from serving.errors import TIMEOUT_HEADER, ApiError, invalid, request_id
+from serving.errors import TIMEOUT_HEADER, ApiError, request_id
 from serving.gate import CONTROL_ROUTES, EDIT_ROUTES, PROMPT_ROUTES
 from serving.generator import Generator, StatsBoard
 from serving.job_routes import JobRoutes
@@ -257,9 +257,6 @@ class Ingress(JobRoutes):
         deadline = validation.deadline(request, self.s)
         prep = await openai_api.prepare(self.s, self.generator, self.catalog, body, deadline)
         if body.stream:
-            if body.response_format == "url":
-                raise invalid("response_format", "streams carry the images themselves; omit "
-                              "response_format or set it to 'b64_json'", "url")
             return await self._stream(
                 prep, deadline, request, body.partial_images or 0,
                 openai_api.stream_render(prep.job, prep.fmt, body.output_compression))

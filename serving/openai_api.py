@@ -50,6 +50,9 @@ async def prepare(s: ServeSettings, generator, catalog: Catalog, body: ImagesGen
                   deadline: float) -> Prepared:
     """An ``images.generate`` request checked against its model (``generator``: the
     :class:`serving.client.GeneratorClient` that knows the model's limits)."""
+    if body.stream and body.response_format == "url":
+        raise invalid("response_format", "streams carry the images themselves; omit "
+                      "response_format or set it to 'b64_json'", "url")
     model = model_name(catalog, body.model)
     info = await generator.model_info(model, deadline)
     found: list = []  # the image prompt's problems, reported with the others
