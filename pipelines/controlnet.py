@@ -227,7 +227,8 @@ class ControlNetPipeline(ComposedPipeline):
                  negative_crops_coords_top_left: tuple[int, int] = (0, 0),
                  negative_target_size: tuple[int, int] | None = None,
                  prompt_syntax: str | None = None, ip_adapter_image: Any = None,
-                 ip_adapter_scale: float | None = None) -> PipelineOutput:
+                 ip_adapter_scale: float | None = None, cfg_cutoff: float | None = None,
+                 deepcache_interval: int = 1) -> PipelineOutput:
         """Generate images following ``prompt`` and the control image(s); the arguments mean
         what diffusers' ``StableDiffusionXLControlNetPipeline`` gives them.
 
@@ -269,7 +270,8 @@ class ControlNetPipeline(ComposedPipeline):
             negative_original_size=negative_original_size,
             negative_crops_coords_top_left=negative_crops_coords_top_left,
             negative_target_size=negative_target_size, prompt_syntax=prompt_syntax,
-            ip_adapter_image=ip_adapter_image, ip_adapter_scale=ip_adapter_scale)
+            ip_adapter_image=ip_adapter_image, ip_adapter_scale=ip_adapter_scale,
+            cfg_cutoff=cfg_cutoff, deepcache_interval=deepcache_interval)
         controls = [[ControlImage(picked[name][row], scales[j], starts[j], ends[j], guess)
                      for j, name in enumerate(names)] for row in range(len(items))]
         return self.generate(items, controls, height=height, width=width,

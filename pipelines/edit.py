@@ -99,7 +99,8 @@ class _EditPipeline(ComposedPipeline):
               masked_image_latents_noise, output_type, original_size, crops_coords_top_left,
               target_size, denoising_start=None, aesthetic_score=AESTHETIC_SCORE,
               negative_aesthetic_score=NEGATIVE_AESTHETIC_SCORE,
-              prompt_syntax=None, ip_adapter_image=None, ip_adapter_scale=None) -> PipelineOutput:
+              prompt_syntax=None, ip_adapter_image=None, ip_adapter_scale=None,
+              cfg_cutoff=None, deepcache_interval=1) -> PipelineOutput:
         if image is None:
             raise ValueError("image is required: the picture to start from")
         image_latents = None
@@ -118,7 +119,8 @@ class _EditPipeline(ComposedPipeline):
             crops_coords_top_left=tuple(crops_coords_top_left), target_size=target_size,
             aesthetic_score=aesthetic_score, negative_aesthetic_score=negative_aesthetic_score,
             prompt_syntax=prompt_syntax, ip_adapter_image=ip_adapter_image,
-            ip_adapter_scale=ip_adapter_scale)
+            ip_adapter_scale=ip_adapter_scale, cfg_cutoff=cfg_cutoff,
+            deepcache_interval=deepcache_interval)
         images, masks = picked.get("image"), picked.get("mask_image")
         return self.generate(items, images, masks,
                              strength=strength, height=height, width=width,
@@ -306,7 +308,8 @@ class ImageToImagePipeline(_EditPipeline):
                  aesthetic_score: float = AESTHETIC_SCORE,
                  negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE,
                  prompt_syntax: str | None = None, ip_adapter_image: Any = None,
-                 ip_adapter_scale: float | None = None) -> PipelineOutput:
+                 ip_adapter_scale: float | None = None, cfg_cutoff: float | None = None,
+                 deepcache_interval: int = 1) -> PipelineOutput:
         """Repaint ``image`` (a PIL image or float (H, W, 3) array in [0, 1], or one per prompt)
         following ``prompt``. ``strength`` in (0, 1] (default 0.75, every front door's:
         :data:`pipelines.limits.STRENGTH`; diffusers' SDXL pipeline defaults to 0.3): the run
@@ -324,7 +327,8 @@ class ImageToImagePipeline(_EditPipeline):
         ``negative_aesthetic_score`` (default 6 and 2.5) are the refiner's time ids (a model
         whose model_index.json has ``requires_aesthetics_score``; others ignore them). A refiner
         encodes ``prompt`` / ``negative_prompt`` with its one text encoder (``prompt_2`` is
-        unused, as in diffusers).
+        unused, as in diffusers). ``cfg_cutoff`` / ``deepcache_interval`` count the steps that
+        run (:class:`pipelines.requests.ImageRequest`).
         The other arguments mean what they mean for :class:`TextToImagePipeline`."""
         return self._call(prompt, image, None, strength=strength, prompt_2=prompt_2,
                           negative_prompt=negative_prompt, negative_prompt_2=negative_prompt_2,
@@ -338,7 +342,8 @@ class ImageToImagePipeline(_EditPipeline):
                           aesthetic_score=aesthetic_score,
                           negative_aesthetic_score=negative_aesthetic_score,
                           prompt_syntax=prompt_syntax, ip_adapter_image=ip_adapter_image,
-                          ip_adapter_scale=ip_adapter_scale)
+                          ip_adapter_scale=ip_adapter_scale, cfg_cutoff=cfg_cutoff,
+                          deepcache_interval=deepcache_interval)
 
 
 class InpaintPipeline(_EditPipeline):
@@ -364,7 +369,8 @@ class InpaintPipeline(_EditPipeline):
                  crops_coords_top_left: tuple[int, int] = (0, 0),
                  target_size: tuple[int, int] | None = None,
                  prompt_syntax: str | None = None, ip_adapter_image: Any = None,
-                 ip_adapter_scale: float | None = None) -> PipelineOutput:
+                 ip_adapter_scale: float | None = None, cfg_cutoff: float | None = None,
+                 deepcache_interval: int = 1) -> PipelineOutput:
         """Repaint the white part of ``mask_image`` (PIL image or float (H, W) array in [0, 1],
         binarised at 0.5, the image's size) in ``image``. ``strength`` as for
         :class:`ImageToImagePipeline`, default 0.9999 (diffusers'); at exactly 1 the latents start
@@ -381,4 +387,5 @@ class InpaintPipeline(_EditPipeline):
                           output_type=output_type, original_size=original_size,
                           crops_coords_top_left=crops_coords_top_left, target_size=target_size,
                           prompt_syntax=prompt_syntax, ip_adapter_image=ip_adapter_image,
-                          ip_adapter_scale=ip_adapter_scale)
+                          ip_adapter_scale=ip_adapter_scale, cfg_cutoff=cfg_cutoff,
+                          deepcache_interval=deepcache_interval)

@@ -94,6 +94,13 @@ FIELDS: dict[str, dict[str, str]] = {
     "denoising_end": {"python": "denoising_end", "cli": "--high-noise-frac"},
     "denoising_start": {"python": "denoising_start"},
     "aesthetic_score": {"python": "aesthetic_score", "cli": "--aesthetic-score"},
+    # feature caching: classifier-free guidance for the first fraction of the steps only;
+    # DeepCache (the UNet's deep features reused for N - 1 of every N steps)
+    "cfg_cutoff": {"python": "cfg_cutoff", "cli": "--cfg-cutoff", "jsonl": "cfg_cutoff",
+                   "native": "cfg_cutoff", "openai": "cfg_cutoff"},
+    "deepcache_interval": {"python": "deepcache_interval", "cli": "--deepcache-interval",
+                           "jsonl": "deepcache_interval", "native": "deepcache_interval",
+                           "openai": "deepcache_interval"},
     "negative_aesthetic_score": {"python": "negative_aesthetic_score",
                                  "cli": "--negative-aesthetic-score"},
 }
@@ -215,6 +222,35 @@ def _why(why: str) -> str:
 def cfg_on(guidance: float) -> bool:
     """Classifier-free guidance runs (two UNet passes a step) only for guidance > 1."""
     return guidance > 1.0
+
+
+def cfg_cutoff_problem(cutoff: Any) -> Problem | None:
+    """``cfg_cutoff``: None (guidance on every step) or a fraction in (0, 1] of the steps that
+    run classifier-free guidance (:func:`guided_steps`); the rest run the conditional pass
+    only."""
+    if cutoff is None or (is_number(cutoff) and 0.0 < cutoff <= 1.0):
+        return None
+    return Problem("cfg_cutoff", "must be a number in (0, 1] (the fraction of the steps that run "
+                   "classifier-free guidance) or null", cutoff)
+
+
+def guided_steps(steps: int, cutoff: float | None) -> int:
+    """How many of ``steps`` denoising steps (the first ones) run classifier-free guidance
+    under ``cfg_cutoff`` (None: all): ``floor(cutoff * steps)`` (computed with a 1e-4 margin,
+    so float32 on a device and float64 here agree)."""
+    return steps if cutoff is None else min(steps, int(math.floor(cutoff * steps + 1e-4)))
+
+
+DEEPCACHE_MAX = 100
+
+
+def deepcache_problem(interval: Any) -> Problem | None:
+    """``deepcache_interval``: the UNet runs in full every ``interval`` steps and reuses its
+    deep features in between (DeepCache); 1 turns it off."""
+    if is_int(interval) and 1 <= interval <= DEEPCACHE_MAX:
+        return None
+    return Problem("deepcache_interval", f"must be an integer in 1..{DEEPCACHE_MAX} (the UNet "
+                   "runs in full every N steps; 1: every step, no caching)", interval)
 
 
 def steps_problem(steps: Any, hi: int | None = None, why: str = "") -> Problem | None:

@@ -34,9 +34,11 @@ from pipelines.limits import (
     NEGATIVE_AESTHETIC_SCORE,
     STRENGTH,
     aesthetic_problem,
+    cfg_cutoff_problem,
     cfg_on,
     control_scale_problem,
     control_window_problems,
+    deepcache_problem,
     describe,
     guidance_problem,
     ip_adapter_scale_problem,
@@ -126,6 +128,14 @@ class ImageRequest:
     safety checker (SD 1.x checkpoints that ship one) for this image alone: it is neither
     checked nor blacked out, and its ``nsfw_content_detected`` entry is None; images with and
     without it share a batch.
+
+    Feature caching (faster, approximate; images with different settings run in separate
+    device batches): ``cfg_cutoff`` (a fraction in (0, 1]; None: off) runs classifier-free
+    guidance on the first ``floor(cfg_cutoff * steps)`` steps only and the conditional pass
+    alone after them (:func:`pipelines.limits.guided_steps`); ``deepcache_interval`` N > 1
+    runs the UNet in full on every N-th step and, in between, only its outermost blocks on
+    the deep features cached by the last full step (DeepCache, Ma et al. 2023; engine=batch
+    and the Python API).
     """
 
     prompt: str
@@ -147,6 +157,8 @@ class ImageRequest:
     ip_adapter_image: Any = field(default=None, compare=False, repr=False)
     ip_adapter_scale: float | None = None
     safety_checker: bool = True
+    cfg_cutoff: float | None = None
+    deepcache_interval: int = 1
 
     def validate(self, index: int = 0) -> None:
         where = f"item {index}: " if index else ""
@@ -161,7 +173,8 @@ class ImageRequest:
         guidance = 0.0 if self.guidance_scale is None else self.guidance_scale
         for p in (seed_problem(self.seed), guidance_problem(guidance),
                   aesthetic_problem(self.aesthetic_score),
-                  aesthetic_problem(self.negative_aesthetic_score, "negative_aesthetic_score")):
+                  aesthetic_problem(self.negative_aesthetic_score, "negative_aesthetic_score"),
+                  cfg_cutoff_problem(self.cfg_cutoff), deepcache_problem(self.deepcache_interval)):
             if p is not None:
                 raise ValueError(where + describe(p))
         r = self.guidance_rescale

@@ -59,6 +59,8 @@ class Static:
     out: str
     key: tuple = ()
     hooks: str = ""  # host callbacks after each step: "" none, "progress", "latents"
+    cfg_cutoff: float | None = None  # feature caching (ImageRequest's; None / 1: off)
+    deepcache: int = 1
 
 
 @dataclass
@@ -86,6 +88,16 @@ class Ctx:
     @property
     def shape(self) -> tuple[int, int, int]:
         return (self.static.lh, self.static.lw, self.pipe.vae.config.latent_channels)
+
+    def without_cfg(self) -> Ctx:
+        """This context for the conditional rows alone (a ``cfg_cutoff``'s unguided steps): the
+        conditioning's and the adapter index's second halves, ``inputs.cfg`` off."""
+        if not self.inputs.cfg:
+            return self
+        return dataclasses.replace(
+            self, cond=program_lib.conditional_half(self.cond),
+            uidx=program_lib.conditional_half(self.uidx),
+            inputs=dataclasses.replace(self.inputs, cfg=False), memo=dict(self.memo))
 
     def denoiser(self, **extras):
         """``model(xin, t, i)``: the family's denoiser on the batch's conditioning (per-image
@@ -223,12 +235,15 @@ def build(task: Task, pipe, static: Static, scheduler=None):
         ctx = Ctx(pipe, static, params, weights, inputs, rows, scalars, state, cond, uidx, ad,
                   keys, scheduler)
         x, start = task.begin(ctx)
+        cutoff = static.cfg_cutoff if inputs.cfg and static.cfg_cutoff not in (None, 1) else None
         x = program_lib.denoise(scheduler, task.model(ctx), x, state, start, task.end(ctx),
                                 cfg=inputs.cfg, g=inputs.guidance, r=inputs.rescale,
                                 step_keys=keys[-1], shape=ctx.shape, extra=task.extra(ctx),
                                 after_step=_with_hooks(task.after_step(ctx), static.hooks,
                                                        scheduler),
-                                on_denoised=_denoised_hook(static.hooks, scheduler))
+                                on_denoised=_denoised_hook(static.hooks, scheduler),
+                                cfg_cutoff=cutoff, deepcache=static.deepcache,
+                                model_nocfg=cutoff and task.model(ctx.without_cfg()))
         x, vae, vae_params = task.then(ctx, x)
         return program_lib.finish(vae, vae_params, x, static.out)
 
@@ -318,8 +333,10 @@ def run(job: Job) -> program_lib.PipelineOutput:
     tiled = job.output_type != "latent" and decoder.uses_vae_tiling(job.height, job.width)
     hooks = ("denoised" if job.denoised else "latents") if job.on_step is not None \
         else ("progress" if job.progress else "")
+    first = job.items[0]  # feature caching: one setting per device batch (_groups)
     static = Static(lh, lw, job.steps, inputs.cfg,
-                    program_lib.out_kind(job.output_type, tiled), job.key, hooks)
+                    program_lib.out_kind(job.output_type, tiled), job.key, hooks,
+                    first.cfg_cutoff if inputs.cfg else None, first.deepcache_interval)
     state = sched.set_timesteps(job.steps, (bucket, lh, lw, pipe.vae.config.latent_channels))
     rows = put.tree(job.rows)
     if tiled and hasattr(job.task, "encode_tiled"):
@@ -370,13 +387,15 @@ def _is_inputs(x) -> bool:
 
 
 def _groups(job: Job, inputs: program_lib.HostInputs) -> list[tuple[str | None, np.ndarray]]:
-    """The job's images grouped by their sampler (None: the pipeline's) and the prompt chunks
-    they need (their own prompts' and, for a refiner, its): (sampler, indices) per group, in
-    order of first appearance. Each group is one device batch, so an image's conditioning
+    """The job's images grouped by their sampler (None: the pipeline's), the prompt chunks
+    they need (their own prompts' and, for a refiner, its) and their feature caching
+    (``cfg_cutoff``, ``deepcache_interval``): (sampler, indices) per group, in order of first
+    appearance. Each group is one device batch, so an image's conditioning
     never depends on a longer prompt beside it."""
     more = [x for x in jax.tree.leaves(job.rows, is_leaf=_is_inputs) if _is_inputs(x)]
     chunks = np.stack([h.chunks() for h in (inputs, *more)], axis=1).tolist()
-    keys = [(it.scheduler, tuple(c)) for it, c in zip(job.items, chunks)]
+    keys = [(it.scheduler, tuple(c), it.cfg_cutoff, it.deepcache_interval)
+            for it, c in zip(job.items, chunks)]
     return [(key[0], np.array([i for i, k in enumerate(keys) if k == key]))
             for key in dict.fromkeys(keys)]
 

@@ -353,7 +353,8 @@ class TextToImagePipeline(LoraAdapters, TextualInversion, ImagePrompts, Previews
                  negative_aesthetic_score: float = NEGATIVE_AESTHETIC_SCORE,
                  prompt_syntax: str | None = None, scheduler: str | None = None,
                  ip_adapter_image: Any = None, ip_adapter_scale: float | None = None,
-                 callback_on_step_end=None, progress: bool | None = None) -> PipelineOutput:
+                 callback_on_step_end=None, progress: bool | None = None,
+                 cfg_cutoff: float | None = None, deepcache_interval: int = 1) -> PipelineOutput:
         """Generate images; arguments mean what diffusers' ``StableDiffusionXLPipeline`` gives
         them. ``seed``: one int (image k gets ``seed + k``), one int per image, or None (random
         seeds, reported in the output). ``latents``: initial noise in diffusers' layout
@@ -384,12 +385,17 @@ class TextToImagePipeline(LoraAdapters, TextualInversion, ImagePrompts, Previews
         is called on the host after each step with the latents (N, C, H/f, W/f), as diffusers
         calls it; its return value is ignored (the latents cannot be changed: they stay on the
         devices). Either one runs the program with a host callback after each step (compiled
-        once more); without them the program has none."""
+        once more); without them the program has none.
+
+        Feature caching (faster, approximate): ``cfg_cutoff`` in (0, 1] runs classifier-free
+        guidance on the first ``floor(cfg_cutoff * steps)`` steps only; ``deepcache_interval``
+        N > 1 runs the UNet in full every N steps and its outer blocks alone in between, on the
+        deep features the last full step cached (:class:`pipelines.requests.ImageRequest`)."""
         items, _ = prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             guidance_scale=guidance_scale, guidance_rescale=guidance_rescale,
-            prompt_syntax=prompt_syntax, scheduler=scheduler,
-            ip_adapter_image=ip_adapter_image, ip_adapter_scale=ip_adapter_scale,
+            prompt_syntax=prompt_syntax, scheduler=scheduler, cfg_cutoff=cfg_cutoff,
+            deepcache_interval=deepcache_interval, ip_adapter_image=ip_adapter_image, ip_adapter_scale=ip_adapter_scale,
             original_size=original_size, crops_coords_top_left=tuple(crops_coords_top_left),
             target_size=target_size, negative_original_size=negative_original_size,
             negative_crops_coords_top_left=negative_crops_coords_top_left,

@@ -276,9 +276,12 @@ class UNetEncoder(nn.Module):
         return conv(c.block_out_channels[0], "conv_in", self.dtype, kernel=c.conv_in_kernel,
                     padding=(c.conv_in_kernel - 1) // 2)(sample)
 
-    def _down(self, h: jax.Array, emb: jax.Array, context: jax.Array) -> tuple[jax.Array, list]:
+    def _down(self, h: jax.Array, emb: jax.Array, context: jax.Array,
+              stop: int | None = None) -> tuple[jax.Array, list]:
         """The down blocks: the lowest-resolution features and the skip connections
-        (``conv_in``'s output, then every resnet/attention layer's and downsampler's)."""
+        (``conv_in``'s output, then every resnet/attention layer's and downsampler's).
+        ``stop``: only the first ``stop`` layers of the first block (DeepCache's shallow
+        branch)."""
         c = self.config
         chans = c.block_out_channels
         heads = c.heads
@@ -298,6 +301,8 @@ class UNetEncoder(nn.Module):
                     h = self._transformer(cout, heads[i], tl[j], only_cross[i],
                                           f"down_blocks.{i}.attentions.{j}")(h, context)
                 skips.append(h)
+                if stop is not None and j + 1 == stop:
+                    return h, skips
             if i < len(chans) - 1:
                 h = Downsample2D(cout, c.downsample_padding, self.dtype,
                                  name=f"down_blocks.{i}.downsamplers.0")(h)
@@ -380,11 +385,19 @@ class UNet2DConditionModel(UNetEncoder):
                  timestep_cond: jax.Array | None = None,
                  down_block_additional_residuals: tuple | None = None,
                  mid_block_additional_residual: jax.Array | None = None,
-                 image_context=None) -> jax.Array:
+                 image_context=None, deep_cache: jax.Array | None = None,
+                 return_deep_cache: bool = False, cache_branch: int = 0):
+        """The UNet's prediction. DeepCache (Ma et al. 2023, "DeepCache: Accelerating Diffusion
+        Models for Free"): ``return_deep_cache`` also returns the features the last up block
+        holds just before it takes the skip connection of the first down block's layer
+        ``cache_branch`` (:meth:`deep_cache_shape`); given those as ``deep_cache`` (from an
+        earlier step), only the shallow branch runs: ``conv_in``, the first down block's
+        layers ``0..cache_branch`` and the last up block's layers that take their skip
+        connections. At the same inputs the two ways give the same prediction."""
         c = self.config
-        chans = c.block_out_channels
-        n = len(chans)
         dt = self.dtype
+        n_skip = self._branch_skips(cache_branch) if (
+            deep_cache is not None or return_deep_cache) else None
         sample = sample.astype(dt)
         encoder_hidden_states = encoder_hidden_states.astype(dt)
         if image_context is not None:  # an IP-Adapter's tokens and scale (maxdiff.ip_adapter)
@@ -395,14 +408,50 @@ class UNet2DConditionModel(UNetEncoder):
 
         emb = self._embedding(sample.shape[0], timesteps, text_embeds, time_ids, timestep_cond)
         h = self._conv_in(sample)
-        h, skips = self._down(h, emb, encoder_hidden_states)
-        h = self._mid(h, emb, encoder_hidden_states)
-        if down_block_additional_residuals is not None or mid_block_additional_residual is not None:
-            skips, h = _add_residuals(skips, h, down_block_additional_residuals,
-                                      mid_block_additional_residual, dt)
-        temb_dim = self.temb_dim
+        residuals = down_block_additional_residuals is not None or \
+            mid_block_additional_residual is not None
+        if deep_cache is not None:  # the shallow branch on cached deep features
+            _, skips = self._down(h, emb, encoder_hidden_states, stop=cache_branch + 1)
+            if residuals:
+                down = down_block_additional_residuals
+                skips = [s if down is None else s + r.astype(dt)
+                         for s, r in zip(skips, down)]
+            h, _ = self._up(deep_cache.astype(dt), emb, encoder_hidden_states, skips, n_skip)
+        else:
+            h, skips = self._down(h, emb, encoder_hidden_states)
+            h = self._mid(h, emb, encoder_hidden_states)
+            if residuals:
+                skips, h = _add_residuals(skips, h, down_block_additional_residuals,
+                                          mid_block_additional_residual, dt)
+            h, cached = self._up(h, emb, encoder_hidden_states, skips, None, n_skip)
 
-        # up
+        h = group_norm(c.norm_num_groups, c.norm_eps, "conv_norm_out", dt)(h)
+        h = nn.silu(h)
+        out = conv(c.out_channels, "conv_out", dt, kernel=c.conv_out_kernel,
+                   padding=(c.conv_out_kernel - 1) // 2)(h)
+        if return_deep_cache:
+            return out, (deep_cache if deep_cache is not None else cached)
+        return out
+
+    def _branch_skips(self, branch: int) -> int:
+        """The skip connections DeepCache's shallow branch makes (``conv_in``'s and the first
+        down block's layers ``0..branch``); checks ``branch``."""
+        lpb = self.config.per_block("layers_per_block")[0]
+        if not isinstance(branch, int) or not 0 <= branch < lpb:
+            raise ValueError(f"cache_branch={branch!r}: must be a layer of the first down block, "
+                             f"0..{lpb - 1}")
+        return branch + 2
+
+    def _up(self, h, emb, context, skips: list, shallow: int | None = None,
+            capture: int | None = None):
+        """The up blocks on ``h`` taking ``skips`` (last first). ``shallow`` (DeepCache's
+        branch): ``h`` is cached features and only the last ``shallow`` layers of the last up
+        block run. ``capture``: also return ``h`` from just before the layer of the last up
+        block that takes the ``capture``-th last skip connection (else None)."""
+        c = self.config
+        chans = c.block_out_channels
+        n = len(chans)
+        dt = self.dtype
         heads = c.heads
         layers = c.per_block("layers_per_block")
         tlayers = c.per_block("transformer_layers_per_block")
@@ -417,29 +466,33 @@ class UNet2DConditionModel(UNetEncoder):
         else:
             rtl = list(tlayers[::-1])
         prev = rchans[0]
+        cached = None
         for i, btype in enumerate(c.up_block_types):
             cout = rchans[i]
             cin = rchans[min(i + 1, n - 1)]
             nl = rlayers[i] + 1
+            prev = rchans[i - 1] if i else rchans[0]
+            if shallow is not None and i < n - 1:
+                continue
             cross = btype == "CrossAttnUpBlock2D"
             tl = rtl[i] if isinstance(rtl[i], tuple) else (rtl[i],) * nl
             for j in range(nl):
+                if i == n - 1 and shallow is not None and j < nl - shallow:
+                    continue
+                if i == n - 1 and capture is not None and j == nl - capture:
+                    cached = h
                 skip = skips.pop()
                 h = jnp.concatenate([h, skip], axis=-1)
                 h = self._resnet((prev if j == 0 else cout) + (cin if j == nl - 1 else cout), cout,
-                                 temb_dim, f"up_blocks.{i}.resnets.{j}")(h, emb)
+                                 self.temb_dim, f"up_blocks.{i}.resnets.{j}")(h, emb)
                 if cross:
                     h = self._transformer(cout, rheads[i], tl[j], ronly[i],
-                                          f"up_blocks.{i}.attentions.{j}")(h, encoder_hidden_states)
+                                          f"up_blocks.{i}.attentions.{j}")(h, context)
             if i < n - 1:
                 size = skips[-1].shape[1:3]
                 h = Upsample2D(cout, dt, name=f"up_blocks.{i}.upsamplers.0")(h, size)
-            prev = cout
+        return h, cached
 
-        h = group_norm(c.norm_num_groups, c.norm_eps, "conv_norm_out", dt)(h)
-        h = nn.silu(h)
-        return conv(c.out_channels, "conv_out", dt, kernel=c.conv_out_kernel,
-                    padding=(c.conv_out_kernel - 1) // 2)(h)
 
 def param_shapes(model: UNetEncoder) -> dict:
     """The parameter tree's shapes (``jax.ShapeDtypeStruct`` leaves), without running init."""

@@ -94,11 +94,11 @@ class ControlNet(Task):
             guess = program_lib.cfg_rows(guess, guess)
         denoiser = ctx.denoiser()
 
-        def model(xin, t, i):
+        def model(xin, t, i, **more):
             down, mid = control_residuals(nets, ctx.weights, xin, t, ctx.cond, images,
                                           scales[:, :, i], guess)
             return denoiser(xin, t, i, down_block_additional_residuals=down,
-                            mid_block_additional_residual=mid)
+                            mid_block_additional_residual=mid, **more)
         return model
 
 

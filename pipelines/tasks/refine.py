@@ -7,7 +7,8 @@ Scalars: ``end`` (the base's model calls), and with a refiner ``start`` (its fir
 and ``state`` (its scheduler state: a fresh one, so DPM++ 2M's first refiner step is first
 order, as diffusers' ``set_begin_index`` leaves it). Rows: ``latents`` and the refiner's own
 :class:`pipelines.program.HostInputs` (``refiner``: its tokenizer, time ids). Weights: the
-refiner's. The cut is traced: a new ``denoising_end`` never recompiles.
+refiner's. The cut is traced: a new ``denoising_end`` never recompiles. Feature caching
+(``cfg_cutoff``, ``deepcache_interval``) applies to each stage's own steps.
 """
 
 from __future__ import annotations
@@ -39,11 +40,16 @@ class Refine(Task):
         encoders = {name: getattr(refiner, name) for name in refiner.family.encoders}
         cond, _ = program_lib.conditioning(refiner.family, encoders, params, ctx.rows["refiner"])
 
-        def model(xin, t, i):
-            return refiner.family.denoise(refiner.unet, params["unet"], cond, xin, t)
+        def denoiser(cond):
+            def model(xin, t, i, **more):
+                return refiner.family.denoise(refiner.unet, params["unet"], cond, xin, t, **more)
+            return model
 
-        x = program_lib.denoise(refiner.scheduler, model, x, state, ctx.scalars["start"],
+        cutoff = ctx.static.cfg_cutoff if ctx.inputs.cfg else None
+        x = program_lib.denoise(refiner.scheduler, denoiser(cond), x, state, ctx.scalars["start"],
                                 state.timesteps.shape[0], cfg=ctx.inputs.cfg,
                                 g=ctx.inputs.guidance, r=ctx.inputs.rescale,
-                                step_keys=ctx.keys[-1], shape=ctx.shape)
+                                step_keys=ctx.keys[-1], shape=ctx.shape, cfg_cutoff=cutoff,
+                                deepcache=ctx.static.deepcache,
+                                model_nocfg=cutoff and denoiser(program_lib.conditional_half(cond)))
         return x, refiner.vae, params["vae"]
