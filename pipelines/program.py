@@ -33,8 +33,8 @@ from pipelines.compile_only import CompileOnly
 
 __all__ = ["jit", "Programs", "HostInputs", "PipelineOutput", "image_keys", "normal",
            "step_noise", "pad_rows", "BatchPut", "host_images", "conditioning", "cfg_rows",
-           "cfg_halves", "conditional_half", "guide", "guide_pair", "denoise", "decode", "to_pixels", "finish",
-           "collect", "cutoff_timestep", "end_step", "start_step_at"]
+           "cfg_halves", "conditional_half", "guide", "guide_pair", "denoise", "decode",
+           "to_pixels", "finish", "collect", "cutoff_timestep", "end_step", "start_step_at"]
 
 
 def jit(mesh, fn, **kwargs):
