@@ -246,6 +246,11 @@ class GenerationRequest:
     # False: the model's safety checker skips this request's images (ImageRequest's); not in
     # the key (images with and without it share a batch)
     safety_checker: bool = True
+    # feature caching (ImageRequest's; faster, approximate): not in the key, like the
+    # sampler: requests with different settings share a queue and the runner splits them into
+    # separate device batches
+    cfg_cutoff: float | None = None
+    deepcache_interval: int = 1
 
     @property
     def key(self) -> ShapeKey:
@@ -260,7 +265,8 @@ class GenerationRequest:
                              prompt_syntax=self.prompt_syntax, scheduler=self.scheduler,
                              ip_adapter_image=self.ip_adapter_image,
                              ip_adapter_scale=self.ip_adapter_scale,
-                             safety_checker=self.safety_checker)
+                             safety_checker=self.safety_checker, cfg_cutoff=self.cfg_cutoff,
+                             deepcache_interval=self.deepcache_interval)
                 for s in image_seeds(self.seed, self.n)]
 
     def validate(self) -> None:

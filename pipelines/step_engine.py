@@ -8,7 +8,9 @@ one step (each with its own timestep, step count and scheduler memory), queues t
 of the images that take their last step, then waits until at most ``lookahead`` ticks are left
 on the device and reports steps, previews and finished images. An image's pixels equal the
 pipeline's for it alone (to float32 rounding), whatever shared its steps: its schedule,
-noise and guidance are its own; a finished image goes through the pipeline's safety checker
+noise and guidance are its own (a ``cfg_cutoff`` too: its negative rows stop after its
+guided steps; ``deepcache_interval`` > 1 is refused at :meth:`StepEngine.submit`); a finished
+image goes through the pipeline's safety checker
 (SD 1.x checkpoints that ship one) as the pipeline's would, and so do its previews, unless its
 request turned it off (``ImageRequest.safety_checker``). The compiled programs are bounded and
 known (:meth:`StepEngine.warmup` compiles them all). The host-only deciding is
@@ -143,6 +145,12 @@ class StepEngine:
             raise ValueError(f"scheduler={request.scheduler!r}: the step engine runs its "
                              f"pipeline's sampler ({type(self.pipe.scheduler).__name__}) for "
                              "every image; engine=batch runs a sampler per request")
+        if request.deepcache_interval != 1:
+            raise ValueError(f"deepcache_interval={request.deepcache_interval!r}: the step "
+                             "engine cannot run DeepCache (images at different steps share one "
+                             "UNet call, where some would need the full UNet and others its "
+                             "shallow branch); engine=batch and the Python API run it, or send "
+                             "deepcache_interval 1")
         if request.ip_adapter_image is not None and self.runner.ip is None:
             raise ValueError("ip_adapter_image: this engine has no IP-Adapter (load one with "
                              "load_ip_adapter before making the engine)")

@@ -17,7 +17,7 @@ from maxdiff import mesh as meshlib
 from maxdiff.family import Cond
 from maxdiff.ip_adapter import with_layers
 from pipelines import program as program_lib
-from pipelines.limits import cfg_on
+from pipelines.limits import cfg_on, guided_steps
 from pipelines.requests import ImageRequest, bucket_size
 from pipelines.step_scheduler import Handle, StepPlan, step_shapes
 from pipelines.tasks.controlnet import control_inputs, control_residuals
@@ -98,7 +98,7 @@ class StepRunner:
             "pooled": np.zeros((s, *pooled.shape[1:]), np.float32),
             "time_ids": np.zeros((s, p.family.n_time_ids), np.float32),
             "g": np.ones(s, np.float32), "r": np.zeros(s, np.float32), "cfg": np.zeros(s, bool),
-            "aidx": np.zeros(s, np.int32),
+            "cut": np.zeros(s, np.int32), "aidx": np.zeros(s, np.int32),
         }
         if self.ip is not None:
             tok = np.zeros((s, self.ip.tokens, p.unet.config.cross_attention_dim), np.float32)
@@ -169,7 +169,8 @@ class StepRunner:
         cfg_engine = self.cfg
         ip = self.ip
 
-        def admit(params, state, slot, inputs, init_sigma, cfg, sched, aidx, control, ad=None):
+        def admit(params, state, slot, inputs, init_sigma, cfg, cut, sched, aidx, control,
+                  ad=None):
             # the pipeline's conditioning and noise, for a batch of new images; rows for slot
             # index == slots are padding and are dropped by the scatter
             cond, _ = program_lib.conditioning(p.family, encoders, params, inputs, ad,
@@ -179,7 +180,7 @@ class StepRunner:
             x = x.astype(jnp.float32) * init_sigma[:, None, None, None]
             new = {"x": x, "x0": jnp.zeros_like(x), "sched": sched,
                    "keys": jax.random.key_data(step_keys), "g": inputs.guidance,
-                   "r": inputs.rescale, "cfg": cfg, "aidx": aidx, **control}
+                   "r": inputs.rescale, "cfg": cfg, "cut": cut, "aidx": aidx, **control}
             if cfg_engine:
                 (new["nemb"], new["emb"]) = program_lib.cfg_halves(cond.context)
                 (new["npooled"], new["pooled"]) = program_lib.cfg_halves(cond.pooled)
@@ -245,12 +246,14 @@ class StepRunner:
                                        down_block_additional_residuals=down,
                                        mid_block_additional_residual=mid)
             out = out.astype(jnp.float32)
-            if g:
+            if g:  # a first-g row is guided if its image is, before its cfg_cutoff (a row
+                # past it, or unguided, can be there as padding of g: its text pass alone)
                 text = out[g:]
                 guided = program_lib.guide_pair(out[:g], text[:g], state["g"][:g, None, None, None],
                                                 state["r"][:g, None, None, None])
+                use = state["cfg"][:g] & (local[:g] < state["cut"][:g])
                 out = jnp.concatenate([
-                    jnp.where(state["cfg"][:g, None, None, None], guided, text[:g]), text[g:]])
+                    jnp.where(use[:, None, None, None], guided, text[:g]), text[g:]])
             noise = None
             if stochastic:
                 keys = jax.random.wrap_key_data(state["keys"])
@@ -321,8 +324,8 @@ class StepRunner:
     # ------------------------------------------------------------------ running
     def admit(self, take: list[Handle], free: list[int], b: int) -> None:
         """Write ``take`` into slots ``free`` (batch padded to ``b``; ``take`` may be empty):
-        their text embeddings, time ids, guidance, initial latents from their seeds and
-        scheduler tables. Sets each handle's ``seed`` (drawn here when the request has none)."""
+        their text embeddings, time ids, guidance (and how many of their steps run it: their
+        ``cfg_cutoff``), initial latents from their seeds and scheduler tables. Sets each handle's ``seed`` (drawn here when the request has none)."""
         p, n = self.pipe, len(take)
         items = [h.request for h in take] or [ImageRequest(prompt="", guidance_scale=0.0, seed=0)]
         inputs = dataclasses.replace(p.host_inputs(items, self.height, self.width),
@@ -336,6 +339,8 @@ class StepRunner:
             h.seed = int(sd)
         cfg = np.array([cfg_on(it.guidance_scale) for it in items])
         steps = [h.steps for h in take] or [1]
+        # the steps each image runs guided (its cfg_cutoff), compared with its own step number
+        cut = np.array([guided_steps(k, it.cfg_cutoff) for it, k in zip(items, steps)], np.int32)
         scheds = [self.schedule(k) for k in steps]
         sched = jax.tree.map(lambda *a: np.stack(a), *[sc for sc, _ in scheds])
         init_sigma = np.array([sg for _, sg in scheds], np.float32)
@@ -344,7 +349,7 @@ class StepRunner:
         slot = np.array(free + [self.slots] * (b - n), np.int32)  # padding rows are dropped
 
         put = program_lib.BatchPut(p.mesh, b)
-        args = (put(slot), put.tree(inputs), put(init_sigma), put(cfg), put.tree(sched),
+        args = (put(slot), put.tree(inputs), put(init_sigma), put(cfg), put(cut), put.tree(sched),
                 put(aidx), put.tree(self._control_rows(take, steps)))
         self._state = self._program("admit", b)(self._params(), self._state, *args,
                                                 *self._adapter_args())

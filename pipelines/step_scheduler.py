@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.limits import cfg_on
+from pipelines.limits import cfg_on, guided_steps
 from pipelines.requests import ImageRequest, bucket_size
 
 __all__ = ["Handle", "Policy", "Fifo", "ShortestRemainingSteps", "POLICIES", "make_policy",
@@ -180,7 +180,8 @@ class StepPlan:
     (distinct; padding rows are free slots, inactive); ``active``, ``index`` (each row's table
     index, ``max_steps - steps + dispatched``), ``local`` (its own step number) and ``variant``
     (the sampler's step variant for a run of its length, ``variant_of(steps)``) are per row;
-    ``handles``: the images stepped, row order; ``guided``: how many of them have guidance > 1."""
+    ``handles``: the images stepped, row order; ``guided``: how many of them run this step
+    guided (guidance > 1, before their ``cfg_cutoff``)."""
 
     b: int
     g: int
@@ -191,6 +192,13 @@ class StepPlan:
     variant: np.ndarray
     handles: list[Handle]
     guided: int
+
+
+def _guided(h: Handle) -> bool:
+    """Whether ``h``'s next step runs classifier-free guidance: guidance > 1 and the step
+    before its ``cfg_cutoff`` (:func:`pipelines.limits.guided_steps` of its steps)."""
+    r = h.request
+    return cfg_on(r.guidance_scale) and h.dispatched < guided_steps(h.steps, r.cfg_cutoff)
 
 
 class SlotScheduler:
@@ -299,12 +307,13 @@ class SlotScheduler:
     def plan_step(self) -> StepPlan | None:
         """The next step of every active slot, gathered guided-first (the step program gives
         negative rows to its first ``g`` rows) into the smallest ``(b, g)`` that holds them;
-        None when no slot is active."""
+        None when no slot is active. An image is guided while its guidance is > 1 and its
+        ``cfg_cutoff`` has not passed (its first ``guided_steps(steps, cfg_cutoff)`` steps)."""
         busy = [k for k, h in enumerate(self.slot_handles) if h is not None]
         if not busy:
             return None
         m = self.mesh_size
-        guided = [k for k in busy if cfg_on(self.slot_handles[k].request.guidance_scale)]
+        guided = [k for k in busy if _guided(self.slot_handles[k])]
         busy = guided + [k for k in busy if k not in guided]
         b = min(bucket_size(len(busy), m), self.slots)
         g = min(bucket_size(len(guided), m), b) if guided else 0

@@ -223,6 +223,35 @@ def test_bad_submissions(engines):
     no_cfg = StepEngine(eng.pipe, SIZE, SIZE, slots=2, cfg=False)
     with pytest.raises(ValueError, match="cfg=False"):
         no_cfg.submit(ImageRequest("x", guidance_scale=3.0), 2)
+    with pytest.raises(ValueError, match=r"deepcache_interval=2: the step engine cannot run "
+                                         r"DeepCache .*engine=batch and the Python API"):
+        eng.submit(ImageRequest("x", deepcache_interval=2), 2)
+    with pytest.raises(ValueError, match="cfg_cutoff=0"):
+        eng.submit(ImageRequest("x", cfg_cutoff=0.0), 2)
+
+
+def test_cfg_cutoff_equals_the_pipeline(engines):
+    """``cfg_cutoff=0.5`` on 4 steps: its first 2 steps guided, the last 2 the conditional pass
+    alone, while three images guided on every step share its ticks (after its cutoff it is
+    the padding row of the 4 guided rows: its own cutoff, not the rows', picks its pass). Each
+    image equals the pipeline's for it; the cutoff changes the image."""
+    pipe = engines("euler-trailing").pipe
+    eng = StepEngine(pipe, SIZE, SIZE, slots=4, output_type="np")
+    items = [ImageRequest("a red circle", seed=21, guidance_scale=5.0, cfg_cutoff=0.5),
+             ImageRequest("a blue square", seed=22, guidance_scale=5.0, guidance_rescale=0.5),
+             ImageRequest("a green triangle", seed=23, guidance_scale=3.0),
+             ImageRequest("a red circle", seed=21, guidance_scale=5.0)]
+    handles = [eng.submit(items[0], 4)]
+    eng.tick()
+    handles += [eng.submit(it, 4) for it in items[1:]]
+    eng.run_until_idle()
+    assert all(h.status == "done" for h in handles)
+    assert eng.stats["guided_slot_steps"] == 2 + 3 * 4
+    ref = pipe.generate(items, height=SIZE, width=SIZE, num_inference_steps=4,
+                        output_type="np").images
+    for h, im in zip(handles, ref):
+        np.testing.assert_allclose(h.image, im, atol=1e-5, err_msg=h.request.prompt)
+    assert np.abs(handles[0].image - handles[3].image).max() > 1e-3  # the cutoff acts
 
 
 @pytest.mark.slow

@@ -110,6 +110,26 @@ def test_plan_gathers_guided_slots_first_into_the_smallest_shape():
     assert s.plan_step().b == 4  # four images left: the 4-row program
 
 
+def test_an_image_is_guided_until_its_cfg_cutoff():
+    """``cfg_cutoff``: an image's steps are guided (negative rows) for its first
+    ``floor(cutoff * steps)`` steps only; past them it leaves the guided rows, and the next
+    guided image goes first."""
+    s = SlotScheduler(4, 1, 20)
+    cut = s.submit(Handle(request=ImageRequest("cut", guidance_scale=5.0, seed=0,
+                                                cfg_cutoff=0.5), steps=5))
+    full = s.submit(_h(5, 5.0, "full"))
+    s.admit()
+    guided = []
+    for _ in range(5):
+        plan = s.plan_step()
+        guided.append((plan.g, plan.guided, [h.request.prompt for h in plan.handles]))
+        s.stepped(plan)
+    # floor(0.5 * 5) = 2 guided steps, then the conditional pass alone
+    assert guided[:2] == [(2, 2, ["cut", "full"])] * 2
+    assert guided[2:] == [(1, 1, ["full", "cut"])] * 3
+    assert s.stats["guided_slot_steps"] == 2 + 5 and cut.dispatched == full.dispatched == 5
+
+
 def test_fifo_positions_cancel_and_abort():
     s = SlotScheduler(2, 1, 10)
     a, b, c, d = (s.submit(_h(3)) for _ in range(4))
