@@ -149,6 +149,67 @@ def test_jsonl_per_line_overrides_and_webp(converted, env, tmp_path):
     assert info["negative_prompt"] == "green" and info["seed"] == str(recs[1, 0]["seed"])
 
 
+def test_feature_caching_flags_and_lines_give_the_python_apis_pixels(sdxl_dir, env, tmp_path):
+    """--deepcache-interval for the run, a JSONL line's own cfg_cutoff and deepcache_interval:
+    each image equals the Python API's with the same keywords (to one level: the CLI runs on
+    one CPU thread), and its metadata and PNG text chunks record them (only where on)."""
+    from pipelines import TextToImagePipeline
+
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("\n".join(json.dumps(d) for d in [
+        {"prompt": "a red circle", "seed": 5},  # the run's --deepcache-interval 2
+        {"prompt": "a red circle", "seed": 5, "deepcache_interval": 1, "cfg_cutoff": 0.5},
+    ]) + "\n")
+    out = tmp_path / "out"
+    res = run(env, "generate", "--prompts", jobs, "--model", sdxl_dir, "--steps", "2",
+              "--batch-size", "2", "--deepcache-interval", "2", "--out", out)
+    assert res.returncode == 0, res.stderr
+    recs = {r["line"]: r for r in metadata(out)}
+    assert recs[0]["deepcache_interval"] == 2 and "cfg_cutoff" not in recs[0]
+    assert recs[1]["cfg_cutoff"] == 0.5 and "deepcache_interval" not in recs[1]
+    info = image_files.read_image_info(out / recs[0]["file"])
+    assert info["deepcache_interval"] == "2" and "cfg_cutoff" not in info
+    pipe = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
+    keywords = [dict(deepcache_interval=2), dict(cfg_cutoff=0.5)]
+    plain = np.asarray(pipe("a red circle", seed=5, num_inference_steps=2).images[0], int)
+    for line, kw in enumerate(keywords):
+        ours = np.asarray(pipe("a red circle", seed=5, num_inference_steps=2, **kw).images[0],
+                          int)
+        got = np.asarray(Image.open(out / recs[line]["file"]).convert("RGB"), int)
+        assert np.abs(got - ours).max() <= 1, kw
+        assert np.abs(got - plain).max() > 1, kw  # the setting changed the image
+
+
+def test_bad_feature_caching_values_exit_2_naming_the_field(sdxl_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["generate", "x", "--deepcache-interval", "0", "--out", str(out)]) == 2
+    assert "argument --deepcache-interval: must be an integer in 1..100" in \
+        capsys.readouterr().err
+    assert cli.main(["generate", "x", "--cfg-cutoff", "1.5", "--out", str(out)]) == 2
+    assert "argument --cfg-cutoff: must be a number in (0, 1]" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "cfg_cutoff": 0}) + "\n"
+                   + json.dumps({"prompt": "x", "deepcache_interval": 2.5}) + "\n")
+    assert cli.main(["generate", "--prompts", str(bad), "--model", str(sdxl_dir),
+                     "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:1: field 'cfg_cutoff': must be a number in (0, 1]" in err
+    assert f"{bad}:2: field 'deepcache_interval': must be an integer in 1..100" in err
+    assert not out.exists()
+
+
+def test_feature_caching_of_a_line_overrides_the_runs():
+    s = RunSettings(model="m", scheduler="s", dtype="float32", steps=1, guidance=5.0,
+                    width=32, height=32, run_seed=0, cfg_cutoff=0.5)
+    lines = read_prompts(file="p.jsonl", file_text="\n".join(json.dumps(d) for d in [
+        {"prompt": "a"}, {"prompt": "a", "cfg_cutoff": 0.25, "deepcache_interval": 3}]))
+    jobs = plan_jobs(lines, s)
+    assert [(j.request().cfg_cutoff, j.request().deepcache_interval) for j in jobs] == [
+        (0.5, 1), (0.25, 3)]
+    plain = plan_jobs(lines[:1], RunSettings(**{**s.__dict__, "cfg_cutoff": None}))
+    assert jobs[0].id != plain[0].id  # another setting, another file
+
+
 def test_resume_after_sigterm(sdxl_dir, env, tmp_path):
     """SIGTERM once the first image exists: exit 143, no temp files, only finished images kept
     (at most the batch in flight lost); a truncated last metadata line (as a SIGKILL leaves) is

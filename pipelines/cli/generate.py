@@ -113,6 +113,8 @@ def cmd_generate(args) -> int:
             guidance=float(pipe.default_guidance), width=pipe.default_width,
             height=pipe.default_height, run_seed=run_seed, negative_prompt=args.negative,
             num_images=args.num_images, format=args.format, prompt_syntax=args.prompt_syntax,
+            cfg_cutoff=args.cfg_cutoff,
+            deepcache_interval=1 if args.deepcache_interval is None else args.deepcache_interval,
             lora=", ".join(f"{x.path}:{x.scale:g}" for x in cfg.loras) or None,
             embeddings=", ".join(str(e) for e in cfg.embeddings) or None,
             refiner=f"{cfg.refiner}:{cfg.high_noise_frac:g}" if cfg.refiner else None,

@@ -2,7 +2,8 @@
 identity.
 
 A job's identity is everything that decides its pixels (line index, image index, prompt,
-negative prompt, seed, steps, guidance, size, scheduler, model, dtype; for an edit the image's
+negative prompt, seed, steps, guidance, size, scheduler, model, dtype, feature caching
+(``cfg_cutoff``, ``deepcache_interval``, where set); for an edit the image's
 and mask's contents (SHA-256) and the strength; with ControlNets each control image's
 contents, its ControlNet's folder, scale and window) plus the file format. Per-image seeds come
 from a hash of (run seed, line index, image index), so adding, removing or reordering *later*
@@ -53,6 +54,8 @@ class RunSettings:
     prompt_syntax: str | None = None  # --prompt-syntax (None: a1111)
     embeddings: str | None = None  # the loaded textual-inversion embeddings, "PATH[:TOKEN], ..."
     ip_adapter: str | None = None  # the loaded IP-Adapter, "PATH:SCALE" (the default scale)
+    cfg_cutoff: float | None = None  # --cfg-cutoff (None: guidance on every step)
+    deepcache_interval: int = 1  # --deepcache-interval (1: no DeepCache)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,8 @@ class ImageJob:
     strength: float | None = None  # an edit's strength (None: text-to-image)
     prompt_syntax: str | None = None  # the line's, else the run's (None: a1111)
     scheduler: str | None = None  # the line's sampler (None: the run's --scheduler)
+    cfg_cutoff: float | None = None  # feature caching: the line's, else the run's
+    deepcache_interval: int = 1
 
     @property
     def shape(self) -> ShapeKey | EditKey | ControlKey:
@@ -100,12 +105,15 @@ class ImageJob:
         return ImageRequest(prompt=self.prompt, negative_prompt=self.negative_prompt,
                             seed=self.seed, guidance_scale=self.guidance,
                             prompt_syntax=self.prompt_syntax, scheduler=self.scheduler,
-                            ip_adapter_image=image, ip_adapter_scale=self.line.ip_adapter_scale)
+                            ip_adapter_image=image, ip_adapter_scale=self.line.ip_adapter_scale,
+                            cfg_cutoff=self.cfg_cutoff,
+                            deepcache_interval=self.deepcache_interval)
 
     def identity(self) -> dict[str, Any]:
         return identity(self.line.index, self.image, self.prompt, self.negative_prompt, self.seed,
                         self.steps, self.guidance, self.width, self.height, self.settings,
-                        self.prompt_syntax, self.scheduler)
+                        self.prompt_syntax, self.scheduler, self.cfg_cutoff,
+                        self.deepcache_interval)
 
     def image_info(self) -> dict[str, str]:
         """The settings stored inside the image file (no time or path, so files reproduce)."""
@@ -135,13 +143,15 @@ class ImageJob:
                     dtype=s.dtype, quantization=s.quantization, format=s.format,
                     prompt_syntax=self.prompt_syntax,
                     **({"refiner": s.refiner} if s.refiner else {}), **edit,
+                    **_feature_cache(self.cfg_cutoff, self.deepcache_interval),
                     **_image_prompt(self.line, s),
                     file=self.file, id=self.id, **extra)
 
 
 def identity(line: int, image: int, prompt: str, negative_prompt: str | None, seed: int,
              steps: int, guidance: float, width: int, height: int, s: RunSettings,
-             prompt_syntax: str | None = None, scheduler: str | None = None) -> dict:
+             prompt_syntax: str | None = None, scheduler: str | None = None,
+             cfg_cutoff: float | None = None, deepcache_interval: int = 1) -> dict:
     return dict(line=line, image=image, prompt=prompt, negative_prompt=negative_prompt, seed=seed,
                 steps=steps, guidance=float(guidance), width=width, height=height,
                 scheduler=s.scheduler, model=s.model, unet=s.unet, dtype=s.dtype, format=s.format,
@@ -150,7 +160,15 @@ def identity(line: int, image: int, prompt: str, negative_prompt: str | None, se
                 **({"refiner": s.refiner} if s.refiner else {}),
                 **({"prompt_syntax": prompt_syntax} if prompt_syntax else {}),
                 **({"embeddings": s.embeddings} if s.embeddings else {}),
-                **({"sampler": scheduler} if scheduler else {}))
+                **({"sampler": scheduler} if scheduler else {}),
+                **_feature_cache(cfg_cutoff, deepcache_interval))
+
+
+def _feature_cache(cfg_cutoff: float | None, deepcache_interval: int) -> dict:
+    """The feature-caching settings that are on (none: empty, so the ids and records of runs
+    without them are what they were)."""
+    return {**({"cfg_cutoff": cfg_cutoff} if cfg_cutoff is not None else {}),
+            **({"deepcache_interval": deepcache_interval} if deepcache_interval != 1 else {})}
 
 
 def _image_prompt(line: PromptLine, s: RunSettings, digest: bool = False) -> dict:
@@ -204,6 +222,9 @@ def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[ImageJob]:
             raise InputError([f"{line.where}: field 'scheduler': a sampler per line runs "
                               "text-to-image lines; edits and ControlNet lines run the run's "
                               "--scheduler"])
+        cutoff = line.cfg_cutoff if line.cfg_cutoff is not None else s.cfg_cutoff
+        interval = (line.deepcache_interval if line.deepcache_interval is not None
+                    else s.deepcache_interval)
         seeds = image_seeds(line.seed, n)
         strength, edit = None, {}
         if line.image is not None:
@@ -225,8 +246,9 @@ def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[ImageJob]:
             if seed is None:
                 seed = derive_seed(s.run_seed, line.index, k)
             jid = job_id({**identity(line.index, k, line.prompt, neg, seed, steps, guidance, w,
-                                     h, s, syntax, line.scheduler), **edit})
+                                     h, s, syntax, line.scheduler, cutoff, interval), **edit})
             name = f"{line.index:0{wl}d}-{k:0{wi}d}-{slug(line.prompt)}-{jid[:8]}.{s.format}"
             jobs.append(ImageJob(line, k, line.prompt, neg, seed, steps, float(guidance), w, h, s,
-                                 jid, name, strength, syntax, line.scheduler))
+                                 jid, name, strength, syntax, line.scheduler, cutoff,
+                                 interval))
     return jobs

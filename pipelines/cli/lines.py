@@ -11,6 +11,8 @@ from typing import Any
 
 from pipelines.limits import (
     Problem,
+    cfg_cutoff_problem,
+    deepcache_problem,
     guidance_problem,
     ip_adapter_scale_problem,
     n_problem,
@@ -27,7 +29,7 @@ from pipelines.requests import (
 
 LINE_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "n", "image",
                "mask", "strength", "control_images", "prompt_syntax", "scheduler",
-               "ip_adapter_image", "ip_adapter_scale")
+               "ip_adapter_image", "ip_adapter_scale", "cfg_cutoff", "deepcache_interval")
 
 
 CONTROL_FIELDS = ("image", "controlnet", "scale", "start", "end",  # of a control_images entry
@@ -64,6 +66,9 @@ class PromptLine:
     scheduler: str | None = None  # a sampler name for this line (None: the run's --scheduler)
     ip_adapter_image: str | None = None  # absolute path of the line's image prompt (IP-Adapter)
     ip_adapter_scale: float | None = None  # its scale (None: the run's --ip-adapter-scale)
+    # feature caching (None: the run's --cfg-cutoff / --deepcache-interval)
+    cfg_cutoff: float | None = None
+    deepcache_interval: int | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,8 @@ _CHECKS = {
     "ip_adapter_image": lambda v: None if v is None else _text(v, empty_ok=False),
     "ip_adapter_scale": lambda v: None if v is None else _rule(ip_adapter_scale_problem,
                                                                float)(v),
+    "cfg_cutoff": lambda v: None if v is None else _rule(cfg_cutoff_problem, float)(v),
+    "deepcache_interval": _rule(deepcache_problem),
 }
 
 

@@ -11,6 +11,8 @@ from pipelines.image_files import FORMATS
 from pipelines.limits import (
     CONTROL_SCALE_MAX,
     STRENGTH,
+    cfg_cutoff_problem,
+    deepcache_problem,
     denoising_fraction_problem,
     guidance_problem,
     ip_adapter_scale_problem,
@@ -44,7 +46,8 @@ of "negative_prompt", "seed", "steps", "guidance", "size" ("WxH"), "n" (images o
 "image", "mask", "strength" (an edit), "control_images" (ControlNet: a list of {"image",
 "controlnet" (a --controlnet name or folder), "scale", "start", "end", "guess_mode"}),
 "ip_adapter_image", "ip_adapter_scale" (an image prompt, with --ip-adapter),
-"prompt_syntax", "scheduler"; paths relative to the JSONL file's folder:
+"prompt_syntax", "scheduler", "cfg_cutoff", "deepcache_interval"; paths relative to the JSONL
+file's folder:
   {"prompt": "a red fox", "seed": 7, "n": 2}
   {"prompt": "a lighthouse", "negative_prompt": "blurry", "size": "1024x768", "steps": 20}
   {"prompt": "a red hat", "image": "fox.png", "mask": "hat-mask.png", "strength": 0.9}
@@ -182,6 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "[word], BREAK), compel (word+, word-, (words)1.3) or none (the text "
                           "as written); a JSONL line's prompt_syntax overrides it. Prompts over "
                           "75 tokens are encoded in chunks of 75 (up to 4)")
+    gen.add_argument("--cfg-cutoff", type=_rule(cfg_cutoff_problem, float), metavar="F",
+                     help="faster, approximate: classifier-free guidance on the first "
+                          "floor(F * steps) steps only (F in (0, 1]), the conditional pass "
+                          "alone after them (one UNet pass instead of two); a JSONL line's "
+                          "cfg_cutoff overrides it (default: guidance on every step)")
+    gen.add_argument("--deepcache-interval", type=_rule(deepcache_problem), metavar="N",
+                     help="faster, approximate (DeepCache): the UNet runs in full every N "
+                          "steps and only its outer blocks in between, on the deep features the "
+                          "last full step cached (N in 1..100; default 1: off); a JSONL line's "
+                          "deepcache_interval overrides it")
     gen.add_argument("--size", type=_size, metavar="WxH", help="image size, e.g. 1024x768")
     gen.add_argument("--seed", type=_rule(lambda v: seed_problem(v, optional=False)), metavar="S",
                      help="run seed: makes the whole run reproducible")
