@@ -129,7 +129,7 @@ _INST_RE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$"
 # called computations; a fusion's or a reduction's computation is part of its operation
 _RUNS_RE = re.compile(r"\b(?:body|condition|true_computation|false_computation)=%([\w.\-]+)"
                       r"|branch_computations=\{([^}]*)\}")
-# the Flax modules the programs' loops run (pipelines.program.denoise, pipelines.program.decode)
+# the Flax modules the programs' loops run (pipelines.loop.denoise, pipelines.program.decode)
 LOOP_NAMES = ("UNet2DConditionModel", "AutoencoderKL")
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
          "copy-done", "slice-done", "while", "conditional", "partition-id", "replica-id"}
@@ -262,11 +262,12 @@ def fit(entry: dict, chip: Chip) -> dict:
             "collective_ops": sum(found.values())}
 
 
-def unet_call(pipe, rows: int, height: int, width: int):
+def unet_call(pipe, rows: int, height: int, width: int, shallow: bool = False):
     """Compile one UNet call on ``rows`` rows (the batch, twice over with CFG) at this size:
     the body of every program's denoising loop. XLA's cost analysis counts a loop's body once,
     whatever its trip count, so a program's cost is its own plus ``calls - 1`` of these.
-    Records like any program (:func:`recording`)."""
+    ``shallow``: DeepCache's shallow branch on cached deep features instead (the steps between
+    full ones with ``deepcache_interval``). Records like any program (:func:`recording`)."""
 
     from pipelines import program as program_lib
 
@@ -280,14 +281,21 @@ def unet_call(pipe, rows: int, height: int, width: int):
     def arg(*shape, dt=dtype):
         return jax.ShapeDtypeStruct(shape, dt, sharding=rows_on)
 
-    def call(p, x, t, emb, pooled, time_ids):
+    def call(p, x, t, emb, pooled, time_ids, *feats):
+        if shallow:
+            return unet.apply({"params": p}, x, t, emb, pooled, time_ids, deep_cache=feats[0],
+                              return_deep_cache=True)[0]
         return unet.apply({"params": p}, x, t, emb, pooled, time_ids)
 
-    fn = program_lib.jit(pipe.mesh, call)
-    return fn(pipe.params["unet"], arg(rows, height // f, width // f, cfg.in_channels,
-                                       dt="float32"),
-              arg(rows, dt="float32"), arg(rows, 77, cfg.cross_attention_dim),
-              arg(rows, pooled), arg(rows, n_ids, dt="float32"))
+    args = [pipe.params["unet"], arg(rows, height // f, width // f, cfg.in_channels,
+                                     dt="float32"),
+            arg(rows, dt="float32"), arg(rows, 77, cfg.cross_attention_dim),
+            arg(rows, pooled), arg(rows, n_ids, dt="float32")]
+    if shallow:  # the deep features' shape, from the full call that caches them
+        feats = jax.eval_shape(lambda *a: unet.apply({"params": a[0]}, *a[1:],
+                                                     return_deep_cache=True)[1], *args)
+        args.append(arg(*feats.shape, dt=feats.dtype))
+    return program_lib.jit(pipe.mesh, call)(*args)
 
 
 def vae_call(pipe, height: int, width: int):

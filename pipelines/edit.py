@@ -24,7 +24,7 @@ The SDXL refiner (:mod:`pipelines.refiner`): image-to-image also starts from lat
 ``output_type="latent"``) instead of a picture, and ``denoising_start`` (diffusers' rule: the
 timesteps below ``round(T - denoising_start * T)``, no noise added) replaces the strength; the
 start latents, the start step and whether noise is added are program inputs and keys, and the
-loop is :func:`pipelines.program.denoise`, as for every task.
+loop is :func:`pipelines.loop.denoise`, as for every task.
 
 Noise: ``noise`` (the add-noise noise) and ``image_latents_noise`` (the standard normal draw of
 the VAE posterior sample; ``masked_image_latents_noise`` for the masked image of a 9-channel

@@ -2,11 +2,11 @@
 programs are made and counted (:func:`jit`, :class:`Programs`), a batch's host inputs
 (:class:`HostInputs`) and how they are padded and placed on the mesh (:class:`BatchPut`), the
 text conditioning with classifier-free guidance rows (:func:`conditioning`, :func:`cfg_rows`),
-how an image's seed becomes its noise, the denoising loop over a range of scheduler steps
-(:func:`denoise`), the decode tail (:func:`finish` on the device, :func:`collect` on the host),
-the output (:class:`PipelineOutput`) and where diffusers' ``denoising_end`` /
-``denoising_start`` cut a schedule (:func:`end_step`, :func:`start_step_at`). A change here
-changes every task alike, so an image keeps its pixels whichever way it was made.
+how an image's seed becomes its noise, the decode tail (:func:`finish` on the device,
+:func:`collect` on the host), the output (:class:`PipelineOutput`) and where diffusers'
+``denoising_end`` / ``denoising_start`` cut a schedule (:func:`end_step`, :func:`start_step_at`).
+The denoising loop itself is :func:`pipelines.loop.denoise`. A change here changes every task
+alike, so an image keeps its pixels whichever way it was made.
 
 Noise: image ``i``'s seed makes one PRNG key, split into ``n`` keys (two for text-to-image and
 the step engine: initial noise, step noise; four for editing: add-noise noise, the image's
@@ -33,7 +33,7 @@ from pipelines.compile_only import CompileOnly
 
 __all__ = ["jit", "Programs", "HostInputs", "PipelineOutput", "image_keys", "normal",
            "step_noise", "pad_rows", "BatchPut", "host_images", "conditioning", "cfg_rows",
-           "cfg_halves", "conditional_half", "guide", "guide_pair", "denoise", "decode",
+           "cfg_halves", "conditional_half", "guide", "guide_pair", "decode",
            "to_pixels", "finish", "collect", "cutoff_timestep", "end_step", "start_step_at"]
 
 
@@ -300,113 +300,6 @@ def guide_pair(uncond, text, g, r):
     std_text = jnp.std(text, axis=(1, 2, 3), keepdims=True, ddof=1)
     std_cfg = jnp.std(out, axis=(1, 2, 3), keepdims=True, ddof=1)
     return jnp.where(r > 0, r * out * (std_text / std_cfg) + (1 - r) * out, out)
-
-
-def denoise(sched, model, x, state, start, end, *, cfg: bool, g, r, step_keys, shape,
-            extra=None, after_step=None, on_denoised=None, cfg_cutoff: float | None = None,
-            model_nocfg=None, deepcache: int = 1):
-    """Scheduler steps ``start`` .. ``end - 1`` (model calls) on latents ``x`` (B, h, w, C):
-    scale the input, append ``extra`` channels (a 9-channel inpainting UNet's mask and masked
-    image), double the batch for CFG, ``model(xin, t, i)`` (the UNet, with whatever it needs
-    at step ``i``), :func:`guide` with each image's guidance ``g`` and rescale ``r`` (B,),
-    step noise from ``step_keys`` for stochastic samplers, the scheduler step, then
-    ``after_step(i, state, x) -> x`` (inpainting's blend); ``on_denoised(i, state, x0)`` sees
-    each step's estimate of the clean latents (previews). Returns the latents.
-
-    Feature caching: with ``cfg`` and ``cfg_cutoff``, only the first
-    :func:`pipelines.limits.guided_steps` of the loop's steps run CFG; the rest call
-    ``model_nocfg`` (the same denoiser on the conditional rows alone) and take its prediction
-    as it is. ``deepcache`` N > 1: the model runs in full on every N-th step of the loop
-    (from ``start``) and keeps its deep features; the steps between run its shallow branch on
-    them (``model(..., deep_cache=, return_deep_cache=True)``, :class:`maxdiff.models.unet.
-    UNet2DConditionModel`).
-
-    Python int bounds run a ``lax.scan`` over ``arange(start, end)``; traced bounds (an edit's
-    start step, a base's ``denoising_end``, a refiner's ``denoising_start``) a
-    ``lax.fori_loop``, so one program serves every start and end. The scheduler state starts
-    from ``state`` (a fresh one at a later ``start`` takes first-order steps first, as
-    diffusers' ``set_begin_index`` leaves it).
-
-    """
-    stochastic = sched.stochastic
-    g, r = g[:, None, None, None], r[:, None, None, None]
-
-    def make_step(model, guided: bool):
-        def call(xin, t, i, cache):
-            if deepcache == 1:
-                return model(xin, t, i), cache
-            return jax.lax.cond(
-                (i - start) % deepcache == 0,
-                lambda c: model(xin, t, i, return_deep_cache=True),
-                lambda c: model(xin, t, i, deep_cache=c, return_deep_cache=True), cache)
-
-        def step(i, x, state, cache):
-            xin = sched.scale_model_input(state, x, i)
-            if extra is not None:
-                xin = jnp.concatenate([xin, extra], axis=-1)
-            t = sched.timestep_for_model(state, i)
-            if guided:
-                xin = cfg_rows(xin, xin)
-            out, cache = call(xin, t, i, cache)
-            out = guide(out.astype(jnp.float32), guided, g, r)
-            if on_denoised is not None:
-                on_denoised(i, state, sched.denoised(state, out, x, i))
-            noise = None
-            if stochastic:
-                noise = step_noise(step_keys, i, shape)
-            state, x = sched.step(state, out, x, i, noise=noise)
-            if after_step is not None:
-                x = after_step(i, state, x)
-            return x, state, cache
-        return step
-
-    def loop(step, lo, hi, carry):
-        if all(isinstance(v, int) for v in (lo, hi)):
-            if hi <= lo:
-                return carry
-
-            def scan_body(c, i):
-                return step(i, *c), None
-
-            c, _ = jax.lax.scan(scan_body, carry, jnp.arange(lo, hi, dtype=jnp.int32))
-            return c
-        return jax.lax.fori_loop(lo, hi, lambda i, c: step(i, *c), carry)
-
-    def empty_cache(guided: bool):
-        """Zeros shaped like the deep features of a model call (the first step fills them)."""
-        if deepcache == 1:
-            return None
-        channels = x.shape[-1] + (0 if extra is None else extra.shape[-1])
-        xin = jax.ShapeDtypeStruct(x.shape[:-1] + (channels,), x.dtype)
-        if guided:
-            xin = jax.eval_shape(lambda a: cfg_rows(a, a), xin)
-        t = jax.eval_shape(lambda: sched.timestep_for_model(state, start))
-        feats = jax.eval_shape(lambda a, b: model(a, b, start, return_deep_cache=True)[1], xin, t)
-        return jnp.zeros(feats.shape, feats.dtype)
-
-    guided_step = make_step(model, cfg)
-    if not cfg or cfg_cutoff is None:
-        x, _, _ = loop(guided_step, start, end, (x, state, empty_cache(cfg)))
-        return x
-    cut = _guided_end(start, end, cfg_cutoff)
-    x, state, cache = loop(guided_step, start, cut, (x, state, empty_cache(True)))
-    if cache is not None:  # the conditional rows' deep features go on
-        cache = cfg_halves(cache)[1]
-    plain_step = make_step(model_nocfg, False)
-    x, _, _ = loop(plain_step, cut, end, (x, state, cache))
-    return x
-
-
-def _guided_end(start, end, cutoff: float):
-    """The step the loop stops guiding at: ``start`` + :func:`pipelines.limits.guided_steps` of
-    its length, in float32 with the same margin where the bounds are traced."""
-    from pipelines.limits import guided_steps
-
-    if isinstance(start, int) and isinstance(end, int):
-        return start + guided_steps(end - start, cutoff)
-    n = jnp.asarray(end, jnp.int32) - jnp.asarray(start, jnp.int32)
-    k = jnp.floor(jnp.float32(cutoff) * n.astype(jnp.float32) + jnp.float32(1e-4))
-    return jnp.asarray(start, jnp.int32) + jnp.clip(k.astype(jnp.int32), 0, n)
 
 
 def decode(vae, params, latents):

@@ -26,6 +26,7 @@ import numpy as np
 
 from maxdiff import adapters as adapterlib
 from maxdiff import mesh as meshlib
+from pipelines import loop
 from pipelines import program as program_lib
 from pipelines.limits import check, sampler_problem
 from pipelines.requests import ImageRequest, bucket_size
@@ -222,7 +223,7 @@ def checked_items(pipe, items: Sequence[ImageRequest], steps, height, width,
 
 def build(task: Task, pipe, static: Static, scheduler=None):
     """The program of one task and shape: conditioning -> the task's start -> the denoising
-    loop (:func:`pipelines.program.denoise`) -> the task's tail -> the decode tail.
+    loop (:func:`pipelines.loop.denoise`) -> the task's tail -> the decode tail.
     ``scheduler``: the loop's (default: the pipeline's)."""
     encoders = {name: getattr(pipe, name) for name in pipe.family.encoders}
     scheduler = scheduler or pipe.scheduler
@@ -236,7 +237,7 @@ def build(task: Task, pipe, static: Static, scheduler=None):
                   keys, scheduler)
         x, start = task.begin(ctx)
         cutoff = static.cfg_cutoff if inputs.cfg and static.cfg_cutoff not in (None, 1) else None
-        x = program_lib.denoise(scheduler, task.model(ctx), x, state, start, task.end(ctx),
+        x = loop.denoise(scheduler, task.model(ctx), x, state, start, task.end(ctx),
                                 cfg=inputs.cfg, g=inputs.guidance, r=inputs.rescale,
                                 step_keys=keys[-1], shape=ctx.shape, extra=task.extra(ctx),
                                 after_step=_with_hooks(task.after_step(ctx), static.hooks,

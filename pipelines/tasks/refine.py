@@ -13,6 +13,7 @@ refiner's. The cut is traced: a new ``denoising_end`` never recompiles. Feature 
 
 from __future__ import annotations
 
+from pipelines import loop
 from pipelines import program as program_lib
 from pipelines.runner import Ctx, Task
 
@@ -46,7 +47,7 @@ class Refine(Task):
             return model
 
         cutoff = ctx.static.cfg_cutoff if ctx.inputs.cfg else None
-        x = program_lib.denoise(refiner.scheduler, denoiser(cond), x, state, ctx.scalars["start"],
+        x = loop.denoise(refiner.scheduler, denoiser(cond), x, state, ctx.scalars["start"],
                                 state.timesteps.shape[0], cfg=ctx.inputs.cfg,
                                 g=ctx.inputs.guidance, r=ctx.inputs.rescale,
                                 step_keys=ctx.keys[-1], shape=ctx.shape, cfg_cutoff=cutoff,
