@@ -325,7 +325,8 @@ class StepRunner:
     def admit(self, take: list[Handle], free: list[int], b: int) -> None:
         """Write ``take`` into slots ``free`` (batch padded to ``b``; ``take`` may be empty):
         their text embeddings, time ids, guidance (and how many of their steps run it: their
-        ``cfg_cutoff``), initial latents from their seeds and scheduler tables. Sets each handle's ``seed`` (drawn here when the request has none)."""
+        ``cfg_cutoff``), initial latents from their seeds and scheduler tables. Sets each
+        handle's ``seed`` (drawn here when the request has none)."""
         p, n = self.pipe, len(take)
         items = [h.request for h in take] or [ImageRequest(prompt="", guidance_scale=0.0, seed=0)]
         inputs = dataclasses.replace(p.host_inputs(items, self.height, self.width),

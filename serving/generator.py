@@ -262,6 +262,9 @@ class LoadedModel:
                 raise ValueError(f"scheduler: this server runs {self.info()['scheduler']!r} for "
                                  f"{'every request on engine=step' if step else 'ControlNet'}; "
                                  "a sampler per request runs text-to-image on engine=batch")
+            if step and job.deepcache_interval != 1:  # (the ingress refuses it first)
+                raise ValueError(f"deepcache_interval={job.deepcache_interval!r}: engine=step "
+                                 "cannot run DeepCache; engine=batch runs it")
             self.pipe.check_request(job.steps, job.height, job.width, "pil", job.scheduler)
             job.validate()
             prompting.check_prompts(self.pipe, job.images()[:1], 1 if step else None,

@@ -231,12 +231,14 @@ def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: 
                                   prompt_syntax=body.prompt_syntax, steps=steps,
                                   guidance=guidance, seed=body.seed, n=body.num_images,
                                   width=width, height=height)
+    errors += validation.feature_cache_problems(s, DOOR, body.cfg_cutoff, body.deepcache_interval)
     if errors:
         raise invalid_all(errors)
     return GenerationRequest(body.prompt, body.negative_prompt, body.seed, body.num_images,
                              width, height, steps, guidance, body.lora, body.prompt_syntax,
                              sampler, prompt_image, body.ip_adapter_scale,
-                             safety_checker=checked)
+                             safety_checker=checked, cfg_cutoff=body.cfg_cutoff,
+                             deepcache_interval=body.deepcache_interval)
 
 
 async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: str | None,
@@ -293,6 +295,7 @@ async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wante
                           job.height, job.steps, job.guidance_scale, job.adapter,
                           job.prompt_syntax, job.scheduler, job.ip_adapter_image,
                           job.ip_adapter_scale, safety_checker=job.safety_checker,
+                          cfg_cutoff=job.cfg_cutoff, deepcache_interval=job.deepcache_interval,
                           controls=controls)
 
 
@@ -319,7 +322,8 @@ async def edit_job(s: ServeSettings, info: dict, body: EditBody) -> EditRequest:
         n=body.num_images, door=DOOR, width=body.width, height=body.height,
         steps=info["default_steps"] if body.steps is None else body.steps,
         guidance=info["default_guidance"] if body.guidance_scale is None
-        else body.guidance_scale, errors=errors, prompt_syntax=body.prompt_syntax)
+        else body.guidance_scale, errors=errors, prompt_syntax=body.prompt_syntax,
+        cfg_cutoff=body.cfg_cutoff, deepcache_interval=body.deepcache_interval)
 
 
 def image_settings(job: GenerationRequest, seeds, info: dict, model_id: str) -> list[dict]:
@@ -337,6 +341,10 @@ def image_settings(job: GenerationRequest, seeds, info: dict, model_id: str) -> 
         mode = {**mode, "ip_adapter_image": "given", "ip_adapter_scale": f"{scale:g}"}
     if not job.safety_checker:  # moderation "low": redrawn unchecked only with it
         mode = {**mode, "moderation": "low"}
+    if job.cfg_cutoff is not None:  # feature caching, where on
+        mode = {**mode, "cfg_cutoff": f"{job.cfg_cutoff:g}"}
+    if job.deepcache_interval != 1:
+        mode = {**mode, "deepcache_interval": str(job.deepcache_interval)}
     return [image_info(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=seed,
                        steps=job.steps, guidance=job.guidance_scale,
                        size=f"{job.width}x{job.height}",

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipelines.limits import (
     CONTROL_SCALE_MAX,
+    DEEPCACHE_MAX,
     IP_ADAPTER_SCALE,
     MAX_PROMPT_CHUNKS,
     MAX_SEED,
@@ -54,6 +55,25 @@ def _ip_scale_field():
                  "all, 1: the adapter as trained); omitted: the model's (serve arg "
                  "ip_adapter_scale).",
                  json_schema_extra={"minimum": IP_ADAPTER_SCALE[0], "maximum": IP_ADAPTER_SCALE[1]})
+
+
+# feature caching (ImageRequest's): ranges are pipelines.limits' rules, checked by the ingress
+def _cfg_cutoff_field():
+    return Field(None, description="Faster, approximate: classifier-free guidance on the first "
+                 "floor(cfg_cutoff * steps) steps only, in (0, 1]; the conditional pass alone "
+                 "after them (one UNet pass a step instead of two). Omitted or null: guidance "
+                 "on every step. Requests with different settings share a queue and run as "
+                 "separate device batches (engine=step: per image, in the same ticks).",
+                 json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+
+
+def _deepcache_field(default):
+    return Field(default, description="Faster, approximate (DeepCache): the UNet runs in full "
+                 "every N steps and only its outer blocks in between, on the deep features the "
+                 f"last full step cached; 1 to {DEEPCACHE_MAX}, 1 (default): off. engine=batch "
+                 "(and edits on either engine); a server with engine=step answers a 422 for "
+                 "N > 1. Requests with different settings run as separate device batches.",
+                 json_schema_extra={"minimum": 1, "maximum": DEEPCACHE_MAX})
 
 
 class ImagesGenerationRequest(BaseModel):
@@ -91,6 +111,8 @@ class ImagesGenerationRequest(BaseModel):
         f"{MAX_PROMPT_CHUNKS} (engine=step: one).")
     ip_adapter_image: str | None = _ip_image_field()
     ip_adapter_scale: float | None = _ip_scale_field()
+    cfg_cutoff: float | None = _cfg_cutoff_field()
+    deepcache_interval: int | None = _deepcache_field(1)
     user: str | None = None
     quality: str | None = None
     style: str | None = None
@@ -239,6 +261,8 @@ class GenerateRequest(BaseModel):
                              "with different adapters share batches.")
     ip_adapter_image: str | None = _ip_image_field()
     ip_adapter_scale: float | None = _ip_scale_field()
+    cfg_cutoff: float | None = _cfg_cutoff_field()
+    deepcache_interval: int = _deepcache_field(1)
     moderation: Moderation | None = _moderation_field()
     output_format: ImageFormat = "png"
     response_format: ResponseFormat = Field("b64_json", description="'b64_json': each image in "
@@ -335,6 +359,8 @@ class EditRequest(BaseModel):
     height: int | None = Field(None, json_schema_extra={"minimum": 1},
                                description="Default: the image's height.")
     num_images: int = Field(1, json_schema_extra={"minimum": 1})
+    cfg_cutoff: float | None = _cfg_cutoff_field()
+    deepcache_interval: int = _deepcache_field(1)
     output_format: ImageFormat = "png"
     response_format: ResponseFormat = Field("b64_json", description="'b64_json': each image in "
                                             "the answer; 'url': a link to it in the server's "

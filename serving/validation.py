@@ -17,6 +17,8 @@ from pipelines.image_files import decode_image, repaint_mask
 from pipelines.limits import (
     STRENGTH,
     Limits,
+    cfg_cutoff_problem,
+    deepcache_problem,
     field_name,
     ip_adapter_scale_problem,
     prompt_text_problems,
@@ -87,6 +89,23 @@ def problems(s: ServeSettings, info: dict, door: str, *, prompt: str,
                            f"{s.max_prompt_chars} are accepted", None))
     errors += [(field_name(p.field, door), p.message, p.value) for p in prompt_text_problems(
         prompt_syntax, prompt=prompt, negative_prompt=negative_prompt)]
+    return errors
+
+
+def feature_cache_problems(s: ServeSettings, door: str, cfg_cutoff, deepcache_interval,
+                           edit: bool = False) -> list[Problem]:
+    """A request's feature caching (``cfg_cutoff``, ``deepcache_interval``: the rules of
+    :mod:`pipelines.limits`), and DeepCache on a server with engine=step, which cannot run it
+    (its ticks share one UNet call between images at different steps; edits run on
+    engine=batch's backend on either engine): refused here, before the request is queued."""
+    found = [p for p in (cfg_cutoff_problem(cfg_cutoff), deepcache_problem(deepcache_interval))
+             if p is not None]
+    errors = [(field_name(p.field, door), p.message, p.value) for p in found]
+    if not found and deepcache_interval != 1 and s.engine == "step" and not edit:
+        errors.append((field_name("deepcache_interval", door), "this server runs engine=step, "
+                       "which cannot run DeepCache (images at different steps share one UNet "
+                       "call); send 1 or omit it (engine=batch servers and the Python API run "
+                       "it)", deepcache_interval))
     return errors
 
 
@@ -179,7 +198,8 @@ async def edit_job(s: ServeSettings, info: dict, *, prompt: str, negative_prompt
                    image: bytes | None, mask: bytes | None, transparent_mask: bool | None,
                    strength: float | None, seed: int | None, n: int, door: str,
                    width: int | None, height: int | None, steps: int, guidance: float,
-                   errors: list | None = None, prompt_syntax: str | None = None) -> EditRequest:
+                   errors: list | None = None, prompt_syntax: str | None = None,
+                   cfg_cutoff: float | None = None, deepcache_interval: int = 1) -> EditRequest:
     """Decode the image (and mask) and check an edit request: every problem (``errors``
     found before, then these) is a 422. ``transparent_mask``: see
     :func:`pipelines.requests.repaint_mask`. Width and height default to the image's size
@@ -217,7 +237,10 @@ async def edit_job(s: ServeSettings, info: dict, *, prompt: str, negative_prompt
     errors += problems(s, info, door, prompt=prompt, negative_prompt=negative_prompt,
                        prompt_syntax=prompt_syntax, steps=steps, guidance=guidance, seed=seed,
                        n=n, width=width, height=height, strength=strength)
+    errors += feature_cache_problems(s, door, cfg_cutoff, deepcache_interval, edit=True)
     if errors:
         raise invalid_all(errors)
     return EditRequest(prompt, negative_prompt, seed, n, width, height, steps, guidance,
-                       prompt_syntax=prompt_syntax, strength=float(strength), image=img[0], mask=repaint)
+                       prompt_syntax=prompt_syntax, cfg_cutoff=cfg_cutoff,
+                       deepcache_interval=deepcache_interval, strength=float(strength),
+                       image=img[0], mask=repaint)

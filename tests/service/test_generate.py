@@ -180,6 +180,54 @@ def test_samplers_per_request_equal_the_python_api(main_app, pipe):
     assert r.status_code == 422 and r.json()["error"]["param"] == "scheduler", r.text
 
 
+def test_feature_caching_equals_the_python_api(main_app, pipe):
+    """cfg_cutoff on /v1/generate (guidance 5: the first of 2 steps guided) and
+    deepcache_interval on /v1/images/generations (an extra field, as the openai client's
+    extra_body sends it): each image is the Python API's with the same settings, and its file
+    records them. A bad value is a 422 naming the field on every route that takes it."""
+    r = generate(main_app.url, prompt="a small dog", seed=80, guidance_scale=5.0,
+                 cfg_cutoff=0.5, steps=STEPS, width=SIZE, height=SIZE)
+    assert r.status_code == 200, r.text
+    raw = base64.b64decode(r.json()["images"][0]["b64_json"])
+    assert Image.open(io.BytesIO(raw)).text["cfg_cutoff"] == "0.5"
+    r2 = requests.post(f"{main_app.url}/v1/images/generations",
+                       json={"prompt": "a small dog", "deepcache_interval": 2}, timeout=120)
+    assert r2.status_code == 200, r2.text
+    seed = r2.json()["data"][0]["seed"]
+    for got, kw in [(png(raw), dict(seed=80, guidance_scale=5.0, cfg_cutoff=0.5)),
+                    (png(r2.json()["data"][0]["b64_json"]),
+                     dict(seed=seed, guidance_scale=0.0, deepcache_interval=2))]:
+        ours = pipe("a small dog", num_inference_steps=STEPS, height=SIZE, width=SIZE,
+                    **kw).images[0]
+        plain = pipe("a small dog", num_inference_steps=STEPS, height=SIZE, width=SIZE,
+                     **{k: v for k, v in kw.items() if k in ("seed", "guidance_scale")}).images[0]
+        assert np.abs(got.astype(int) - np.asarray(ours, int)).max() <= 1, kw
+        assert np.abs(got.astype(int) - np.asarray(plain, int)).max() > 1, kw  # it acts
+    bad = [("/v1/generate", {"prompt": "x", "cfg_cutoff": 0}, "cfg_cutoff", "(0, 1]"),
+           ("/v1/generate", {"prompt": "x", "deepcache_interval": 101}, "deepcache_interval",
+            "1..100"),
+           ("/v1/images/generations", {"prompt": "x", "cfg_cutoff": 1.5}, "cfg_cutoff",
+            "(0, 1]"),
+           ("/v1/images/generations", {"prompt": "x", "deepcache_interval": 0},
+            "deepcache_interval", "1..100"),
+           ("/v1/edit", {"prompt": "x", "image": base64.b64encode(_tiny_png()).decode(),
+                         "cfg_cutoff": -1}, "cfg_cutoff", "(0, 1]"),
+           ("/v1/jobs", {"endpoint": "/v1/generate",
+                         "body": {"prompt": "x", "deepcache_interval": 0}},
+            "body.deepcache_interval", "1..100")]
+    for route, body, field, words in bad:
+        r = requests.post(f"{main_app.url}{route}", json=body, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 422 and err["param"] == field and words in err["message"], \
+            (route, r.text)
+
+
+def _tiny_png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (SIZE, SIZE), (200, 30, 30)).save(buf, "PNG")
+    return buf.getvalue()
+
+
 def test_openai_images_carry_their_seed_and_redraw_through_generate(main_app):
     """An images.generate image's seed is in its entry, the X-Seeds header and its PNG's text
     chunks with the settings; /v1/generate with those settings returns its pixels."""

@@ -196,6 +196,24 @@ def test_stream_validation(step_app):
     assert r.status_code == 422 and r.json()["error"]["param"] == "partial_images"
 
 
+def test_cfg_cutoff_runs_and_deepcache_is_refused_before_queueing(step_app, pipe):
+    """engine=step: a cfg_cutoff image is the Python API's; deepcache_interval > 1 is a 422
+    naming the field on both routes, from the ingress (its words: before anything is queued)."""
+    body = dict(prompt="a small dog", seed=90, steps=4, guidance_scale=5.0, cfg_cutoff=0.5,
+                width=SIZE, height=SIZE)
+    got = png(_generate(step_app, **body)["images"][0]["b64_json"]).astype(int)
+    ours = pipe("a small dog", seed=90, num_inference_steps=4, guidance_scale=5.0,
+                cfg_cutoff=0.5, height=SIZE, width=SIZE).images[0]
+    assert np.abs(got - np.asarray(ours, int)).max() <= 1
+    for route in ("/v1/generate", "/v1/images/generations"):
+        r = requests.post(f"{step_app}{route}", json={"prompt": "x", "deepcache_interval": 2},
+                          timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 422 and err["param"] == "deepcache_interval", r.text
+        assert "this server runs engine=step, which cannot run DeepCache" in err["message"], \
+            r.text
+
+
 def test_a_client_disconnect_frees_its_slot(step_app):
     before = _engine_stats(step_app)["cancelled"]
     r = requests.post(f"{step_app}/v1/generate", json={
