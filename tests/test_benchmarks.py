@@ -352,3 +352,21 @@ def test_published_step_vs_batch_intervals_come_from_the_committed_log():
     for w, p50, p99 in (("uniform", uniform["p50_ratio"], uniform["p99_ratio"]),
                         ("mixed", mixed["p50_ratio"], mixed["p99_ratio"])):
         assert f"{w} p50 {p50:.2f}×, p99 {p99:.2f}×" in perf
+
+
+def test_feature_cache_benchmark_times_every_setting_and_prices_the_loop(sdxl_dir):
+    """benchmarks.feature_cache's process on the tiny model: every setting runs and is priced
+    against the uncached run (speed-up and PSNR); the TPU pricing counts each loop's calls as
+    pipelines.loop.denoise makes them."""
+    from benchmarks.feature_cache import SETTINGS, loop_calls, one_process
+
+    out = one_process(str(sdxl_dir), size=32, steps=4, reps=1)
+    assert set(out) == set(SETTINGS) and out["uncached"]["speedup"] == 1.0
+    assert out["uncached"]["psnr_db"] == float("inf")
+    assert all(r["s_per_image"] > 0 for r in out.values())
+    assert all(0 < r["psnr_db"] < float("inf") for k, r in out.items() if k != "uncached")
+    assert loop_calls(30, SETTINGS["uncached"]) == {(True, True): 30}
+    assert loop_calls(30, SETTINGS["deepcache3"]) == {(True, True): 10, (True, False): 20}
+    assert loop_calls(30, SETTINGS["cutoff0.5"]) == {(True, True): 15, (False, True): 15}
+    assert loop_calls(7, {"deepcache_interval": 3, "cfg_cutoff": 0.5}) == {
+        (True, True): 1, (True, False): 2, (False, True): 2, (False, False): 2}
