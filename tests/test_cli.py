@@ -153,8 +153,6 @@ def test_feature_caching_flags_and_lines_give_the_python_apis_pixels(sdxl_dir, e
     """--deepcache-interval for the run, a JSONL line's own cfg_cutoff and deepcache_interval:
     each image equals the Python API's with the same keywords (to one level: the CLI runs on
     one CPU thread), and its metadata and PNG text chunks record them (only where on)."""
-    from pipelines import TextToImagePipeline
-
     jobs = tmp_path / "jobs.jsonl"
     jobs.write_text("\n".join(json.dumps(d) for d in [
         {"prompt": "a red circle", "seed": 5},  # the run's --deepcache-interval 2
@@ -169,15 +167,22 @@ def test_feature_caching_flags_and_lines_give_the_python_apis_pixels(sdxl_dir, e
     assert recs[1]["cfg_cutoff"] == 0.5 and "deepcache_interval" not in recs[1]
     info = image_files.read_image_info(out / recs[0]["file"])
     assert info["deepcache_interval"] == "2" and "cfg_cutoff" not in info
-    pipe = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)
-    keywords = [dict(deepcache_interval=2), dict(cfg_cutoff=0.5)]
-    plain = np.asarray(pipe("a red circle", seed=5, num_inference_steps=2).images[0], int)
-    for line, kw in enumerate(keywords):
-        ours = np.asarray(pipe("a red circle", seed=5, num_inference_steps=2, **kw).images[0],
-                          int)
+    # the Python API in another process (JAX in this one would be forked by later runs)
+    script = (
+        "import sys, numpy as np\n"
+        "from pipelines import TextToImagePipeline\n"
+        "pipe = TextToImagePipeline.from_pretrained(sys.argv[1])\n"
+        "kws = [dict(deepcache_interval=2), dict(cfg_cutoff=0.5), {}]\n"
+        "np.save(sys.argv[2], np.stack([np.asarray(pipe('a red circle', seed=5, "
+        "num_inference_steps=2, **kw).images[0]) for kw in kws]))\n")
+    res = subprocess.run([sys.executable, "-c", script, str(sdxl_dir), str(tmp_path / "ref.npy")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    *ours, plain = np.load(tmp_path / "ref.npy").astype(int)
+    for line, mine in enumerate(ours):
         got = np.asarray(Image.open(out / recs[line]["file"]).convert("RGB"), int)
-        assert np.abs(got - ours).max() <= 1, kw
-        assert np.abs(got - plain).max() > 1, kw  # the setting changed the image
+        assert np.abs(got - mine).max() <= 1, line
+        assert np.abs(got - plain).max() > 1, line  # the setting changed the image
 
 
 def test_bad_feature_caching_values_exit_2_naming_the_field(sdxl_dir, tmp_path, capsys):
