@@ -236,7 +236,7 @@ def build(task: Task, pipe, static: Static, scheduler=None):
         ctx = Ctx(pipe, static, params, weights, inputs, rows, scalars, state, cond, uidx, ad,
                   keys, scheduler)
         x, start = task.begin(ctx)
-        cutoff = static.cfg_cutoff if inputs.cfg and static.cfg_cutoff not in (None, 1) else None
+        cutoff = static.cfg_cutoff
         x = loop.denoise(scheduler, task.model(ctx), x, state, start, task.end(ctx),
                                 cfg=inputs.cfg, g=inputs.guidance, r=inputs.rescale,
                                 step_keys=keys[-1], shape=ctx.shape, extra=task.extra(ctx),
@@ -244,7 +244,8 @@ def build(task: Task, pipe, static: Static, scheduler=None):
                                                        scheduler),
                                 on_denoised=_denoised_hook(static.hooks, scheduler),
                                 cfg_cutoff=cutoff, deepcache=static.deepcache,
-                                model_nocfg=cutoff and task.model(ctx.without_cfg()))
+                                model_nocfg=None if cutoff is None else task.model(
+                                    ctx.without_cfg()))
         x, vae, vae_params = task.then(ctx, x)
         return program_lib.finish(vae, vae_params, x, static.out)
 
@@ -334,10 +335,10 @@ def run(job: Job) -> program_lib.PipelineOutput:
     tiled = job.output_type != "latent" and decoder.uses_vae_tiling(job.height, job.width)
     hooks = ("denoised" if job.denoised else "latents") if job.on_step is not None \
         else ("progress" if job.progress else "")
-    first = job.items[0]  # feature caching: one setting per device batch (_groups)
+    cutoff, interval = _caching(job.items[0])  # one setting per device batch (_groups)
     static = Static(lh, lw, job.steps, inputs.cfg,
                     program_lib.out_kind(job.output_type, tiled), job.key, hooks,
-                    first.cfg_cutoff if inputs.cfg else None, first.deepcache_interval)
+                    cutoff if inputs.cfg else None, interval)
     state = sched.set_timesteps(job.steps, (bucket, lh, lw, pipe.vae.config.latent_channels))
     rows = put.tree(job.rows)
     if tiled and hasattr(job.task, "encode_tiled"):
@@ -387,6 +388,13 @@ def _is_inputs(x) -> bool:
     return isinstance(x, program_lib.HostInputs)
 
 
+def _caching(item: ImageRequest) -> tuple[float | None, int]:
+    """An item's feature caching as its program sees it: (``cfg_cutoff``, None where it
+    guides every step; ``deepcache_interval``)."""
+    cutoff = item.cfg_cutoff
+    return (None if cutoff is None or cutoff >= 1 else float(cutoff)), int(item.deepcache_interval)
+
+
 def _groups(job: Job, inputs: program_lib.HostInputs) -> list[tuple[str | None, np.ndarray]]:
     """The job's images grouped by their sampler (None: the pipeline's), the prompt chunks
     they need (their own prompts' and, for a refiner, its) and their feature caching
@@ -395,8 +403,7 @@ def _groups(job: Job, inputs: program_lib.HostInputs) -> list[tuple[str | None, 
     never depends on a longer prompt beside it."""
     more = [x for x in jax.tree.leaves(job.rows, is_leaf=_is_inputs) if _is_inputs(x)]
     chunks = np.stack([h.chunks() for h in (inputs, *more)], axis=1).tolist()
-    keys = [(it.scheduler, tuple(c), it.cfg_cutoff, it.deepcache_interval)
-            for it, c in zip(job.items, chunks)]
+    keys = [(it.scheduler, tuple(c), *_caching(it)) for it, c in zip(job.items, chunks)]
     return [(key[0], np.array([i for i, k in enumerate(keys) if k == key]))
             for key in dict.fromkeys(keys)]
 

@@ -139,12 +139,14 @@ def test_deepcache_matches_diffusers_with_cached_features(pipe, torch_pipe, inte
 
 
 def test_off_settings_run_the_uncached_program(pipe):
-    """cfg_cutoff=1 and deepcache_interval=1 give the default's pixels."""
+    """cfg_cutoff=1 and deepcache_interval=1 give the default's pixels from its very program."""
     kw = dict(KW, num_inference_steps=3)
     lat = _latents(2, seed=6)
     base = pipe(**kw, latents=lat, output_type="np").images
+    compiled = pipe.programs.num_compiled
     same = pipe(**kw, latents=lat, output_type="np", cfg_cutoff=1.0, deepcache_interval=1).images
     np.testing.assert_array_equal(base, same)
+    assert pipe.programs.num_compiled == compiled
 
 
 def test_mixed_settings_in_one_batch_equal_each_alone(pipe):

@@ -52,5 +52,6 @@ class Refine(Task):
                                 g=ctx.inputs.guidance, r=ctx.inputs.rescale,
                                 step_keys=ctx.keys[-1], shape=ctx.shape, cfg_cutoff=cutoff,
                                 deepcache=ctx.static.deepcache,
-                                model_nocfg=cutoff and denoiser(program_lib.conditional_half(cond)))
+                                model_nocfg=None if cutoff is None else denoiser(
+                                    program_lib.conditional_half(cond)))
         return x, refiner.vae, params["vae"]
