@@ -64,8 +64,10 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 def one_process(model: str, size: int, steps: int, reps: int) -> dict:
     """One process: every setting compiled, then alternated ``reps`` times."""
+    from benchmarks.compare import matmul_peak
     from pipelines import TextToImagePipeline
 
+    peak = matmul_peak()
     pipe = TextToImagePipeline.from_pretrained(model, compile_cache_dir=None)
 
     def run(name: str) -> tuple[float, np.ndarray]:
@@ -82,9 +84,10 @@ def one_process(model: str, size: int, steps: int, reps: int) -> dict:
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(run(name)[0])
     med = {name: statistics.median(v) for name, v in times.items()}
-    return {name: dict(s_per_image=med[name], speedup=med["uncached"] / med[name],
-                       psnr_db=psnr(images[name], images["uncached"]), times=times[name])
-            for name in names}
+    return {"matmul_peak_gflops": peak, **{
+        name: dict(s_per_image=med[name], speedup=med["uncached"] / med[name],
+                   psnr_db=psnr(images[name], images["uncached"]), times=times[name])
+        for name in names}}
 
 
 def quality(steps: int) -> dict:
@@ -237,9 +240,9 @@ def main(argv=None) -> None:
                                  capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             runs.append(r)
-            print(f"process {k + 1}: " + ", ".join(
-                f"{n} {v['s_per_image']:.2f} s ({v['speedup']:.2f}x, {v['psnr_db']:.1f} dB)"
-                for n, v in r.items()), flush=True)
+            print(f"process {k + 1} (matmul peak {r['matmul_peak_gflops']:.0f} GFLOP/s): " +
+                  ", ".join(f"{n} {r[n]['s_per_image']:.2f} s ({r[n]['speedup']:.2f}x, "
+                            f"{r[n]['psnr_db']:.1f} dB)" for n in SETTINGS), flush=True)
         summary = {}
         for name in list(SETTINGS)[1:]:
             v = sorted(r[name]["speedup"] for r in runs)
