@@ -16,7 +16,7 @@ __all__ = ["denoise", "guided_end"]
 
 def denoise(sched, model, x, state, start, end, *, cfg: bool, g, r, step_keys, shape,
             extra=None, after_step=None, on_denoised=None, cfg_cutoff: float | None = None,
-            model_nocfg=None, deepcache: int = 1):
+            model_nocfg=None, deepcache=None):
     """Scheduler steps ``start`` .. ``end - 1`` (model calls) on latents ``x`` (B, h, w, C):
     scale the input, append ``extra`` channels (a 9-channel inpainting UNet's mask and masked
     image), double the batch for CFG, ``model(xin, t, i)`` (the UNet, with whatever it needs
@@ -28,10 +28,11 @@ def denoise(sched, model, x, state, start, end, *, cfg: bool, g, r, step_keys, s
     Feature caching: with ``cfg`` and ``cfg_cutoff``, only the first
     :func:`pipelines.limits.guided_steps` of the loop's steps run CFG; the rest call
     ``model_nocfg`` (the same denoiser on the conditional rows alone) and take its prediction
-    as it is. ``deepcache`` N > 1: the model runs in full on every N-th step of the loop
-    (from ``start``) and keeps its deep features; the steps between run its shallow branch on
-    them (``model(..., deep_cache=, return_deep_cache=True)``, :class:`maxdiff.models.unet.
-    UNet2DConditionModel`).
+    as it is. ``deepcache`` N (None: off): the model runs in full on every N-th step of the
+    loop (from ``start``) and keeps its deep features; the steps between run its shallow
+    branch on them (``model(..., deep_cache=, return_deep_cache=True)``,
+    :class:`maxdiff.models.unet.UNet2DConditionModel`). Both values may be traced (one
+    program serves every cutoff and every interval).
 
     Python int bounds run a ``lax.scan`` over ``arange(start, end)``; traced bounds (an edit's
     start step, a base's ``denoising_end``, a refiner's ``denoising_start``) a
@@ -45,7 +46,7 @@ def denoise(sched, model, x, state, start, end, *, cfg: bool, g, r, step_keys, s
 
     def make_step(model, guided: bool):
         def call(xin, t, i, cache):
-            if deepcache == 1:
+            if deepcache is None:
                 return model(xin, t, i), cache
             return jax.lax.cond(
                 (i - start) % deepcache == 0,
@@ -86,7 +87,7 @@ def denoise(sched, model, x, state, start, end, *, cfg: bool, g, r, step_keys, s
 
     def empty_cache(guided: bool):
         """Zeros shaped like the deep features of a model call (the first step fills them)."""
-        if deepcache == 1:
+        if deepcache is None:
             return None
         channels = x.shape[-1] + (0 if extra is None else extra.shape[-1])
         xin = jax.ShapeDtypeStruct(x.shape[:-1] + (channels,), x.dtype)
@@ -109,11 +110,11 @@ def denoise(sched, model, x, state, start, end, *, cfg: bool, g, r, step_keys, s
     return x
 
 
-def guided_end(start, end, cutoff: float):
+def guided_end(start, end, cutoff):
     """The step the loop stops guiding at: ``start`` + :func:`pipelines.limits.guided_steps` of
-    its length, in float32 with the same margin where the bounds are traced."""
-    if isinstance(start, int) and isinstance(end, int):
+    its length, in float32 with the same margin where the bounds or the cutoff are traced."""
+    if isinstance(start, int) and isinstance(end, int) and isinstance(cutoff, float):
         return start + guided_steps(end - start, cutoff)
     n = jnp.asarray(end, jnp.int32) - jnp.asarray(start, jnp.int32)
-    k = jnp.floor(jnp.float32(cutoff) * n.astype(jnp.float32) + jnp.float32(1e-4))
+    k = jnp.floor(jnp.asarray(cutoff, jnp.float32) * n.astype(jnp.float32) + jnp.float32(1e-4))
     return jnp.asarray(start, jnp.int32) + jnp.clip(k.astype(jnp.int32), 0, n)

@@ -60,8 +60,10 @@ class Static:
     out: str
     key: tuple = ()
     hooks: str = ""  # host callbacks after each step: "" none, "progress", "latents"
-    cfg_cutoff: float | None = None  # feature caching (ImageRequest's; None / 1: off)
-    deepcache: int = 1
+    # feature caching on (ImageRequest's): the values are traced scalars ("cfg_cutoff",
+    # "deepcache_interval"), so one program serves them all
+    cfg_cutoff: bool = False
+    deepcache: bool = False
 
 
 @dataclass
@@ -236,14 +238,14 @@ def build(task: Task, pipe, static: Static, scheduler=None):
         ctx = Ctx(pipe, static, params, weights, inputs, rows, scalars, state, cond, uidx, ad,
                   keys, scheduler)
         x, start = task.begin(ctx)
-        cutoff = static.cfg_cutoff
+        cutoff = scalars["cfg_cutoff"] if static.cfg_cutoff else None
         x = loop.denoise(scheduler, task.model(ctx), x, state, start, task.end(ctx),
                                 cfg=inputs.cfg, g=inputs.guidance, r=inputs.rescale,
                                 step_keys=keys[-1], shape=ctx.shape, extra=task.extra(ctx),
                                 after_step=_with_hooks(task.after_step(ctx), static.hooks,
                                                        scheduler),
                                 on_denoised=_denoised_hook(static.hooks, scheduler),
-                                cfg_cutoff=cutoff, deepcache=static.deepcache,
+                                cfg_cutoff=cutoff, deepcache=scalars.get("deepcache_interval"),
                                 model_nocfg=None if cutoff is None else task.model(
                                     ctx.without_cfg()))
         x, vae, vae_params = task.then(ctx, x)
@@ -336,9 +338,15 @@ def run(job: Job) -> program_lib.PipelineOutput:
     hooks = ("denoised" if job.denoised else "latents") if job.on_step is not None \
         else ("progress" if job.progress else "")
     cutoff, interval = _caching(job.items[0])  # one setting per device batch (_groups)
+    cutoff = cutoff if inputs.cfg else None
     static = Static(lh, lw, job.steps, inputs.cfg,
                     program_lib.out_kind(job.output_type, tiled), job.key, hooks,
-                    cutoff if inputs.cfg else None, interval)
+                    cutoff is not None, interval > 1)
+    scalars = dict(job.scalars)
+    if cutoff is not None:
+        scalars["cfg_cutoff"] = np.float32(cutoff)
+    if interval > 1:
+        scalars["deepcache_interval"] = np.int32(interval)
     state = sched.set_timesteps(job.steps, (bucket, lh, lw, pipe.vae.config.latent_channels))
     rows = put.tree(job.rows)
     if tiled and hasattr(job.task, "encode_tiled"):
@@ -347,7 +355,7 @@ def run(job: Job) -> program_lib.PipelineOutput:
     if inputs.ip_pixels is not None:  # image prompts: the IP-Adapter's weights go in too
         ip = pipe.ip_adapter
         params = {**params, "ip_adapter": ip.params}
-    args = [params, job.weights, put.tree(inputs), rows, meshlib.place(job.scalars, rep),
+    args = [params, job.weights, put.tree(inputs), rows, meshlib.place(scalars, rep),
             meshlib.place(state, rep)]
     if aidx is not None:
         args += [pipe.adapter_tables.as_tree(), put(aidx)]

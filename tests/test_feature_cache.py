@@ -163,6 +163,18 @@ def test_mixed_settings_in_one_batch_equal_each_alone(pipe):
         np.testing.assert_allclose(out.images[k], alone[0], atol=1e-5)
 
 
+def test_one_program_serves_every_cutoff_and_interval(pipe):
+    """The cutoff and the interval are traced inputs: new values never compile again."""
+    kw = dict(KW, num_inference_steps=6)
+    lat = _latents(2, seed=7)
+    pipe(**kw, latents=lat, output_type="np", cfg_cutoff=0.5, deepcache_interval=2)
+    compiled = pipe.programs.num_compiled
+    a = pipe(**kw, latents=lat, output_type="np", cfg_cutoff=0.3, deepcache_interval=3).images
+    b = pipe(**kw, latents=lat, output_type="np", cfg_cutoff=0.8, deepcache_interval=4).images
+    assert pipe.programs.num_compiled == compiled
+    assert np.abs(a - b).max() > 1e-3
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(cfg_cutoff=0.0), r"cfg_cutoff=0.0: must be a number in \(0, 1\]"),
     (dict(cfg_cutoff=1.5), "cfg_cutoff=1.5"),
@@ -236,3 +248,24 @@ def test_image_to_image_with_caching_runs_and_differs(sdxl_dir):
     base = edit("a red circle", **kw).images
     cached = edit("a red circle", **kw, deepcache_interval=2, cfg_cutoff=0.5).images
     assert 1e-4 < np.abs(base - cached).max() < 0.5
+
+
+def test_base_and_refiner_in_one_program_equal_two_calls_with_caching(pipe, refiner_dir):
+    """Caching applies to each stage's own steps: the base + refiner program with both settings
+    gives the pixels of the base stopped at the cut and the refiner started there, each called
+    with the same settings, and differs from the uncached run."""
+    refiner = ImageToImagePipeline.from_pretrained(refiner_dir, compile_cache_dir=None)
+    noise = _latents(2, seed=8)
+    kw = dict(prompt=["a photo of a cat", "green square"], num_inference_steps=8,
+              guidance_scale=5.0, cfg_cutoff=0.6, deepcache_interval=2)
+    lat = pipe(**kw, latents=noise, denoising_end=0.75, output_type="latent").images
+    two = refiner(**kw, image=lat, denoising_start=0.75, output_type="np").images
+    pipe.set_refiner(refiner)
+    try:
+        one = pipe(**kw, latents=noise, denoising_end=0.75, output_type="np").images
+        plain = pipe(**{**kw, "cfg_cutoff": None, "deepcache_interval": 1}, latents=noise,
+                     denoising_end=0.75, output_type="np").images
+    finally:
+        pipe.set_refiner(None)
+    assert np.abs(one - two).max() <= 1e-5
+    assert np.abs(one - plain).max() > 1e-3

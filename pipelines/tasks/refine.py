@@ -46,12 +46,12 @@ class Refine(Task):
                 return refiner.family.denoise(refiner.unet, params["unet"], cond, xin, t, **more)
             return model
 
-        cutoff = ctx.static.cfg_cutoff if ctx.inputs.cfg else None
+        cutoff = ctx.scalars["cfg_cutoff"] if ctx.static.cfg_cutoff else None
         x = loop.denoise(refiner.scheduler, denoiser(cond), x, state, ctx.scalars["start"],
                                 state.timesteps.shape[0], cfg=ctx.inputs.cfg,
                                 g=ctx.inputs.guidance, r=ctx.inputs.rescale,
                                 step_keys=ctx.keys[-1], shape=ctx.shape, cfg_cutoff=cutoff,
-                                deepcache=ctx.static.deepcache,
+                                deepcache=ctx.scalars.get("deepcache_interval"),
                                 model_nocfg=None if cutoff is None else denoiser(
                                     program_lib.conditional_half(cond)))
         return x, refiner.vae, params["vae"]
