@@ -371,3 +371,36 @@ def test_feature_cache_benchmark_times_every_setting_and_prices_the_loop(sdxl_di
     assert loop_calls(30, SETTINGS["cutoff0.5"]) == {(True, True): 15, (False, True): 15}
     assert loop_calls(7, {"deepcache_interval": 3, "cfg_cutoff": 0.5}) == {
         (True, True): 1, (True, False): 2, (False, True): 2, (False, False): 2}
+
+
+def test_published_feature_cache_figures_come_from_the_committed_json():
+    """The feature-caching speed-ups, TPU loop times and quality the pages publish are the
+    committed runs' (docs/results/feature-cache-2026-12-06/)."""
+    import statistics
+
+    from benchmarks.feature_cache import ACCURACY_DROP_MAX, PSNR_MIN_DB
+
+    res = ROOT / "docs/results/feature-cache-2026-12-06"
+    perf = (ROOT / "docs/performance.md").read_text()
+    speed = json.loads((res / "speed.json").read_text())
+    for name, label in (("deepcache3", "`deepcache_interval=3`"), ("cutoff0.5", "`cfg_cutoff=0.5`"),
+                        ("both", "both")):
+        v = sorted(r[name]["speedup"] for r in speed["runs"])
+        mmm = f"{v[0]:.2f}–{statistics.median(v):.2f}–{v[-1]:.2f}×"
+        assert [round(x, 2) for x in speed["speedup_min_median_max"][name]] == [
+            round(v[0], 2), round(statistics.median(v), 2), round(v[-1], 2)]
+        row = next(line for line in perf.splitlines() if line.startswith(f"| {label} |")
+                   and "dB |" in line and "PSNR" not in line and "%" not in line)
+        assert mmm in row, (name, row)
+    tpu = json.loads((res / "tpu-v5e-2x2.json").read_text())["settings"]
+    for name, label in (("deepcache3", "`deepcache_interval=3`"), ("cutoff0.5", "`cfg_cutoff=0.5`")):
+        r = tpu[name]
+        assert (f"| {label} | {r['roofline_s']:.2f} s | " in perf
+                and f"{r['speedup']:.2f}×" in perf and f"{r['hbm_speedup']:.2f}×" in perf), name
+    quality = json.loads((res / "quality.json").read_text())
+    assert (quality["psnr_min_db"], quality["accuracy_drop_max"]) == (PSNR_MIN_DB,
+                                                                      ACCURACY_DROP_MAX)
+    for name, r in quality["settings"].items():
+        assert r["passes"]
+        if name != "uncached":
+            assert f"{r['psnr_mean_db']:.1f} dB ({r['psnr_min_db']:.1f})" in perf, name
