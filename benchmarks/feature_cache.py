@@ -209,21 +209,16 @@ def main(argv=None) -> None:
     if a.child:
         print(json.dumps(one_process(a.child, a.size, a.steps, a.reps)))
         return
-    if a.tpu:
-        res = tpu(a.tpu, a.size, a.steps, a.per_chip)
+    if a.tpu or a.quality:
+        res = tpu(a.tpu, a.size, a.steps, a.per_chip) if a.tpu else quality(a.steps)
         for name, r in res["settings"].items():
-            print(f"{name}: loop {r['roofline_s']:.2f} s by the roofline ({r['speedup']:.2f}x; "
-                  f"HBM bytes only {r['hbm_roofline_s']:.2f} s, {r['hbm_speedup']:.2f}x), "
-                  f"{r['tflop']:.0f} TFLOP per chip", flush=True)
-        if a.json:
-            Path(a.json).write_text(json.dumps(res, indent=1))
-        return
-    if a.quality:
-        res = quality(a.steps)
-        for name, r in res["settings"].items():
-            print(f"{name}: accuracy {r['accuracy']:.3f}, PSNR vs uncached mean "
-                  f"{r['psnr_mean_db']:.1f} dB (min {r['psnr_min_db']:.1f}), {r['seconds']} s, "
-                  f"{'passes' if r['passes'] else 'FAILS'}", flush=True)
+            print(f"{name}: " + (
+                f"loop {r['roofline_s']:.2f} s by the roofline ({r['speedup']:.2f}x; HBM bytes "
+                f"only {r['hbm_roofline_s']:.2f} s, {r['hbm_speedup']:.2f}x), {r['tflop']:.0f} "
+                "TFLOP per chip" if a.tpu else
+                f"accuracy {r['accuracy']:.3f}, PSNR vs uncached mean {r['psnr_mean_db']:.1f} dB "
+                f"(min {r['psnr_min_db']:.1f}), {r['seconds']} s, "
+                f"{'passes' if r['passes'] else 'FAILS'}"), flush=True)
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
         return
