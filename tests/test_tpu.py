@@ -82,6 +82,16 @@ def test_text_to_image_is_data_parallel_with_splash(pipe, guidance):
     assert a["fits"] and a["tflop"] > 0 and a["collective_ops"] == 0
 
 
+def test_feature_caching_stays_data_parallel(pipe):
+    """DeepCache's full/shallow conditional and the cutoff's unguided tail (the conditioning's
+    halves) compile for the chips with no collective and the splash kernel."""
+    with aot.recording() as rec:
+        pipe(["a red circle"] * 4, num_inference_steps=4, guidance_scale=5.0, height=SIZE,
+             width=SIZE, seed=1, cfg_cutoff=0.5, deepcache_interval=2)
+    hlo = _only(rec)
+    assert aot.collectives(hlo) == {} and SPLASH in hlo
+
+
 @pytest.mark.slow
 def test_image_to_image_and_inpainting_compile(pipe):
     from pipelines import ImageToImagePipeline, InpaintPipeline
