@@ -48,6 +48,9 @@ NOT_RUN = {
         "a benchmark (tens of minutes on an idle machine); tests/test_benchmarks.py runs its parts",
     "python -m benchmarks.compare --quick --repeats 3 --compile off --json repeats.json":
         "a benchmark (tens of minutes on an idle machine); tests/test_benchmarks.py runs its parts",
+    "python -m benchmarks.feature_cache --json speed.json":
+        "a benchmark (30 minutes on an idle machine, the TPU mode 15 minutes of compiling); "
+        "tests/test_benchmarks.py runs its process on the tiny checkpoint",
     "python -m benchmarks.quantization --part quality --checkpoint /tmp/medium --json quality.json":
         "a benchmark (tens of minutes); tests/test_benchmarks.py runs every part on the tiny "
         "checkpoint",
