@@ -408,19 +408,16 @@ class UNet2DConditionModel(UNetEncoder):
 
         emb = self._embedding(sample.shape[0], timesteps, text_embeds, time_ids, timestep_cond)
         h = self._conv_in(sample)
-        residuals = down_block_additional_residuals is not None or \
-            mid_block_additional_residual is not None
         if deep_cache is not None:  # the shallow branch on cached deep features
             _, skips = self._down(h, emb, encoder_hidden_states, stop=cache_branch + 1)
-            if residuals:
-                down = down_block_additional_residuals
-                skips = [s if down is None else s + r.astype(dt)
-                         for s, r in zip(skips, down)]
+            if down_block_additional_residuals is not None:  # those of the skips made here
+                skips = [s + r.astype(dt) for s, r in zip(skips, down_block_additional_residuals)]
             h, _ = self._up(deep_cache.astype(dt), emb, encoder_hidden_states, skips, n_skip)
         else:
             h, skips = self._down(h, emb, encoder_hidden_states)
             h = self._mid(h, emb, encoder_hidden_states)
-            if residuals:
+            if down_block_additional_residuals is not None or \
+                    mid_block_additional_residual is not None:
                 skips, h = _add_residuals(skips, h, down_block_additional_residuals,
                                           mid_block_additional_residual, dt)
             h, cached = self._up(h, emb, encoder_hidden_states, skips, None, n_skip)
@@ -465,7 +462,6 @@ class UNet2DConditionModel(UNetEncoder):
                    for x in c.reverse_transformer_layers_per_block]
         else:
             rtl = list(tlayers[::-1])
-        prev = rchans[0]
         cached = None
         for i, btype in enumerate(c.up_block_types):
             cout = rchans[i]
