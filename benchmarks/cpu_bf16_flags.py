@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 FLAG_SETS = [
     "",
@@ -29,26 +27,12 @@ FLAG_SETS = [
     "--xla_cpu_experimental_xnn_fusion_type=LIBRARY_FUSION_TYPE_DOT",
     "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_DOT",
 ]
-N = 2048
 
 
 def child() -> dict:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
+    from benchmarks.compare import matmul_peak
 
-    a = np.random.default_rng(0).standard_normal((N, N), np.float32)
-    out = {}
-    for name, dt in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
-        x = jnp.asarray(a, dt)
-        f = jax.jit(lambda x: x @ x)
-        f(x).block_until_ready()
-        times = []
-        for _ in range(7):
-            t = time.perf_counter()
-            f(x).block_until_ready()
-            times.append(time.perf_counter() - t)
-        out[name] = 2 * N**3 / statistics.median(times) / 1e9
+    out = {name: matmul_peak(name, reps=7) for name in ("float32", "bfloat16")}
     out["bf16_over_fp32"] = out["bfloat16"] / out["float32"]
     return out
 
