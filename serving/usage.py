@@ -15,7 +15,7 @@ import math
 import time
 
 from serving.errors import ApiError
-from serving.jobs import open_db
+from serving.job_store import open_db
 from serving.security import KeyPolicy
 
 ANONYMOUS = ""  # the key id of requests when keys are off

@@ -1,5 +1,5 @@
 """The output store (serving.storage) on a local folder and on an S3-compatible server (moto,
-started here), and the jobs database (serving.jobs.JobStore): links serve the stored bytes
+started here), and the jobs database (serving.job_store.JobStore): links serve the stored bytes
 until they expire; a writer killed mid-write leaves nothing that is served or linked; the
 sweep removes expired and unfinished objects; jobs of a stopped owner end failed with the
 reason, their webhooks are taken over once."""
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from serving.jobs import OWNER_TIMEOUT_S, JobStore, key_secret, sign, webhook_problem
+from serving.job_store import OWNER_TIMEOUT_S, JobStore
+from serving.jobs import key_secret, sign, webhook_problem
 from serving.storage import OutputStore
 
 ROOT = Path(__file__).resolve().parents[1]
