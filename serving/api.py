@@ -1,6 +1,7 @@
 """The ingress's FastAPI application: its metadata, the ASGI gate, the error handlers and the
 OpenAPI schema. Routes are methods of :class:`serving.app.Ingress` and its parts
-(:class:`serving.job_routes.JobRoutes`), declared on :data:`api`."""
+(:class:`serving.job_routes.JobRoutes`, :class:`serving.info_routes.InfoRoutes`), declared on
+:data:`api`."""
 
 from __future__ import annotations
 
