@@ -43,12 +43,12 @@ def one_process(size: int, calls: int) -> dict:
     import numpy as np
 
     from maxdiff import checkpoint
-    from maxdiff.models.taesd import TinyDecoder, TinyDecoderConfig
+    from maxdiff.models.taesd import TinyAutoencoderConfig, TinyDecoder
     from maxdiff.models.vae import AutoencoderKL, AutoencoderKLConfig, param_shapes
 
     vae = AutoencoderKL(AutoencoderKLConfig.from_dict(SDXL_VAE))
     vae_params = _random(param_shapes(vae), 0)
-    tiny = TinyDecoder(TinyDecoderConfig(scaling_factor=1.0))
+    tiny = TinyDecoder(TinyAutoencoderConfig(scaling_factor=1.0))
     z = np.random.default_rng(1).standard_normal((1, size // 8, size // 8, 4)).astype(np.float32)
     tiny_params = _random(checkpoint.init_shapes(tiny, jax.ShapeDtypeStruct(z.shape, z.dtype)),
                           2)

@@ -159,7 +159,9 @@ class TextToImagePipeline(LoraAdapters, TextualInversion, ImagePrompts, Previews
 
         ``unet``: a UNet file that replaces the model's: diffusers keys (the SDXL-Lightning
         files) or a whole single-file checkpoint. ``vae``: a VAE that replaces the model's: a
-        diffusers VAE folder, or a file (``sdxl_vae.safetensors``, original or diffusers keys).
+        diffusers VAE folder, or a file (``sdxl_vae.safetensors``, original or diffusers keys),
+        or a diffusers ``AutoencoderTiny`` folder (``madebyollin/taesdxl``): fast decodes and
+        encodes of lower quality, never tiled (:class:`maxdiff.models.taesd.TinyAutoencoder`).
         ``scheduler``: a diffusers scheduler config dict, a folder or json file, a preset
         name such as ``"lightning-4step"`` (which also sets the default steps and guidance), or
         a sampler name (``"dpmpp_2m_karras"``, ``"DPM++ 2M Karras"``, ``"euler_a"``, ``"unipc"``,

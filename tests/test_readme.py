@@ -60,6 +60,9 @@ NOT_RUN = {
     "pipe = TextToImagePipeline.from_pretrained(\"/models/sdxl-base\")":
         "needs an IP-Adapter file for its model (h94/IP-Adapter): tests/test_ip_adapter.py makes "
         "the same calls on a tiny random adapter and compares them with diffusers",
+    "fast = TextToImagePipeline.from_pretrained(\"/models/sdxl-base\", vae=\"/models/taesdxl\")":
+        "needs an SDXL folder and a TAESDXL folder: tests/test_taesd.py loads tiny random ones "
+        "and checks the images against diffusers'",
     "pipe.load_preview_decoder(\"/models/taesdxl\")":
         "needs a TAESDXL folder for its model: tests/test_taesd.py loads a tiny random one, "
         "draws previews with it and compares them with diffusers' AutoencoderTiny",

@@ -88,3 +88,66 @@ def test_previews_on_a_pipeline_and_a_step_engine(sdxl_dir, tmp_path):
     h = eng.submit(ImageRequest("a red circle", seed=3, guidance_scale=0.0), 2, previews=[1, 2])
     eng.run_until_idle()
     assert h.preview_step == 2 and np.abs(h.preview - ours[0]).max() < 1e-4
+
+
+@pytest.mark.parity
+def test_autoencoder_encodes_and_decodes_as_diffusers(taesd_dir):
+    """The whole tiny autoencoder (the VAE methods a pipeline calls): its encoder's latents
+    times scaling_factor, and its decode of latents / scaling_factor, are diffusers'."""
+    import jax.numpy as jnp
+
+    from maxdiff.loaders import load_vae
+
+    folder, model = taesd_dir
+    module, params = load_vae(folder)
+    assert module.config.vae_scale_factor == 4 and not module.config.tileable
+    x = np.random.default_rng(1).uniform(-1, 1, (2, 24, 20, 3)).astype(np.float32)
+    z = np.asarray(module.apply({"params": params}, jnp.asarray(x), None, None,
+                                method=module.image_to_latents))
+    image = np.asarray(module.apply({"params": params}, jnp.asarray(z),
+                                    method=module.latents_to_image))
+    with torch.no_grad():
+        ref_z = model.encode(torch.from_numpy(x.transpose(0, 3, 1, 2))).latents
+        ref_image = model.decode(ref_z).sample.numpy().transpose(0, 2, 3, 1)
+    assert z.shape == (2, 6, 5, 4) and np.abs(z - ref_z.numpy().transpose(0, 2, 3, 1)).max() < 1e-4
+    assert np.abs(image - ref_image).max() < 1e-4
+
+
+@pytest.mark.parity
+def test_tiny_autoencoder_as_a_pipelines_vae(sdxl_dir, tmp_path):
+    """vae= a diffusers AutoencoderTiny folder: text-to-image and image-to-image decode (and
+    encode) with it, as diffusers' SDXL pipelines given vae=AutoencoderTiny do; images differ
+    from the model's own VAE's; the tiny autoencoder never tiles."""
+    from diffusers import AutoencoderTiny, StableDiffusionXLImg2ImgPipeline, StableDiffusionXLPipeline
+
+    from pipelines import ImageToImagePipeline, TextToImagePipeline
+
+    folder = tmp_path / "taesd-f2"
+    _tiny_autoencoder(folder, encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+                      num_encoder_blocks=(1, 1), num_decoder_blocks=(2, 1), latent_channels=4)
+    theirs_vae = AutoencoderTiny.from_pretrained(folder)
+    lat = np.random.default_rng(2).standard_normal((1, 4, 16, 16)).astype(np.float32)
+    kw = dict(prompt="a red circle", num_inference_steps=3, guidance_scale=4.0, height=32,
+              width=32)
+    pipe = TextToImagePipeline.from_pretrained(sdxl_dir, vae=folder, compile_cache_dir=None,
+                                               vae_tiling=True)
+    assert not pipe.uses_vae_tiling(4096, 4096)
+    ours = pipe(**kw, latents=lat, output_type="np").images
+    own = TextToImagePipeline.from_pretrained(sdxl_dir, compile_cache_dir=None)(
+        **kw, latents=lat, output_type="np").images
+    t2i = StableDiffusionXLPipeline.from_pretrained(sdxl_dir, vae=theirs_vae)
+    with torch.no_grad():
+        theirs = t2i(**kw, latents=torch.from_numpy(lat), output_type="np").images
+    assert ours.shape == theirs.shape == (1, 32, 32, 3)
+    assert np.abs(ours - theirs).max() <= 2e-3
+    assert np.abs(ours - own).max() > 5e-2
+
+    image = theirs[0]
+    noise = torch.randn((1, 4, 16, 16), generator=torch.Generator().manual_seed(5)).numpy()
+    edit = ImageToImagePipeline.from_pretrained(sdxl_dir, vae=folder, compile_cache_dir=None)
+    ours = edit(**kw, image=image, strength=0.6, noise=noise, output_type="np").images
+    i2i = StableDiffusionXLImg2ImgPipeline.from_pretrained(sdxl_dir, vae=theirs_vae)
+    with torch.no_grad():
+        theirs = i2i(**kw, image=image, strength=0.6, generator=torch.Generator().manual_seed(5),
+                     output_type="np").images
+    assert np.abs(ours - theirs).max() <= 2e-3

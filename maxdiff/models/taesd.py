@@ -1,15 +1,17 @@
-"""The tiny autoencoder's decoder (TAESD / TAESDXL, diffusers' ``AutoencoderTiny``) in Flax: a
-preview decoder that draws an image from the diffusion model's latents at a few percent of the
-VAE decoder's cost (ComfyUI's and A1111's live previews use it).
+"""The tiny autoencoder (TAESD / TAESDXL, diffusers' ``AutoencoderTiny``) in Flax. Its decoder
+draws an image from the diffusion model's latents at a few percent of the VAE decoder's cost:
+the previews ComfyUI and A1111 show (:class:`TinyDecoder`), or, loaded as a pipeline's ``vae=``,
+fast final images of lower quality (:class:`TinyAutoencoder`, the VAE's methods).
 
-    latents (B, h, w, C) as the UNet sees them -> / scaling_factor -> tanh(z / 3) * 3
+    decoder: latents (B, h, w, C) as the UNet sees them -> / scaling_factor -> tanh(z / 3) * 3
       -> conv, act -> per block: n x [conv, act, conv, act, conv] + skip, relu;
          nearest 2x upsample (not after the last) ; conv -> image in [-1, 1]
+    encoder: image in [-1, 1] -> [0, 1] -> per block: conv (stride 2 after the first, no
+      bias), n x block ; conv -> latents, which times scaling_factor are the UNet's
 
 Submodules carry diffusers' ``nn.Sequential`` indices (``layers.0``, ``layers.2.conv.0``, ...)
-so ``madebyollin/taesdxl``'s ``diffusion_pytorch_model.safetensors`` loads as it is (its
-encoder's tensors are not read). NHWC; the upsample is fused into the next convolution
-(:class:`maxdiff.models.conv.Conv`).
+so ``madebyollin/taesdxl``'s ``diffusion_pytorch_model.safetensors`` loads as it is. NHWC; the
+upsample is fused into the next convolution (:class:`maxdiff.models.conv.Conv`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import jax.numpy as jnp
 from maxdiff import checkpoint
 from maxdiff.models.conv import Conv
 
-__all__ = ["TinyDecoderConfig", "TinyDecoder", "load_tiny_decoder"]
+__all__ = ["TinyAutoencoderConfig", "TinyDecoder", "TinyEncoder", "TinyAutoencoder",
+           "is_tiny_autoencoder", "load_tiny_decoder", "load_tiny_autoencoder"]
 
 ACTIVATIONS = {"relu": jax.nn.relu, "silu": jax.nn.silu, "swish": jax.nn.silu,
                "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -34,11 +37,14 @@ ACTIVATIONS = {"relu": jax.nn.relu, "silu": jax.nn.silu, "swish": jax.nn.silu,
 
 
 @dataclass(frozen=True)
-class TinyDecoderConfig:
-    """The fields of diffusers' ``AutoencoderTiny`` config that shape its decoder."""
+class TinyAutoencoderConfig:
+    """The fields of diffusers' ``AutoencoderTiny`` config that shape it."""
 
+    in_channels: int = 3
     latent_channels: int = 4
     out_channels: int = 3
+    encoder_block_out_channels: tuple[int, ...] = (64, 64, 64, 64)
+    num_encoder_blocks: tuple[int, ...] = (1, 3, 3, 3)
     decoder_block_out_channels: tuple[int, ...] = (64, 64, 64, 64)
     num_decoder_blocks: tuple[int, ...] = (3, 3, 3, 1)
     upsampling_scaling_factor: int = 2
@@ -48,9 +54,11 @@ class TinyDecoderConfig:
     shift_factor: float = 0.0
 
     def __post_init__(self):
-        if len(self.decoder_block_out_channels) != len(self.num_decoder_blocks):
-            raise ValueError("decoder_block_out_channels and num_decoder_blocks must have the "
-                             "same length")
+        for part in ("encoder", "decoder"):
+            if len(getattr(self, f"{part}_block_out_channels")) != len(
+                    getattr(self, f"num_{part}_blocks")):
+                raise ValueError(f"{part}_block_out_channels and num_{part}_blocks must have "
+                                 "the same length")
         if self.act_fn not in ACTIVATIONS:
             raise ValueError(f"act_fn {self.act_fn!r}: one of {', '.join(ACTIVATIONS)}")
         if self.upsample_fn != "nearest" or self.upsampling_scaling_factor != 2:
@@ -58,7 +66,7 @@ class TinyDecoderConfig:
                              "upsampling_scaling_factor=2) is supported, as every TAESD uses")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TinyDecoderConfig:
+    def from_dict(cls, d: Mapping[str, Any]) -> TinyAutoencoderConfig:
         if d.get("_class_name", "AutoencoderTiny") != "AutoencoderTiny":
             raise ValueError(f"_class_name {d.get('_class_name')!r}: not an AutoencoderTiny")
         known = {f.name for f in fields(cls)}
@@ -69,6 +77,11 @@ class TinyDecoderConfig:
     def scale_factor(self) -> int:
         """Pixels per latent along a side."""
         return 2 ** (len(self.num_decoder_blocks) - 1)
+
+    # what a pipeline reads of its VAE's config: the scale, and that it never tiles (its
+    # full-resolution activations have 64 channels, not the VAE decoder's 128-256)
+    vae_scale_factor = scale_factor
+    tileable = False
 
 
 class _Block(nn.Module):
@@ -95,14 +108,17 @@ class TinyDecoder(nn.Module):
     """``AutoencoderTiny``'s decoder: latents (B, h, w, C) in the diffusion model's space ->
     images (B, H, W, 3) in ~[-1, 1] (``decoder.layers.*`` in the checkpoint)."""
 
-    config: TinyDecoderConfig
+    config: TinyAutoencoderConfig
     dtype: Any = jnp.float32
+    unscaled: bool = False  # latents already divided by scaling_factor (the VAE's decode)
 
     @nn.compact
     def __call__(self, latents: jax.Array) -> jax.Array:
         c = self.config
         act = ACTIVATIONS[c.act_fn]
-        z = latents.astype(jnp.float32) / c.scaling_factor + c.shift_factor
+        z = latents.astype(jnp.float32)
+        if not self.unscaled:
+            z = z / c.scaling_factor + c.shift_factor
         x = (jnp.tanh(z / 3) * 3).astype(self.dtype)
         chans = c.decoder_block_out_channels
         x = act(Conv(chans[0], dtype=self.dtype, param_dtype=self.dtype, name="layers.0")(x))
@@ -122,18 +138,109 @@ class TinyDecoder(nn.Module):
         return x.astype(jnp.float32) * 2 - 1
 
 
+class TinyEncoder(nn.Module):
+    """``AutoencoderTiny``'s encoder: images (B, H, W, 3) in [-1, 1] -> its latents (B, h, w, C),
+    not yet times ``scaling_factor`` (``encoder.layers.*`` in the checkpoint)."""
+
+    config: TinyAutoencoderConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, images: jax.Array) -> jax.Array:
+        c = self.config
+        x = ((images.astype(jnp.float32) + 1) / 2).astype(self.dtype)
+        i = 0
+        for k, n in enumerate(c.num_encoder_blocks):
+            ch = c.encoder_block_out_channels[k]
+            x = Conv(ch, strides=(1, 1) if k == 0 else (2, 2), use_bias=k == 0,
+                     dtype=self.dtype, param_dtype=self.dtype, name=f"layers.{i}")(x)
+            i += 1
+            for _ in range(n):
+                x = _Block(x.shape[-1], ch, c.act_fn, self.dtype, name=f"layers.{i}")(x)
+                i += 1
+        x = Conv(c.latent_channels, dtype=self.dtype, param_dtype=self.dtype,
+                 name=f"layers.{i}")(x)
+        return x.astype(jnp.float32)
+
+
+class TinyAutoencoder(nn.Module):
+    """The whole ``AutoencoderTiny`` with the methods a pipeline calls on its VAE
+    (:class:`maxdiff.models.vae.AutoencoderKL`'s), as diffusers' SDXL and SD pipelines use an
+    ``AutoencoderTiny`` given as ``vae=``: decode ``latents / scaling_factor``, encode to
+    ``scaling_factor * latents``. The encoder is deterministic (no posterior): the key and noise
+    arguments are accepted and unused."""
+
+    config: TinyAutoencoderConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self.encoder = TinyEncoder(self.config, self.dtype)
+        self.decoder = TinyDecoder(self.config, self.dtype, unscaled=True)
+
+    def decode(self, z: jax.Array) -> jax.Array:
+        return self.decoder(z)
+
+    def encode_moments(self, x: jax.Array) -> jax.Array:
+        return self.encoder(x)
+
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        return self.decode(self.encoder(x))
+
+    def unscale_latents(self, latents: jax.Array) -> jax.Array:
+        c = self.config
+        return latents.astype(jnp.float32) / c.scaling_factor + c.shift_factor
+
+    def scale_latents(self, z: jax.Array) -> jax.Array:
+        c = self.config
+        return (z - c.shift_factor) * c.scaling_factor
+
+    def latents_to_image(self, latents: jax.Array) -> jax.Array:
+        return self.decode(self.unscale_latents(latents))
+
+    def image_to_latents(self, images: jax.Array, key: jax.Array | None = None,
+                         noise: jax.Array | None = None) -> jax.Array:
+        return self.scale_latents(self.encoder(images))
+
+    def moments_to_latents(self, moments: jax.Array, key: jax.Array | None = None,
+                           noise: jax.Array | None = None) -> jax.Array:
+        return self.scale_latents(moments)
+
+
+def is_tiny_autoencoder(config: Mapping[str, Any]) -> bool:
+    """Whether a component's ``config.json`` (a dict) is an ``AutoencoderTiny``'s."""
+    return config.get("_class_name") == "AutoencoderTiny"
+
+
+def _read(folder) -> TinyAutoencoderConfig:
+    try:
+        return TinyAutoencoderConfig.from_dict(checkpoint.read_config(folder))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{os.fspath(folder)}/config.json: {e}") from None
+
+
 def load_tiny_decoder(folder: str | os.PathLike, dtype: Any = "float32", *,
                       variant: str | None = None) -> tuple[TinyDecoder, dict]:
     """Read a diffusers ``AutoencoderTiny`` folder (``madebyollin/taesdxl``, ``taesd``: a
     ``config.json`` and safetensors): ``(decoder module, its params)``."""
     target = checkpoint.resolve_dtype(dtype)
-    raw = checkpoint.read_config(folder)
-    try:
-        config = TinyDecoderConfig.from_dict(raw)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{os.fspath(folder)}/config.json: {e}") from None
+    config = _read(folder)
     module = TinyDecoder(config, dtype=jnp.dtype(target))
     shapes = checkpoint.init_shapes(module, jax.ShapeDtypeStruct(
         (1, 8, 8, config.latent_channels), jnp.float32))
     source = checkpoint.open_weights(folder, variant)
     return module, checkpoint.load_params(shapes, source, target, key_prefix="decoder.")
+
+
+def load_tiny_autoencoder(folder: str | os.PathLike, dtype: Any = "float32", *,
+                          variant: str | None = None, put=None
+                          ) -> tuple[TinyAutoencoder, dict]:
+    """Read a diffusers ``AutoencoderTiny`` folder whole (encoder and decoder) as a pipeline's
+    VAE: ``(module, its params)``, placed by ``put`` where given."""
+    target = checkpoint.resolve_dtype(dtype)
+    config = _read(folder)
+    module = TinyAutoencoder(config, dtype=jnp.dtype(target))
+    f = config.scale_factor
+    shapes = checkpoint.init_shapes(module, jax.ShapeDtypeStruct(
+        (1, 8 * f, 8 * f, config.in_channels), jnp.float32))
+    return module, checkpoint.load_params(shapes, checkpoint.open_weights(folder, variant),
+                                          target, put=put)

@@ -92,6 +92,8 @@ def use_tiling(setting, config, height: int, width: int, threshold: int | None =
     size only, never at the batch, so an image's pixels do not depend on its batch-mates."""
     setting = check_tiling_setting(setting)
     f = config.vae_scale_factor
+    if not getattr(config, "tileable", True):  # the tiny autoencoder decodes whole images
+        return False
     if not setting or not needs_tiling(config, height // f, width // f):
         return False
     if setting == "auto":

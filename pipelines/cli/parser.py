@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--unet", metavar="FILE", help="single-file UNet replacing the model's "
                    "(SDXL-Lightning)")
     g.add_argument("--vae", metavar="FILE|DIR", help="VAE replacing the model's: a file "
-                   "(sdxl_vae.safetensors) or a diffusers VAE folder")
+                   "(sdxl_vae.safetensors) or a diffusers VAE folder; an AutoencoderTiny "
+                   "folder (taesdxl) decodes fast at lower quality")
     g.add_argument("--scheduler", metavar="NAME",
                    help="sampler: euler, euler_karras, euler_a, dpmpp_2m, dpmpp_2m_karras, "
                         "dpmpp_2m_sde, dpmpp_2m_sde_karras, ddim, pndm, lcm, unipc, "
