@@ -9,17 +9,15 @@ OpenAI routes), the generator replicas and the step engine all check requests he
 - :func:`cfg_on`: guidance turns classifier-free guidance on above 1.
 - one rule per setting: :func:`steps_problem`, :func:`guidance_problem`, :func:`seed_problem`,
   :func:`n_problem`, :func:`strength_problem`, :func:`size_problems`, :func:`cost_problem`,
-  :func:`control_scale_problem`, :func:`control_window_problems`, :func:`chosen_controlnet` and
-  :func:`controlnet_problem` (ControlNet),
   :func:`denoising_fraction_problem`, :func:`aesthetic_problem` and
   :func:`split_steps_problems` (the SDXL refiner) and :func:`output_type_problem` (the Python
-  API's).
+  API's); ControlNet's rules are in :mod:`pipelines.control_limits`.
   Each returns :class:`Problem` (canonical field, message, value) or None; the message states
   the allowed range and never the field's name, because
-- :data:`FIELDS` names each setting in each front door's vocabulary (``num_inference_steps``
-  in Python, ``--steps`` on the command line, ``steps`` in a JSONL line and in JSON bodies,
-  ``num_images`` / ``n``, ``width`` / ``size`` ...), and :func:`describe` / :func:`check` say
-  a problem the way that door's user wrote it.
+- :data:`pipelines.field_names.FIELDS` names each setting in each front door's vocabulary
+  (``num_inference_steps`` in Python, ``--steps`` on the command line, ``steps`` in a JSONL
+  line and in JSON bodies, ``num_images`` / ``n``, ``width`` / ``size`` ...), and
+  :func:`describe` / :func:`check` say a problem the way that door's user wrote it.
 - :class:`Limits` + :func:`problems`: every rule of one request at once, against what this
   model (its scheduler's step limit, its size multiple) and this server (its serve args) allow.
 
@@ -40,85 +38,20 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pipelines.field_names import field_name
+
 MAX_SEED = 2**32 - 1
 STRENGTH = {"img2img": 0.75, "inpaint": 0.9999}  # when a request gives none
 
-# The name of each setting in each front door: the Python API's keyword, the CLI's flag, a
-# JSONL line's field, the native JSON routes' field and the OpenAI routes' field.
-DOORS = ("python", "cli", "jsonl", "native", "openai")
-FIELDS: dict[str, dict[str, str]] = {
-    "steps": {"python": "num_inference_steps", "cli": "--steps", "jsonl": "steps",
-              "native": "steps", "openai": "steps"},
-    "guidance": {"python": "guidance_scale", "cli": "--guidance", "jsonl": "guidance",
-                 "native": "guidance_scale", "openai": "guidance_scale"},
-    "seed": {"python": "seed", "cli": "--seed", "jsonl": "seed", "native": "seed",
-             "openai": "seed"},
-    "n": {"python": "num_images_per_prompt", "cli": "--num-images", "jsonl": "n",
-          "native": "num_images", "openai": "n"},
-    "strength": {"python": "strength", "cli": "--strength", "jsonl": "strength",
-                 "native": "strength", "openai": "strength"},
-    "width": {"python": "width", "cli": "--size", "jsonl": "size", "native": "width",
-              "openai": "size"},
-    "height": {"python": "height", "cli": "--size", "jsonl": "size", "native": "height",
-               "openai": "size"},
-    "prompt": {"python": "prompt", "cli": "prompt", "jsonl": "prompt", "native": "prompt",
-               "openai": "prompt"},
-    "prompt_syntax": {"python": "prompt_syntax", "cli": "--prompt-syntax",
-                      "jsonl": "prompt_syntax", "native": "prompt_syntax",
-                      "openai": "prompt_syntax"},
-    "negative_prompt": {"python": "negative_prompt", "cli": "--negative-prompt",
-                        "jsonl": "negative_prompt", "native": "negative_prompt",
-                        "openai": "negative_prompt"},
-    "adapter": {"python": "adapter", "cli": "--lora", "jsonl": "lora", "native": "lora",
-                "openai": "model"},
-    # ControlNet: in a JSONL line and a JSON body they are fields of one entry of
-    # ``control_images`` (:func:`within` names the entry: ``control_images[1].scale``); on the
-    # command line the scale is the SCALE of ``--control-image PATH[:MODEL[:SCALE]]``
-    "control_scale": {"python": "controlnet_conditioning_scale", "cli": "--control-image",
-                      "jsonl": "scale", "native": "scale"},
-    "control_start": {"python": "control_guidance_start", "cli": "--control-guidance-start",
-                      "jsonl": "start", "native": "start"},
-    "control_end": {"python": "control_guidance_end", "cli": "--control-guidance-end",
-                    "jsonl": "end", "native": "end"},
-    "controlnet": {"python": "controlnet", "cli": "--control-image", "jsonl": "controlnet",
-                   "native": "controlnet"},
-    # IP-Adapter: an image as a prompt (a loaded adapter; the image and its scale per image)
-    "ip_adapter_image": {"python": "ip_adapter_image", "cli": "--ip-adapter-image",
-                         "jsonl": "ip_adapter_image", "native": "ip_adapter_image",
-                         "openai": "ip_adapter_image"},
-    "ip_adapter_scale": {"python": "ip_adapter_scale", "cli": "--ip-adapter-scale",
-                         "jsonl": "ip_adapter_scale", "native": "ip_adapter_scale",
-                         "openai": "ip_adapter_scale"},
-    # the SDXL refiner (two-stage): the base stops at denoising_end, the refiner starts at
-    # denoising_start (fractions of the schedule); the refiner's aesthetic-score time ids
-    "denoising_end": {"python": "denoising_end", "cli": "--high-noise-frac"},
-    "denoising_start": {"python": "denoising_start"},
-    "aesthetic_score": {"python": "aesthetic_score", "cli": "--aesthetic-score"},
-    # feature caching: classifier-free guidance for the first fraction of the steps only;
-    # DeepCache (the UNet's deep features reused for N - 1 of every N steps)
-    "cfg_cutoff": {"python": "cfg_cutoff", "cli": "--cfg-cutoff", "jsonl": "cfg_cutoff",
-                   "native": "cfg_cutoff", "openai": "cfg_cutoff"},
-    "deepcache_interval": {"python": "deepcache_interval", "cli": "--deepcache-interval",
-                           "jsonl": "deepcache_interval", "native": "deepcache_interval",
-                           "openai": "deepcache_interval"},
-    "negative_aesthetic_score": {"python": "negative_aesthetic_score",
-                                 "cli": "--negative-aesthetic-score"},
-}
-
 
 class Problem(NamedTuple):
-    """One broken rule: the canonical field (a key of :data:`FIELDS`), a message stating the
-    allowed range (without the field's name), and the value given (None when it adds
-    nothing)."""
+    """One broken rule: the canonical field (a key of :data:`pipelines.field_names.FIELDS`), a
+    message stating the allowed range (without the field's name), and the value given (None
+    when it adds nothing)."""
 
     field: str
     message: str
     value: Any = None
-
-
-def field_name(field: str, door: str) -> str:
-    """``field``'s name in ``door`` (one of :data:`DOORS`); unknown fields keep their name."""
-    return FIELDS.get(field, {}).get(door, field)
 
 
 def describe(problem: Problem, door: str = "python") -> str:
@@ -315,18 +248,6 @@ def edit_adapter_problem(adapter: Any) -> Problem | None:
                    adapter)
 
 
-CONTROL_SCALE_MAX = 10.0  # ComfyUI's ControlNet strength range is [0, 10]; A1111's weight [0, 2]
-
-
-def control_scale_problem(scale: Any, which: str = "") -> Problem | None:
-    """A ControlNet's conditioning scale (its residuals are multiplied by it): a number in
-    [0, :data:`CONTROL_SCALE_MAX`]. ``which``: the ControlNet, for messages ("ControlNet 1")."""
-    if is_number(scale) and 0.0 <= scale <= CONTROL_SCALE_MAX:
-        return None
-    return Problem("control_scale", f"must be a number in [0, {CONTROL_SCALE_MAX:g}]"
-                   f"{_why(which)} (0: no effect, 1: the ControlNet's full strength)", scale)
-
-
 # ComfyUI's IPAdapter weight runs from -1 to 5; diffusers' set_ip_adapter_scale takes any
 # float; 0 is exactly the model without the adapter, 1 the adapter as trained
 IP_ADAPTER_SCALE = (-1.0, 5.0)
@@ -340,38 +261,6 @@ def ip_adapter_scale_problem(scale: Any) -> Problem | None:
     return Problem("ip_adapter_scale", f"must be a number in [{lo:g}, {hi:g}] (0: the image "
                    "prompt has no effect, 1: the adapter's full strength)", scale)
 
-
-def control_window_problems(start: Any, end: Any, which: str = "") -> list[Problem]:
-    """The fraction of the denoising steps a ControlNet acts on, ``start`` to ``end``: numbers
-    with 0 <= start < end <= 1 (diffusers' rule; step i of n runs the ControlNet when
-    ``i / n >= start`` and ``(i + 1) / n <= end``)."""
-    out = [Problem(field, f"must be a number in [0, 1]{_why(which)}, a fraction of the "
-                   "denoising steps", v)
-           for field, v in (("control_start", start), ("control_end", end))
-           if not is_number(v) or not 0.0 <= v <= 1.0]
-    if not out and start >= end:
-        out.append(Problem("control_start", f"must be below the window's end ({end!r})"
-                           f"{_why(which)}: the ControlNet acts from start to end, fractions "
-                           "of the denoising steps", start))
-    return out
-
-
-def chosen_controlnet(name: Any, loaded: Iterable[str]) -> Any:
-    """The ControlNet a control image goes to, for every front door: the one it names, or, when
-    it names none, the only one loaded. None when it names none and there is not exactly one:
-    the door asks for a name (and lists the loaded ones)."""
-    loaded = list(loaded)
-    return loaded[0] if name is None and len(loaded) == 1 else name
-
-
-def controlnet_problem(name: Any, loaded: Iterable[str]) -> Problem | None:
-    """A ControlNet a request names: one of ``loaded`` (the names this server or run loaded)."""
-    loaded = list(loaded)
-    if isinstance(name, str) and name in loaded:
-        return None
-    have = (f"loaded ControlNets: {', '.join(loaded)}" if loaded else
-            "none is loaded here (serve arg controlnets)")
-    return Problem("controlnet", f"unknown ControlNet {name!r}; {have}", None)
 
 
 OUTPUT_TYPES = ("pil", "np")

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
+from pipelines.control_limits import control_scale_problem, control_window_problems
 from pipelines.limits import (
     AESTHETIC_SCORE,
     NEGATIVE_AESTHETIC_SCORE,
@@ -36,8 +37,6 @@ from pipelines.limits import (
     aesthetic_problem,
     cfg_cutoff_problem,
     cfg_on,
-    control_scale_problem,
-    control_window_problems,
     deepcache_problem,
     describe,
     guidance_problem,

@@ -54,7 +54,8 @@ import ray
 from ray import serve
 
 from pipelines import prompting
-from pipelines.limits import check, controlnet_problem, edit_adapter_problem
+from pipelines.control_limits import controlnet_problem
+from pipelines.limits import check, edit_adapter_problem
 from pipelines.requests import ControlImage, ControlRequest, EditRequest, GenerationRequest
 from serving.backend import Backend, Expired, InvalidJob, Meters
 from serving.batch_backend import BatchBackend

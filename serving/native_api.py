@@ -16,14 +16,14 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from pipelines.image_files import decode_image, encode_image, image_info
-from pipelines.limits import (
+from pipelines.control_limits import (
     chosen_controlnet,
     control_scale_problem,
     control_window_problems,
     controlnet_problem,
-    within,
 )
+from pipelines.image_files import decode_image, encode_image, image_info
+from pipelines.limits import within
 from pipelines.requests import ControlImage, ControlRequest, EditRequest, GenerationRequest
 from serving import validation
 from serving.answers import Prepared

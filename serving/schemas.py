@@ -18,14 +18,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipelines.limits import (
-    CONTROL_SCALE_MAX,
-    DEEPCACHE_MAX,
-    IP_ADAPTER_SCALE,
-    MAX_PROMPT_CHUNKS,
-    MAX_SEED,
-    STRENGTH,
-)
+from pipelines.control_limits import CONTROL_SCALE_MAX
+from pipelines.limits import DEEPCACHE_MAX, IP_ADAPTER_SCALE, MAX_PROMPT_CHUNKS, MAX_SEED, STRENGTH
 from serving.settings import ServeSettings  # noqa: F401 (re-exported)
 from serving.specs import AdapterSpec, WarmupShape  # noqa: F401 (re-exported)
 

@@ -13,13 +13,13 @@ from typing import Any
 
 from fastapi import Request
 
+from pipelines.field_names import field_name
 from pipelines.image_files import decode_image, repaint_mask
 from pipelines.limits import (
     STRENGTH,
     Limits,
     cfg_cutoff_problem,
     deepcache_problem,
-    field_name,
     ip_adapter_scale_problem,
     prompt_text_problems,
     sampler_problem,

@@ -18,16 +18,14 @@ from pipelines import cli
 from pipelines.cli.controls import _controlnet
 from pipelines.cli.lines import InputError, PromptLine
 from pipelines.cli.prompts import edit_strength, read_prompts
+from pipelines.control_limits import chosen_controlnet, control_scale_problem, control_window_problems
+from pipelines.field_names import FIELDS
 from pipelines.limits import (
-    FIELDS,
     MAX_SEED,
     STRENGTH,
     Limits,
     Problem,
     check,
-    chosen_controlnet,
-    control_scale_problem,
-    control_window_problems,
     cost_problem,
     describe,
     guidance_problem,

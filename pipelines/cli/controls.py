@@ -11,14 +11,9 @@ from typing import Any
 
 from maxdiff.hub import resolve
 from pipelines.cli.lines import CONTROL_FIELDS, ControlSpec, edit_size
+from pipelines.control_limits import chosen_controlnet, control_scale_problem, control_window_problems
 from pipelines.image_files import decode_image
-from pipelines.limits import (
-    chosen_controlnet,
-    control_scale_problem,
-    control_window_problems,
-    describe,
-    within,
-)
+from pipelines.limits import describe, within
 
 
 def parse_controlnets(specs: Iterable[str]) -> tuple[dict[str, str], list[str]]:

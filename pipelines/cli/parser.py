@@ -7,9 +7,9 @@ import argparse
 
 from maxdiff.quantization import MODES as QUANTIZATION_MODES
 from pipelines.cli.lines import MAX_IMAGES_PER_LINE
+from pipelines.control_limits import CONTROL_SCALE_MAX
 from pipelines.image_files import FORMATS
 from pipelines.limits import (
-    CONTROL_SCALE_MAX,
     STRENGTH,
     cfg_cutoff_problem,
     deepcache_problem,

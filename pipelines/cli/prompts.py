@@ -37,14 +37,9 @@ from pipelines.cli.lines import (
     check_size,
     edit_size,
 )
+from pipelines.control_limits import control_window_problems
 from pipelines.image_files import decode_image, repaint_mask
-from pipelines.limits import (
-    STRENGTH,
-    control_window_problems,
-    describe,
-    steps_problem,
-    strength_problem,
-)
+from pipelines.limits import STRENGTH, describe, steps_problem, strength_problem
 
 
 def load_edit_inputs(image: str, mask: str | None):

@@ -176,7 +176,7 @@ def test_http_names_the_field_and_the_range_like_every_front_door(main_app, edit
 
     from test_limits import BAD_VALUES
 
-    from pipelines.limits import FIELDS
+    from pipelines.field_names import FIELDS
 
     def refused(r, field, says):
         assert r.status_code == 422, (field, r.text)
