@@ -15,7 +15,8 @@ from serving import jobs, native_api, openai_api, validation
 from serving.answers import Prepared
 from serving.api import api, key_of
 from serving.errors import ApiError, invalid_all, request_id
-from serving.schemas import ERROR_RESPONSES, ErrorResponse, Job, JobList, JobRequest, JobStatus
+from serving.job_schemas import Job, JobList, JobRequest, JobStatus
+from serving.schemas import ERROR_RESPONSES, ErrorResponse
 
 
 class JobRoutes:
