@@ -73,7 +73,7 @@ from serving.api import api, key_of
 from serving.client import GENERATOR, GeneratorClient
 from serving.errors import TIMEOUT_HEADER, request_id
 from serving.gate import CONTROL_ROUTES, EDIT_ROUTES, PROMPT_ROUTES
-from serving.generator import Generator, StatsBoard
+from serving.generator import Generator
 from serving.info_routes import InfoRoutes
 from serving.job_routes import JobRoutes
 from serving.models import Catalog
@@ -90,6 +90,7 @@ from serving.schemas import (
 )
 from serving.schemas import EditRequest as EditBody
 from serving.settings import ServeSettings
+from serving.stats_board import StatsBoard
 from serving.storage import OutputStore
 
 # How the ingress's router retries a request while every generator replica is at

@@ -16,9 +16,9 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from serving import cost, validation
 from serving.api import api
 from serving.errors import ApiError
-from serving.generator import StatsBoard
 from serving.schemas import ERROR_RESPONSES
 from serving.settings import ServeSettings
+from serving.stats_board import StatsBoard
 
 logger = logging.getLogger("ray.serve")
 

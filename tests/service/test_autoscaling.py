@@ -62,11 +62,11 @@ def stats_once(url, done, timeout=30) -> dict:
 
 
 def test_stats_list_live_replicas_and_removed_ones():
-    """``/v1/stats``' split (serving.generator.split_replicas): with the controller's view, a
+    """``/v1/stats``' split (serving.stats_board.split_replicas): with the controller's view, a
     replica it no longer lists, or drains, or that said goodbye is removed (with its node, pid
     and when it was last seen) and a live one that has not reported is not listed; without
     it, every replica that has not said goodbye is listed."""
-    from serving.generator import split_replicas
+    from serving.stats_board import split_replicas
 
     reports = {rid: (100.0 + k, {"node_id": f"n{k}", "pid": k, "images": k})
                for k, rid in enumerate(["run", "drain", "dropped", "bye"])}
