@@ -11,9 +11,10 @@ __all__ = ["TextToImagePipeline", "ImageToImagePipeline", "InpaintPipeline", "Co
            "ImageRequest", "ControlImage", "PipelineOutput", "GenerationRequest"]
 
 if TYPE_CHECKING:
+    from pipelines.conditioned_requests import ControlImage
     from pipelines.controlnet import ControlNetPipeline
     from pipelines.edit import ImageToImagePipeline, InpaintPipeline
-    from pipelines.requests import ControlImage, GenerationRequest, ImageRequest
+    from pipelines.requests import GenerationRequest, ImageRequest
     from pipelines.text_to_image import PipelineOutput, TextToImagePipeline
 
 
@@ -30,8 +31,12 @@ def __getattr__(name):
         from pipelines import controlnet
 
         return controlnet.ControlNetPipeline
-    if name in ("ImageRequest", "GenerationRequest", "ControlImage"):
+    if name in ("ImageRequest", "GenerationRequest"):
         from pipelines import requests
 
         return getattr(requests, name)
+    if name == "ControlImage":
+        from pipelines import conditioned_requests
+
+        return conditioned_requests.ControlImage
     raise AttributeError(f"module 'pipelines' has no attribute {name!r}")

@@ -49,11 +49,12 @@ from maxdiff import hub
 from maxdiff import mesh as meshlib
 from maxdiff.models.controlnet import ControlNetModel, load_controlnet
 from pipelines.composed import ComposedPipeline
+from pipelines.conditioned_requests import ControlImage
 from pipelines.images import image_list, is_image, size_of
 from pipelines.limits import describe
 from pipelines.program import PipelineOutput
 from pipelines.prompting import prompt_items
-from pipelines.requests import ControlImage, ImageRequest
+from pipelines.requests import ImageRequest
 from pipelines.runner import Job, checked_items, run
 from pipelines.tasks.controlnet import CONTROLNET, control_inputs, control_keep, control_residuals
 from pipelines.text_to_image import TextToImagePipeline

@@ -2,8 +2,8 @@
 both dispatch a device batch through.
 
 A device batch is a key (:class:`pipelines.requests.ShapeKey` for text-to-image,
-:class:`~pipelines.requests.EditKey` for image-to-image and inpainting,
-:class:`~pipelines.requests.ControlKey` for ControlNets), its :class:`ImageRequest` items and
+:class:`~pipelines.conditioned_requests.EditKey` for image-to-image and inpainting,
+:class:`~pipelines.conditioned_requests.ControlKey` for ControlNets), its :class:`ImageRequest` items and
 one entry per item of what the kind adds (None; ``(image, mask)``; the item's
 :class:`ControlImage` list). :meth:`Pipelines.generate` runs it on the pipeline of its kind,
 made on first use over the model's live weights (``from_pipe``).
@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pipelines.conditioned_requests import ControlKey, EditKey
 from pipelines.program import PipelineOutput
-from pipelines.requests import ControlKey, EditKey, ImageRequest, ShapeKey
+from pipelines.requests import ImageRequest, ShapeKey
 
 __all__ = ["Pipelines"]
 

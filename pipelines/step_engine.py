@@ -30,8 +30,9 @@ import jax
 import numpy as np
 
 from pipelines import prompting
+from pipelines.conditioned_requests import ControlImage
 from pipelines.limits import cfg_on, check, steps_problem
-from pipelines.requests import ControlImage, ImageRequest
+from pipelines.requests import ImageRequest
 from pipelines.step_runner import StepRunner
 from pipelines.step_scheduler import Handle, Policy, SlotScheduler
 
@@ -134,7 +135,7 @@ class StepEngine:
         the device, in the tick that runs that step; ``handle.preview`` / ``preview_step`` hold
         it when ``on_progress`` reports that step. ``controls``: with an engine over a
         :class:`pipelines.ControlNetPipeline` (and only then), one
-        :class:`pipelines.requests.ControlImage` per ControlNet: the image's control image,
+        :class:`pipelines.conditioned_requests.ControlImage` per ControlNet: the image's control image,
         scale, window (fractions of its own steps) and guess mode."""
         steps = self.pipe.default_steps if steps is None else steps
         self.pipe.check_request(steps, self.height, self.width, self.output_type)

@@ -1,7 +1,7 @@
 """``engine=batch``: whole requests batched per shape key (and edits, on either engine).
 
 Requests are batched with ``@serve.batch``, one batch queue per shape key (height, width,
-steps, CFG on/off; an edit's :class:`pipelines.requests.EditKey` adds its kind and strength):
+steps, CFG on/off; an edit's :class:`pipelines.conditioned_requests.EditKey` adds its kind and strength):
 only requests that can run in the same compiled program wait for each other. Batches of
 different keys take turns on the devices (the replica's FIFO device lock), so no shape waits
 behind another for longer than the batches queued ahead of it; a batch whose program is not
@@ -13,8 +13,8 @@ runs to its end (one compiled program).
 Edits (image-to-image and inpainting) run on ``ImageToImagePipeline.from_pipe`` /
 ``InpaintPipeline.from_pipe`` over the loaded weights (made once, on the first edit). Edit
 programs are not warmed up: the first edit of a shape compiles (without the device lock).
-ControlNet requests (:class:`pipelines.requests.ControlRequest`) queue per
-:class:`pipelines.requests.ControlKey` (their ControlNets, size, steps, CFG on/off) and run on a
+ControlNet requests (:class:`pipelines.conditioned_requests.ControlRequest`) queue per
+:class:`pipelines.conditioned_requests.ControlKey` (their ControlNets, size, steps, CFG on/off) and run on a
 ``ControlNetPipeline.from_pipe`` per set of ControlNets (sharing the loaded ControlNets' arrays);
 each image carries its own control images, scales and windows, so requests that differ only
 in those share a device batch. Their programs are not warmed up either."""
@@ -31,16 +31,8 @@ from collections.abc import Iterator
 import numpy as np
 from ray import serve
 
-from pipelines.requests import (
-    ControlRequest,
-    EditKey,
-    EditRequest,
-    GenerationRequest,
-    ShapeKey,
-    bucket_size,
-    pad_to,
-    plan_batches,
-)
+from pipelines.conditioned_requests import ControlRequest, EditKey, EditRequest
+from pipelines.requests import GenerationRequest, ShapeKey, bucket_size, pad_to, plan_batches
 from serving.backend import Backend, partial_steps, past_deadline
 from serving.schemas import JobResult
 

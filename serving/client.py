@@ -12,7 +12,8 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from pipelines.requests import EditRequest, GenerationRequest
+from pipelines.conditioned_requests import EditRequest
+from pipelines.requests import GenerationRequest
 from serving import errors, sse
 from serving.errors import ApiError
 from serving.schemas import JobResult

@@ -11,9 +11,9 @@ the requests it has started; its memory is freed when they end.
 Generation runs on the backend the serve arg ``engine`` picks (:mod:`serving.backend`):
 ``batch`` batches whole requests per shape key (:mod:`serving.batch_backend`), ``step`` runs
 step-level continuous batching (:mod:`serving.step_backend`); ControlNet requests (a
-:class:`pipelines.requests.ControlRequest` through ``generate``, naming ControlNets the model
+:class:`pipelines.conditioned_requests.ControlRequest` through ``generate``, naming ControlNets the model
 loaded with it: serve arg ``controlnets``) run on the same engine as the rest. Edits
-(``edit(job)``, an :class:`pipelines.requests.EditRequest`: image-to-image and inpainting) are
+(``edit(job)``, an :class:`pipelines.conditioned_requests.EditRequest`: image-to-image and inpainting) are
 request-batched on either engine, under the same device lock (FIFO: batches take turns),
 deadlines and stats.
 
@@ -55,9 +55,10 @@ import ray
 from ray import serve
 
 from pipelines import prompting
+from pipelines.conditioned_requests import ControlImage, ControlRequest, EditRequest
 from pipelines.control_limits import controlnet_problem
 from pipelines.limits import check, edit_adapter_problem
-from pipelines.requests import ControlImage, ControlRequest, EditRequest, GenerationRequest
+from pipelines.requests import GenerationRequest
 from serving.backend import Backend, Expired, InvalidJob, Meters
 from serving.batch_backend import BatchBackend
 from serving.models import Catalog, Served

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from pipelines.conditioned_requests import ControlImage, ControlRequest, EditRequest
 from pipelines.control_limits import (
     chosen_controlnet,
     control_scale_problem,
@@ -24,7 +25,7 @@ from pipelines.control_limits import (
 )
 from pipelines.image_files import decode_image, encode_image, image_info
 from pipelines.limits import within
-from pipelines.requests import ControlImage, ControlRequest, EditRequest, GenerationRequest
+from pipelines.requests import GenerationRequest
 from serving import validation
 from serving.answers import Prepared
 from serving.errors import ApiError, invalid, invalid_all

@@ -9,8 +9,9 @@ import time
 
 from fastapi import UploadFile
 
+from pipelines.conditioned_requests import EditRequest
 from pipelines.image_files import encode_image
-from pipelines.requests import EditRequest, GenerationRequest, parse_size
+from pipelines.requests import GenerationRequest, parse_size
 from serving import validation
 from serving.answers import Prepared
 from serving.errors import invalid, invalid_all

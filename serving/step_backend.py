@@ -4,7 +4,7 @@ One engine of ``engine_slots`` slots per image size, compiled at warm-up for ``w
 sizes; another size is compiled in a thread on its first request, without the device lock,
 while the others keep ticking. A request's images join free slots between denoising steps and
 leave as soon as their own steps are done, so a 2-step image does not wait for a 40-step one.
-ControlNet requests (:class:`pipelines.requests.ControlRequest`) run on engines of their own,
+ControlNet requests (:class:`pipelines.conditioned_requests.ControlRequest`) run on engines of their own,
 one per set of ControlNets (in the request's order) and size, over a ``ControlNetPipeline``:
 each slot holds its image's control images, scales and window, so requests with other control
 images, scales, windows, step counts or guidance share steps; such an engine is compiled (in a
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.requests import ControlRequest, GenerationRequest
+from pipelines.conditioned_requests import ControlRequest
+from pipelines.requests import GenerationRequest
 from serving.backend import Backend, partial_steps, past_deadline
 from serving.schemas import JobResult
 

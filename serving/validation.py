@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
+from pipelines.conditioned_requests import EditRequest
 from pipelines.field_names import field_name
 from pipelines.image_files import decode_image, repaint_mask
 from pipelines.limits import (
@@ -25,7 +26,6 @@ from pipelines.limits import (
     sampler_problem,
 )
 from pipelines.limits import problems as rule_problems
-from pipelines.requests import EditRequest
 from serving.errors import TIMEOUT_HEADER, invalid, invalid_all
 from serving.settings import ServeSettings
 

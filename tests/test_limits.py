@@ -157,8 +157,8 @@ def test_one_strength_default_per_mode(capsys):
     lines (and its --help) and the service's requests all take limits.STRENGTH."""
     import inspect
 
+    from pipelines.conditioned_requests import EditRequest
     from pipelines.edit import ImageToImagePipeline, InpaintPipeline
-    from pipelines.requests import EditRequest
 
     assert STRENGTH == {"img2img": 0.75, "inpaint": 0.9999}
     for cls in (ImageToImagePipeline, InpaintPipeline):

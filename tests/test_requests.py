@@ -103,8 +103,8 @@ def test_encode_image_carries_settings(tmp_path):
 
 
 def test_decode_image_and_repaint_masks():
+    from pipelines.conditioned_requests import EditRequest
     from pipelines.image_files import decode_image, repaint_mask
-    from pipelines.requests import EditRequest
 
     pixels = np.random.default_rng(0).integers(0, 256, (8, 16, 3), np.uint8)
     rgb, alpha = decode_image(encode_image(pixels))

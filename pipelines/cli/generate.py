@@ -17,11 +17,12 @@ from pipelines.cli.jobs import RunSettings, plan_jobs
 from pipelines.cli.lines import InputError, check_size
 from pipelines.cli.output import METADATA, OutputDir
 from pipelines.cli.prompts import load_edit_inputs, read_prompts
+from pipelines.conditioned_requests import ControlImage, ControlKey, EditKey
 from pipelines.limits import (
     MAX_SEED,
     steps_problem,
 )
-from pipelines.requests import ControlImage, ControlKey, EditKey, pad_to, plan_batches
+from pipelines.requests import pad_to, plan_batches
 
 
 def _pipelines(pipe, jobs):

@@ -21,6 +21,7 @@ from typing import Any
 
 from pipelines.cli.lines import InputError, PromptLine
 from pipelines.cli.prompts import edit_strength
+from pipelines.conditioned_requests import ControlKey, EditKey
 from pipelines.image_files import image_info
 from pipelines.limits import (
     cfg_on,
@@ -29,7 +30,7 @@ from pipelines.limits import (
     seed_problem,
     strength_problem,
 )
-from pipelines.requests import ControlKey, EditKey, ImageRequest, ShapeKey, derive_seed, image_seeds
+from pipelines.requests import ImageRequest, ShapeKey, derive_seed, image_seeds
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipelines import program as program_lib
+from pipelines.conditioned_requests import ControlImage
 from pipelines.images import image_pixels
-from pipelines.requests import ControlImage
 from pipelines.runner import Ctx, Task
 
 __all__ = ["CONTROLNET", "control_keep", "control_inputs", "control_residuals"]

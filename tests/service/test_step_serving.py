@@ -361,7 +361,7 @@ def test_a_controlnet_warmup_shape_compiles_its_step_engine(sdxl_dir, step_contr
     """engine=step's warm-up of a shape with ControlNets (serve arg warmup_shapes
     ``WxH:steps:guidance:names``) makes and compiles that ControlNet set's step engine."""
     from pipelines import ControlNetPipeline, TextToImagePipeline
-    from pipelines.requests import ControlImage, ControlRequest
+    from pipelines.conditioned_requests import ControlImage, ControlRequest
     from serving.settings import ServeSettings
     from serving.step_backend import StepBackend
 
