@@ -15,13 +15,19 @@ ridge, the roofline time on the chip's published peaks, images/s per chip, and t
 in the compiled HLO. These are the compiler's estimates, never measurements.
 
 Programs: ``lightning`` (SDXL-Lightning 4 steps, Euler trailing, no CFG: MaxDiffusion's
-published workload), ``base`` (20 Euler steps, CFG 8: MLPerf's SDXL setting). A full-size SDXL
-compile takes minutes on two cores; ``--config`` takes any diffusers folder of configs.
+published workload), ``base`` (20 Euler steps, CFG 8: MLPerf's SDXL setting). The other served
+tasks at the base setting, whole program only (HBM per chip and collectives, as
+``--fit-only``): ``img2img`` (strength 0.75), ``inpaint`` (a 4-channel UNet, strength 0.9999),
+``controlnet`` (one ControlNet made from the UNet's config as diffusers' ``from_unet`` makes
+the released ones) and ``step`` (the step engine's programs, one slot per image: the row holds
+the largest one's HBM and every program's collectives). A full-size SDXL compile takes minutes
+on two cores; ``--config`` takes any diffusers folder of configs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -34,6 +40,7 @@ PROGRAMS = {
     "lightning": ("lightning-4step", 4, 0.0),
     "base": (None, 20, 8.0),
 }
+TASKS = ("img2img", "inpaint", "controlnet", "step")  # at the base setting, fit only
 # SDXL at 1024² (docs: design notes): UNet forward, VAE decode, both CLIP encoders, TFLOP
 SDXL_1024_TFLOP = {"unet": 6.75, "vae": 10.5, "clip": 0.11}
 
@@ -114,10 +121,98 @@ def _save_hlo(hlo_dir: Path | None, name: str, entry: dict) -> None:
             f.write(entry["compiled"].as_text())
 
 
+def _controlnet_folder(folder: Path) -> Path:
+    """A config-only ControlNet folder beside the model's: the UNet's encoder fields, as
+    diffusers' ``ControlNetModel.from_unet`` copies them, and its default conditioning
+    encoder (16, 32, 96, 256 channels: 8x for SDXL's VAE), cut to the VAE's scale factor."""
+    from maxdiff.models.unet import EncoderConfig
+
+    unet = json.loads((folder / "unet" / "config.json").read_text())
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    keep = {f.name for f in dataclasses.fields(EncoderConfig)}
+    out = folder.parent / "controlnet"
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps(
+        {"_class_name": "ControlNetModel", **{k: v for k, v in unet.items() if k in keep},
+         "conditioning_embedding_out_channels": [16, 32, 96, 256][
+             :len(vae.get("block_out_channels", [0] * 4))]}))
+    return out
+
+
+def run_task(pipe, program: str, n: int, size: int, folder: Path) -> None:
+    """Call the pipeline of ``program`` (one of :data:`TASKS`) on ``n`` images at the base
+    setting, so that its programs compile (inside :func:`pipelines.aot.recording`)."""
+    import numpy as np
+
+    from maxdiff import checkpoint
+
+    _, steps, guidance = PROGRAMS["base"]
+    kw = dict(num_inference_steps=steps, guidance_scale=guidance, seed=0)
+    prompts = ["a photo of a cat"] * n
+    image = np.zeros((size, size, 3), np.float32)
+    if program == "img2img":
+        from pipelines import ImageToImagePipeline
+
+        ImageToImagePipeline.from_pipe(pipe)(prompts, image=image, strength=0.75, **kw)
+    elif program == "inpaint":
+        from pipelines import InpaintPipeline
+
+        InpaintPipeline.from_pipe(pipe)(prompts, image=image,
+                                        mask_image=np.zeros((size, size), np.float32), **kw)
+    elif program == "controlnet":
+        from pipelines import ControlNetPipeline
+
+        with checkpoint.shapes_only():
+            cn = ControlNetPipeline.from_pipe(pipe, controlnet=_controlnet_folder(folder))
+        cn(prompts, image=image, height=size, width=size, **kw)
+    elif program == "step":
+        from pipelines.step_engine import StepEngine
+
+        StepEngine(pipe, size, size, slots=n, cfg=True, max_steps=steps).warmup()
+    else:
+        raise ValueError(f"program {program!r}: one of {', '.join(TASKS)}")
+
+
+def one_task(folder: Path, topology: str, program: str, per_chip: int, size: int, dtype: str,
+             config: str, log, hlo_dir: Path | None = None) -> dict:
+    """A :data:`TASKS` program's row: every program it compiled, HBM of the largest against
+    the chip's, the collectives of all."""
+    from pipelines import aot
+
+    _, steps, guidance = PROGRAMS["base"]
+    row = {"topology": topology, "program": program, "batch_per_chip": per_chip, "size": size,
+           "dtype": dtype, "steps": steps, "guidance": guidance, "config": config}
+    t0 = time.perf_counter()
+    pipe = aot.load(folder, topology, dtype)
+    chip = aot.chip_of(pipe.mesh)
+    n = per_chip * pipe.mesh.size
+    row.update(chip=chip.name, chips=pipe.mesh.size, images=n)
+    with aot.recording() as rec:
+        run_task(pipe, program, n, size, folder)
+    row["compile_whole_s"] = time.perf_counter() - t0
+    log(f"  {len(rec)} program(s) compiled in {row['compile_whole_s']:.0f} s")
+    name = f"{topology.replace(':', '-')}-{program}-{size}-{per_chip}"
+    for i, entry in enumerate(rec):
+        _save_hlo(hlo_dir, f"{name}-{i}", entry)
+    each = [aot.fit(entry, chip) for entry in rec]
+    w = max(each, key=lambda a: a["hbm_gib"])
+    ops: dict = {}
+    for a in each:
+        for op, k in a["collectives"].items():
+            ops[op] = ops.get(op, 0) + k
+    row.update(compiled=True, fit_only=True, programs=len(rec), hbm_gib=w["hbm_gib"],
+               hbm_fraction=w["hbm_fraction"], fits=all(a["fits"] for a in each),
+               weights_gib=w["arguments_gib"], temp_gib=w["temp_gib"], collectives=ops,
+               collective_ops=sum(ops.values()))
+    return row
+
+
 def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dtype: str,
         config: str, log, fit_only: bool = False, hlo_dir: Path | None = None) -> dict:
     from pipelines import aot
 
+    if program in TASKS:
+        return one_task(folder, topology, program, per_chip, size, dtype, config, log, hlo_dir)
     preset, steps, guidance = PROGRAMS[program]
     row = {"topology": topology, "program": program, "batch_per_chip": per_chip, "size": size,
            "dtype": dtype, "steps": steps, "guidance": guidance, "config": config}
@@ -212,7 +307,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topology", nargs="+", default=["v5e:2x2"],
                     help="TPU topologies (v5e:2x2, v5e:2x4, v6e:2x2, v5p:2x2x1, ...)")
-    ap.add_argument("--program", nargs="+", default=["lightning"], choices=sorted(PROGRAMS))
+    ap.add_argument("--program", nargs="+", default=["lightning"],
+                    choices=sorted(PROGRAMS) + list(TASKS))
     ap.add_argument("--batch-per-chip", nargs="+", type=int, default=[2])
     ap.add_argument("--size", type=int, default=1024, help="image side in pixels")
     ap.add_argument("--dtype", default="bfloat16")

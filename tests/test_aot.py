@@ -65,3 +65,25 @@ def test_a_program_without_an_entry_counts_nothing():
                                         ("(f32[4]{0:T(128)S(1)}, s8[8]{0})", [(16, 1), (8, 0)])])
 def test_array_shapes_and_spaces(text, want):
     assert aot._arrays(text) == want
+
+
+def test_one_collective_copied_into_several_computations_counts_once():
+    """The TPU compiler's async collective fusions copy one all-gather (one channel_id) into
+    several computations; an async pair is one collective; two channels are two; a
+    collective without a channel id counts per instruction."""
+    text = """
+%async_collective_fusion.1 (param_0.1: f32[1,77,64]) -> f32[4,77,64] {
+  %all-gather.1 = f32[4,77,64]{1,2,0:T(8,128)S(1)} all-gather(%param_0.1), channel_id=58, replica_groups=[1,4]<=[4], dimensions={0}
+}
+%async_collective_fusion.2 (param_0.2: f32[1,77,64]) -> f32[4,77,64] {
+  %all-gather.2 = f32[4,77,64]{1,2,0:T(8,128)S(1)} all-gather(%param_0.2), channel_id=58, replica_groups=[1,4]<=[4], dimensions={0}
+}
+ENTRY %main (p: f32[1,77,64], q: s32[1]) -> f32[4,77,64] {
+  %all-gather.3 = f32[4,77,64]{1,2,0:T(8,128)} all-gather(%p), channel_id=59, replica_groups=[1,4]<=[4], dimensions={0}
+  %collective-permute-start.6 = (s32[1]{0:T(128)}, s32[1]{0:T(128)}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%q), channel_id=128, source_target_pairs={{1,0},{2,1},{3,2}}
+  %collective-permute-done.6 = s32[1]{0:T(128)} collective-permute-done(%collective-permute-start.6)
+  %all-reduce.7 = u32[] all-reduce(%r), to_apply=%add
+  %all-reduce.8 = u32[] all-reduce(%s), to_apply=%add
+}
+"""
+    assert aot.collectives(text) == {"all-gather": 2, "collective-permute": 1, "all-reduce": 2}
