@@ -27,7 +27,8 @@ class Previews:
     def load_preview_decoder(self, path: str | os.PathLike, *, variant: str | None = None
                              ) -> None:
         """Load a diffusers ``AutoencoderTiny`` folder (``madebyollin/taesdxl`` for SDXL,
-        ``madebyollin/taesd`` for SD 1.x / 2.x) as this pipeline's preview decoder. ValueError
+        ``madebyollin/taesd`` for SD 1.x / 2.x) or a decoder file in the original layout
+        (``taesdxl_decoder.safetensors``) as this pipeline's preview decoder. ValueError
         when its latent channels or scale factor are not the VAE's."""
         from maxdiff.models.taesd import load_tiny_decoder
 

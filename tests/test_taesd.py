@@ -151,3 +151,34 @@ def test_tiny_autoencoder_as_a_pipelines_vae(sdxl_dir, tmp_path):
         theirs = i2i(**kw, image=image, strength=0.6, generator=torch.Generator().manual_seed(5),
                      output_type="np").images
     assert np.abs(ours - theirs).max() <= 2e-3
+
+
+@pytest.mark.parity
+def test_a_decoder_file_in_the_original_layout(taesd_dir, tmp_path):
+    """taesdxl_decoder.safetensors as madebyollin/taesd ships it (one nn.Sequential, a clamp
+    at index 0): its shape read off its keys, its decode diffusers'; an encoder file, a
+    pickle and a VAE are refused naming the file."""
+    from safetensors.numpy import save_file
+
+    from maxdiff.checkpoint import CheckpointError
+
+    folder, model = taesd_dir
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    original = {f"{int(k.split('.')[2]) + 1}.{k.split('.', 3)[3]}": v for k, v in sd.items()
+                if k.startswith("decoder.layers.")}
+    save_file(original, tmp_path / "taesdxl_decoder.safetensors")
+    module, params = load_tiny_decoder(tmp_path / "taesdxl_decoder.safetensors")
+    assert (module.config.num_decoder_blocks, module.config.decoder_block_out_channels) == (
+        CONFIG["num_decoder_blocks"], CONFIG["decoder_block_out_channels"])
+    z = np.random.default_rng(3).standard_normal((1, 5, 6, 4)).astype(np.float32)
+    ours = np.asarray(module.apply({"params": params}, z))
+    with torch.no_grad():
+        ref = model.decode(torch.from_numpy(z.transpose(0, 3, 1, 2))).sample.numpy()
+    assert np.abs(ours - ref.transpose(0, 2, 3, 1)).max() < 1e-4
+    save_file({k.removeprefix("encoder.layers."): v for k, v in sd.items()
+               if k.startswith("encoder.layers.")}, tmp_path / "taesdxl_encoder.safetensors")
+    with pytest.raises(ValueError, match="taesdxl_encoder.safetensors: not a TAESD decoder"):
+        load_tiny_decoder(tmp_path / "taesdxl_encoder.safetensors")
+    (tmp_path / "taesd_decoder.pth").write_bytes(b"\x80")
+    with pytest.raises(CheckpointError, match="pickle"):
+        load_tiny_decoder(tmp_path / "taesd_decoder.pth")

@@ -218,16 +218,77 @@ def _read(folder) -> TinyAutoencoderConfig:
         raise ValueError(f"{os.fspath(folder)}/config.json: {e}") from None
 
 
-def load_tiny_decoder(folder: str | os.PathLike, dtype: Any = "float32", *,
+class _Same:
+    """A tensor read as it is stored (the rename protocol of :func:`checkpoint.load_params`)."""
+
+    @staticmethod
+    def read(raw):
+        return raw
+
+
+@dataclass
+class _OriginalDecoder(checkpoint.WeightSource):
+    """A decoder file in the original TAESD layout (``taesdxl_decoder.safetensors``, as
+    madebyollin/taesd ships it and ComfyUI keeps it in ``models/vae_approx``): one
+    ``nn.Sequential`` whose index 0 is the clamp that diffusers' ``DecoderTiny`` does in its
+    forward, so file index ``i + 1`` is diffusers' ``decoder.layers.i``."""
+
+    scope: str = ""
+
+    @staticmethod
+    def rename(key: str):
+        rest = key.removeprefix("decoder.layers.")
+        i, _, tail = rest.partition(".")
+        return f"{int(i) + 1}.{tail}", _Same
+
+
+def _original_decoder_config(source: checkpoint.WeightSource) -> TinyAutoencoderConfig:
+    """The decoder's shape read off an original-layout file's keys: ``1`` the first
+    convolution (latent channels in), then per level its blocks (``N.conv.0.weight``) up to
+    the next convolution (``N.weight``); the last convolution draws the image."""
+    keys = set(source.keys())
+    index = sorted({int(k.split(".", 1)[0]) for k in keys if k.split(".", 1)[0].isdigit()})
+    if "1.weight" not in keys or not any(f"{i}.conv.0.weight" in keys for i in index):
+        raise ValueError("not a TAESD decoder in the original layout (no '1.weight' and "
+                         "'N.conv.0.weight' keys)")
+    blocks, chans, n, ch = [], [], 0, 0
+    for i in index[1:]:
+        if f"{i}.conv.0.weight" in keys:
+            n, ch = n + 1, int(source.lazy(f"{i}.conv.0.weight").shape[0])
+        elif f"{i}.weight" in keys:
+            if not n:
+                raise ValueError(f"convolution {i} follows no block: not a TAESD decoder")
+            blocks.append(n)
+            chans.append(ch)
+            n = 0
+    first = source.lazy("1.weight").shape
+    last = source.lazy(f"{index[-1]}.weight").shape
+    return TinyAutoencoderConfig(latent_channels=int(first[1]), out_channels=int(last[0]),
+                                 decoder_block_out_channels=tuple(chans),
+                                 num_decoder_blocks=tuple(blocks))
+
+
+def load_tiny_decoder(path: str | os.PathLike, dtype: Any = "float32", *,
                       variant: str | None = None) -> tuple[TinyDecoder, dict]:
-    """Read a diffusers ``AutoencoderTiny`` folder (``madebyollin/taesdxl``, ``taesd``: a
-    ``config.json`` and safetensors): ``(decoder module, its params)``."""
+    """Read a tiny decoder: a diffusers ``AutoencoderTiny`` folder (``madebyollin/taesdxl``,
+    ``taesd``: a ``config.json`` and safetensors) or a decoder file in the original layout
+    (``taesdxl_decoder.safetensors``, ``taesd_decoder.safetensors``: its shape read off its
+    keys, ``scaling_factor`` 1 as the diffusers configs have it): ``(decoder module, its
+    params)``."""
     target = checkpoint.resolve_dtype(dtype)
-    config = _read(folder)
+    if os.path.isfile(path):
+        checkpoint.refuse_pickle(path)
+        plain = checkpoint.WeightSource.from_files([path])
+        source = _OriginalDecoder(plain.files, plain.index)
+        try:
+            config = _original_decoder_config(source)
+        except ValueError as e:
+            raise ValueError(f"{os.fspath(path)}: {e}") from None
+    else:
+        config, source = _read(path), checkpoint.open_weights(path, variant)
     module = TinyDecoder(config, dtype=jnp.dtype(target))
     shapes = checkpoint.init_shapes(module, jax.ShapeDtypeStruct(
         (1, 8, 8, config.latent_channels), jnp.float32))
-    source = checkpoint.open_weights(folder, variant)
     return module, checkpoint.load_params(shapes, source, target, key_prefix="decoder.")
 
 
