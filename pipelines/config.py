@@ -113,8 +113,8 @@ class RunConfig(StrictConfig):
     ip_adapter_image_encoder: str | None = None
     ip_adapter_scale: float = Field(1.0, ge=IP_ADAPTER_SCALE[0], le=IP_ADAPTER_SCALE[1])
     # a tiny autoencoder folder (TAESDXL / TAESD) or decoder file (taesdxl_decoder.safetensors)
-    # that draws previews (the step engine's,
-    # the service's partial_images) at a few percent of the VAE decoder's cost
+    # that draws previews (the step engine's, the service's partial_images) at a few percent
+    # of the VAE decoder's cost
     preview_decoder: str | None = None
     # the UNet's transformer linear layers in int8 / fp8 through qwix (maxdiff.quantization):
     # none, int8-weights (int8 weights), int8 (int8 weights and activations), fp8 (e4m3)
