@@ -14,7 +14,7 @@ import numpy as np
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 IMAGE_KEYS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "scheduler",
-              "model", "unet", "lora", "adapter", "dtype", "quantization", "mode", "strength",
+              "model", "unet", "vae", "lora", "adapter", "dtype", "quantization", "mode", "strength",
               "controlnet", "prompt_syntax", "ip_adapter_image", "ip_adapter_scale",
               "cfg_cutoff", "deepcache_interval")
 

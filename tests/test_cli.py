@@ -215,6 +215,18 @@ def test_feature_caching_of_a_line_overrides_the_runs():
     assert jobs[0].id != plain[0].id  # another setting, another file
 
 
+def test_another_vae_is_another_image():
+    """--vae changes the pixels: a resumed run with another VAE makes new files (the id holds
+    it) and records it; runs without one keep the ids they had."""
+    s = RunSettings(model="m", scheduler="s", dtype="float32", steps=1, guidance=5.0,
+                    width=32, height=32, run_seed=0)
+    lines = read_prompts(file="p.txt", file_text="a red circle")
+    plain = plan_jobs(lines, s)[0]
+    tiny = plan_jobs(lines, RunSettings(**{**s.__dict__, "vae": "/models/taesdxl"}))[0]
+    assert tiny.id != plain.id and "vae" not in plain.record()
+    assert tiny.record()["vae"] == tiny.image_info()["vae"] == "/models/taesdxl"
+
+
 def test_resume_after_sigterm(sdxl_dir, env, tmp_path):
     """SIGTERM once the first image exists: exit 143, no temp files, only finished images kept
     (at most the batch in flight lost); a truncated last metadata line (as a SIGKILL leaves) is

@@ -108,7 +108,7 @@ def cmd_generate(args) -> int:
         pipe = TextToImagePipeline.from_config(cfg)
         scheduler = type(pipe.scheduler).__name__ + (f" ({cfg.scheduler})" if cfg.scheduler else "")
         settings = RunSettings(
-            model=cfg.model, unet=cfg.unet, scheduler=scheduler,
+            model=cfg.model, unet=cfg.unet, vae=cfg.vae, scheduler=scheduler,
             dtype=str(resolve_dtype(cfg.dtype)), steps=pipe.default_steps,
             quantization=None if cfg.quantization == "none" else cfg.quantization,
             guidance=float(pipe.default_guidance), width=pipe.default_width,

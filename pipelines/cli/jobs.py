@@ -46,6 +46,7 @@ class RunSettings:
     height: int | None
     run_seed: int
     unet: str | None = None
+    vae: str | None = None  # --vae: the VAE (or tiny autoencoder) replacing the model's
     negative_prompt: str | None = None
     num_images: int = 1
     format: str = "png"
@@ -140,7 +141,7 @@ class ImageJob:
                     run_seed=s.run_seed, steps=self.steps, guidance=self.guidance,
                     size=f"{self.width}x{self.height}", width=self.width, height=self.height,
                     scheduler=self.scheduler or s.scheduler, model=s.model, unet=s.unet,
-                    lora=s.lora,
+                    **({"vae": s.vae} if s.vae else {}), lora=s.lora,
                     dtype=s.dtype, quantization=s.quantization, format=s.format,
                     prompt_syntax=self.prompt_syntax,
                     **({"refiner": s.refiner} if s.refiner else {}), **edit,
@@ -156,6 +157,7 @@ def identity(line: int, image: int, prompt: str, negative_prompt: str | None, se
     return dict(line=line, image=image, prompt=prompt, negative_prompt=negative_prompt, seed=seed,
                 steps=steps, guidance=float(guidance), width=width, height=height,
                 scheduler=s.scheduler, model=s.model, unet=s.unet, dtype=s.dtype, format=s.format,
+                **({"vae": s.vae} if s.vae else {}),  # (ids of runs without one unchanged)
                 **({"lora": s.lora} if s.lora else {}),  # (ids of runs without LoRA unchanged)
                 **({"quantization": s.quantization} if s.quantization else {}),
                 **({"refiner": s.refiner} if s.refiner else {}),
