@@ -162,7 +162,6 @@ class HttpSut:
 def _summary(outdir: str) -> dict:
     text = (Path(outdir) / "mlperf_log_summary.txt").read_text()
 
-
     def num(label: str) -> float | None:
         m = re.search(re.escape(label) + r"\s*:\s*([0-9.eE+-]+)", text)
         return float(m.group(1)) if m else None
@@ -443,6 +442,7 @@ def main(argv=None) -> None:
                 for wl in workloads if not a.rates else []:
                     wl_logs = logs / engine / wl if logs else None
                     bodies = workload(wl, a.offline_queries, a.cfg, (w, h))
+
                     def offline(tag, wl=wl, bodies=bodies, wl_logs=wl_logs):
                         r = run_scenario(lg, url, bodies, "offline", qps=1.0, p99=a.p99,
                                          seconds=1, min_queries=a.offline_queries,

@@ -262,7 +262,6 @@ def ip_adapter_scale_problem(scale: Any) -> Problem | None:
                    "prompt has no effect, 1: the adapter's full strength)", scale)
 
 
-
 OUTPUT_TYPES = ("pil", "np")
 
 

@@ -391,7 +391,6 @@ def run(job: Job) -> program_lib.PipelineOutput:
                               **job.timings)
 
 
-
 def _is_inputs(x) -> bool:
     return isinstance(x, program_lib.HostInputs)
 

@@ -5,6 +5,11 @@ Build it with :func:`serving.app.build_app` (``serve run serving.app:build_app m
 import JAX: only generator replicas load the pipeline.
 """
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported on first use (below): the package alone imports neither Ray nor JAX
+    from serving.app import build_app
+
 __all__ = ["build_app"]
 
 

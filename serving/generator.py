@@ -259,6 +259,7 @@ class Generator:
         self.loads: collections.Counter = collections.Counter()  # model loads on this replica
         self.warmup_s, self.warmed = 0.0, []  # the default model's warm-up, at start
         self.ready_at: float | None = None  # unix time the default model's warm-up finished
+
         async def load_model(name: str) -> LoadedModel:  # a function: the multiplexer keeps
             return await self._load(name)                # its LRU as an attribute of it
 

@@ -22,6 +22,7 @@ TEXT_ARGS = ("config", "model_name", "name", "resource", "model", "unet", "vae",
              "ip_adapter", "ip_adapter_image_encoder", "preview_decoder")
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
+
 class WarmupShape(StrictConfig):
     """One program to compile before a replica reports ready. None: the model's default."""
 

@@ -41,6 +41,7 @@ def shipped_env(pythonpath, **extra: str) -> dict:
     flags (not the suite's -O0), ``pythonpath`` the code it imports, ``extra`` variables."""
     return dict(os.environ, XLA_FLAGS=SHIPPED_XLA_FLAGS, PYTHONPATH=str(pythonpath), **extra)
 
+
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads them when it starts)
 import pytest  # noqa: E402
 import tiny  # noqa: E402

@@ -203,6 +203,7 @@ def test_a1111_encoding_is_its_arithmetic(pipe, torch_pipe):
             ref_pooled = out.text_embeds[:1]
     ref = torch.cat(outs, dim=-1).numpy()
     weights = text.weights[0, 0]
+
     def count(t):
         return len(pipe.tokenizer(t, add_special_tokens=False).input_ids)
     assert np.isclose(weights, 1.4).sum() == count("red cat")

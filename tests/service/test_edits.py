@@ -18,6 +18,7 @@ from .helpers import SIZE, STEPS, png
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
+
 # ---------------------------------------------------------------------------------- edits
 def _encode(a: np.ndarray, fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()

@@ -29,6 +29,7 @@ from .helpers import (
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
+
 # ---------------------------------------------------------------------------------- health
 def test_healthz_is_503_while_warming_up_then_200(main_app):
     ours = [p for p in main_app.probes if p[0] in (200, 503) and "json" in p[1]]

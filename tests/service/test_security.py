@@ -15,6 +15,7 @@ from .helpers import GUARDED_ARGS, KEY_A, KEY_B, ORIGIN, SIZE, auth
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
+
 def test_api_keys(guarded):
     r = requests.post(f"{guarded}/v1/generate", json={"prompt": "x", "seed": 1}, timeout=60)
     assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
