@@ -1,6 +1,6 @@
 """The import graph of the project's own packages: no circle (a module that imports, at any
 depth and anywhere in its body, a module that imports it back), and dependencies point one way:
-serving -> pipelines -> maxdiff."""
+serving -> pipelines -> maxdiff; and the pipeline and service modules stay small."""
 
 from __future__ import annotations
 
@@ -91,3 +91,13 @@ def test_dependencies_point_one_way():
     upward = [f"{m} -> {d}" for m, deps in graph.items() for d in deps
               if rank[d.partition(".")[0]] > rank[m.partition(".")[0]]]
     assert upward == []
+
+
+MAX_LINES = 450  # issue #40: modules of a few hundred lines with one job each
+
+
+def test_pipeline_and_service_modules_stay_small():
+    long = {str(p.relative_to(ROOT)): n for pkg in ("pipelines", "serving")
+            for p in (ROOT / pkg).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
