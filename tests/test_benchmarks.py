@@ -178,6 +178,66 @@ def test_compare_repeats_summary():
     assert summarise([runs[0][:1], runs[1][:1]])[0]["ratio"]["median"] == 2.0  # even count
 
 
+def test_openvino_peer_summary_check_and_export_copy(tmp_path):
+    """benchmarks.openvino_peer without its OpenVINO venv: the summary of made-up rounds
+    (per side images/s per round and min-median-max, maxdiff/OpenVINO ratios per round), the
+    weight check (passes within its stated tolerance, fails loudly beyond it) and the export
+    copy that gives CLIPTextModel's keys their text_model. prefix."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from benchmarks.openvino_peer import (
+        F32_TOLERANCE,
+        export_copy,
+        format_summary,
+        summarise,
+        weight_check,
+    )
+
+    def rnd(md, f32, default):
+        return {"order": ["maxdiff", "openvino-f32", "openvino-default"],
+                "sides": {"maxdiff": {"images_per_s": md}, "openvino-f32": {"images_per_s": f32},
+                          "openvino-default": {"images_per_s": default}}}
+
+    s = summarise([rnd(0.2, 0.2, 0.4), rnd(0.3, 0.1, 0.3), rnd(0.1, 0.2, 0.5)])
+    assert s["rounds"] == 3
+    assert s["sides"]["maxdiff"]["images_per_s"] == [0.2, 0.3, 0.1]
+    assert s["sides"]["openvino-default"]["min_median_max"] == {"min": 0.3, "median": 0.4,
+                                                                "max": 0.5}
+    assert s["ratios"]["maxdiff/openvino-f32"]["per_round"] == [1.0, 3.0, 0.5]
+    assert s["ratios"]["maxdiff/openvino-f32"]["min_median_max"] == {"min": 0.5, "median": 1.0,
+                                                                     "max": 3.0}
+    assert s["ratios"]["maxdiff/openvino-default"]["per_round"] == [0.5, 1.0, 0.2]
+
+    ref = np.linspace(0, 1, 2 * 8 * 8 * 3, dtype=np.float32).reshape(2, 8, 8, 3)
+    check = weight_check({"maxdiff": ref, "openvino-f32": ref + 1e-6,
+                          "openvino-default": ref + 0.01})
+    assert check["passed"] and check["tolerance"] == F32_TOLERANCE <= 1e-3
+    assert check["default_psnr_db"] == pytest.approx(40.0, abs=0.01)
+    text = format_summary(s, check)
+    assert "ratio maxdiff/openvino-f32" in text and "1.00-1.00-1.00" not in text
+    assert "PSNR 40.0 dB" in text
+    with pytest.raises(SystemExit, match="WEIGHT CHECK FAILED"):
+        weight_check({"maxdiff": ref, "openvino-f32": ref + 0.1, "openvino-default": ref})
+
+    src = tmp_path / "src"
+    for name, arch, keys in (("text_encoder", "CLIPTextModel", ["embeddings.w", "text_model.x"]),
+                             ("text_encoder_2", "CLIPTextModelWithProjection",
+                              ["text_model.w", "text_projection.weight"])):
+        (src / name).mkdir(parents=True)
+        (src / name / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        save_file({k: np.zeros(2, np.float32) for k in keys}, src / name / "model.safetensors")
+    (src / "unet").mkdir()
+    (src / "model_index.json").write_text("{}")
+    assert export_copy(src, tmp_path / "dst") == {"text_encoder": 1, "text_encoder_2": 0}
+    assert set(load_file(tmp_path / "dst" / "text_encoder" / "model.safetensors")) == {
+        "text_model.embeddings.w", "text_model.x"}
+    assert set(load_file(tmp_path / "dst" / "text_encoder_2" / "model.safetensors")) == {
+        "text_model.w", "text_projection.weight"}
+    assert (tmp_path / "dst" / "unet").is_symlink()
+    assert (tmp_path / "dst" / "model_index.json").exists()
+
+
 def test_quantization_thresholds_are_stated_and_judged():
     """benchmarks.quantization: the acceptance thresholds its docstring states are the ones it
     judges by, and each verdict can fail: a mean above its bound with a worst image below it
@@ -211,7 +271,6 @@ def test_quantization_thresholds_are_stated_and_judged():
     s = bq.psnr_summary(b, a)
     assert s["per_image_db"][0] == math.inf and s["per_image_db"][1] == pytest.approx(40.0)
     assert (s["worst_db"], s["equal_images"]) == (pytest.approx(40.0), 1)
-
 
 
 def test_step_model_prices_calls_on_the_roofline_and_replays_both_engines():
