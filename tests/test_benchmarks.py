@@ -463,3 +463,21 @@ def test_published_feature_cache_figures_come_from_the_committed_json():
         assert r["passes"]
         if name != "uncached":
             assert f"{r['psnr_mean_db']:.1f} dB ({r['psnr_min_db']:.1f})" in perf, name
+
+
+def test_published_openvino_figures_come_from_the_committed_json():
+    """The OpenVINO table in docs/benchmarks.md is the committed run's summary
+    (docs/results/openvino-2026-12-06/), recomputed from its rounds."""
+    from benchmarks.openvino_peer import summarise
+
+    run = json.loads((ROOT / "docs/results/openvino-2026-12-06/ov-peer.json").read_text())
+    assert run["check"]["passed"] and run["summary"] == summarise(run["rounds"])
+    page = (ROOT / "docs/benchmarks.md").read_text()
+    for side, label in (("maxdiff", "maxdiff (float32)"), ("openvino-f32", "OpenVINO f32"),
+                        ("openvino-default", "OpenVINO default (bf16)")):
+        v = run["summary"]["sides"][side]["min_median_max"]
+        row = next(line for line in page.splitlines() if line.startswith(f"| {label} |"))
+        assert f"{v['min']:.3f}–{v['median']:.3f}–{v['max']:.3f}" in row, row
+        if side != "maxdiff":
+            r = run["summary"]["ratios"][f"maxdiff/{side}"]["min_median_max"]
+            assert f"{r['min']:.2f}–{r['median']:.2f}–{r['max']:.2f}×" in row, row
