@@ -63,6 +63,10 @@ NOT_RUN = {
     "fast = TextToImagePipeline.from_pretrained(\"/models/sdxl-base\", vae=\"/models/taesdxl\")":
         "needs an SDXL folder and a TAESDXL folder: tests/test_taesd.py loads tiny random ones "
         "and checks the images against diffusers'",
+    "bash benchmarks/openvino_env.sh":
+        "builds a second venv (1.6 GB) and exports a model to OpenVINO (minutes): a benchmark, "
+        "run on an idle machine; tests/test_benchmarks.py checks its summary, its weight check "
+        "and its key fix, and that the published rows are the committed run's",
     "pipe.load_preview_decoder(\"/models/taesdxl\")":
         "needs a TAESDXL folder for its model: tests/test_taesd.py loads a tiny random one, "
         "draws previews with it and compares them with diffusers' AutoencoderTiny",
