@@ -134,8 +134,16 @@ def _layout(tokenizer, chunks: list[tuple[list[int], list[float]]]):
     return np.asarray(ids, np.int32), np.asarray(weights, np.float32)
 
 
+def _comma(tokenizer) -> int | None:
+    """The id of CLIP's ``,</w>`` token (None where the vocabulary has none): one lookup, not
+    ``get_vocab()``, which builds the whole 49,408-entry dict (14 ms a prompt)."""
+    tid = tokenizer.convert_tokens_to_ids(",</w>")
+    return None if tid is None or (tid == tokenizer.unk_token_id
+                                   and tokenizer.unk_token != ",</w>") else int(tid)
+
+
 def _chunks_a1111(tokenizer, frags, window: int):
-    comma = tokenizer.get_vocab().get(",</w>")
+    comma = _comma(tokenizer)
     chunks: list[tuple[list[int], list[float]]] = []
     toks: list[int] = []
     ws: list[float] = []
