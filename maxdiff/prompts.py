@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from maxdiff.prompt_syntax import DEFAULT_SYNTAX, parse
+from maxdiff.tokenizers import TOKENIZER_LOCK
 
 __all__ = ["Plan", "Text", "plan", "pack", "empty_ids", "COMMA_BACKTRACK"]
 
@@ -204,7 +205,13 @@ def _chunks_compel(tokenizer, toks: list[int], ws: list[float], window: int):
 
 def plan(text: str, tokenizer, syntax: str = DEFAULT_SYNTAX) -> Plan:
     """One prompt for one tokenizer (:class:`Plan`); PromptSyntaxError for text its syntax
-    cannot read."""
+    cannot read. Thread-safe: the tokenizer is used under
+    :data:`maxdiff.tokenizers.TOKENIZER_LOCK`."""
+    with TOKENIZER_LOCK:
+        return _plan(text, tokenizer, syntax)
+
+
+def _plan(text: str, tokenizer, syntax: str) -> Plan:
     n = _length(tokenizer)
     window = n - 2
     frags = parse(text, syntax)

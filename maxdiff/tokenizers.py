@@ -12,6 +12,7 @@ then the tokenizer's own pad token up to ``model_max_length`` (77). Runs on the 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,14 @@ def load_tokenizers(root: str | os.PathLike,
     return tuple(load_tokenizer(Path(root) / n) for n in names)
 
 
+# A fast tokenizer keeps its truncation and padding settings in the tokenizer object itself:
+# each call sets them, then encodes, so two threads tokenizing at once can encode with the
+# other's settings (a prompt padded to 77 tokens where padding was off reads as 2 chunks).
+# Every call of a tokenizer here holds this lock (the step engine plans a tick's prompts on its
+# thread while the event loop checks new ones).
+TOKENIZER_LOCK = threading.RLock()
+
+
 def tokenize(tokenizer: Any, prompts: Sequence[str]) -> np.ndarray:
     """Token ids (B, model_max_length) int32 for a list of prompts, as diffusers makes them.
 
@@ -74,8 +83,9 @@ def tokenize(tokenizer: Any, prompts: Sequence[str]) -> np.ndarray:
         )
     if not prompts:
         return np.zeros((0, n), np.int32)
-    ids = tokenizer(prompts, padding="max_length", max_length=n, truncation=True,
-                    return_tensors="np").input_ids
+    with TOKENIZER_LOCK:
+        ids = tokenizer(prompts, padding="max_length", max_length=n, truncation=True,
+                        return_tensors="np").input_ids
     return np.asarray(ids, dtype=np.int32)
 
 
