@@ -481,3 +481,34 @@ def test_published_openvino_figures_come_from_the_committed_json():
         if side != "maxdiff":
             r = run["summary"]["ratios"][f"maxdiff/{side}"]["min_median_max"]
             assert f"{r['min']:.2f}–{r['median']:.2f}–{r['max']:.2f}×" in row, row
+
+
+def test_alternating_loadgen_rounds_summarised_as_intervals():
+    """benchmarks.loadgen_alternate: the engines' order swaps every round; each round's
+    capacity bracket comes from LoadGen's verdicts at the rates (held: kept up, no error, p99
+    in bound), and over the rounds each capacity and the step/batch ratio is an interval."""
+    import math
+
+    from benchmarks.loadgen_alternate import bracket, order, summarise
+
+    assert [order(k) for k in range(3)] == [("batch", "step"), ("step", "batch"),
+                                          ("batch", "step")]
+
+    def runs(held_up_to: float, bound: float = 5.0) -> dict:
+        return {f"{q:g}": {"kept_up": q <= held_up_to, "errors": 0,
+                           "p99_s": 1.0 if q <= held_up_to else 2 * bound}
+                for q in (17, 19, 21, 23)}
+
+    assert bracket(runs(19), 5.0) == (19, 21)
+    assert bracket(runs(30), 5.0) == (23, math.inf)
+    assert bracket(runs(0), 5.0) == (0.0, 17)
+
+    def report(engine, held_up_to):
+        return {"p99_bound_s": 5.0, "engines": {engine: {"uniform": {"at_rate": runs(held_up_to)}}}}
+
+    s = summarise({(0, "batch"): report("batch", 17), (0, "step"): report("step", 21),
+                   (1, "batch"): report("batch", 19), (1, "step"): report("step", 21)})["uniform"]
+    assert [r["first"] for r in s["rounds"]] == ["batch", "step"]
+    assert s["rounds"][0]["ratio"] == (21 / 19, 23 / 17)
+    assert s["batch"] == (17, 21) and s["step"] == (21, 23)
+    assert s["ratio"] == (min(21 / 19, 21 / 21), max(23 / 17, 23 / 19))
