@@ -84,6 +84,12 @@ class TinyAutoencoderConfig:
     tileable = False
 
 
+def _unscale(c: TinyAutoencoderConfig, latents: jax.Array) -> jax.Array:
+    """The diffusion model's latents -> the tiny decoder's input (``/ scaling_factor +
+    shift_factor``, as diffusers' pipelines hand latents to ``vae.decode``)."""
+    return latents.astype(jnp.float32) / c.scaling_factor + c.shift_factor
+
+
 class _Block(nn.Module):
     """``AutoencoderTinyBlock``: relu(conv(act(conv(act(conv(x))))) + skip(x))."""
 
@@ -116,9 +122,7 @@ class TinyDecoder(nn.Module):
     def __call__(self, latents: jax.Array) -> jax.Array:
         c = self.config
         act = ACTIVATIONS[c.act_fn]
-        z = latents.astype(jnp.float32)
-        if not self.unscaled:
-            z = z / c.scaling_factor + c.shift_factor
+        z = latents.astype(jnp.float32) if self.unscaled else _unscale(c, latents)
         x = (jnp.tanh(z / 3) * 3).astype(self.dtype)
         chans = c.decoder_block_out_channels
         x = act(Conv(chans[0], dtype=self.dtype, param_dtype=self.dtype, name="layers.0")(x))
@@ -187,8 +191,7 @@ class TinyAutoencoder(nn.Module):
         return self.decode(self.encoder(x))
 
     def unscale_latents(self, latents: jax.Array) -> jax.Array:
-        c = self.config
-        return latents.astype(jnp.float32) / c.scaling_factor + c.shift_factor
+        return _unscale(self.config, latents)
 
     def scale_latents(self, z: jax.Array) -> jax.Array:
         c = self.config
