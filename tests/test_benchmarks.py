@@ -489,26 +489,34 @@ def test_alternating_loadgen_rounds_summarised_as_intervals():
     in bound), and over the rounds each capacity and the step/batch ratio is an interval."""
     import math
 
-    from benchmarks.loadgen_alternate import bracket, order, summarise
+    from benchmarks.loadgen_alternate import bracket, order, summarise, table
 
     assert [order(k) for k in range(3)] == [("batch", "step"), ("step", "batch"),
                                           ("batch", "step")]
 
-    def runs(held_up_to: float, bound: float = 5.0) -> dict:
-        return {f"{q:g}": {"kept_up": q <= held_up_to, "errors": 0,
-                           "p99_s": 1.0 if q <= held_up_to else 2 * bound}
+    def runs(held_up_to: float, bound: float = 5.0, lat: float = 1.0) -> dict:
+        return {f"{q:g}": {"kept_up": q <= held_up_to, "errors": 0, "p50_s": lat * q / 40,
+                           "p99_s": lat * q / 20 if q <= held_up_to else 2 * bound}
                 for q in (17, 19, 21, 23)}
 
     assert bracket(runs(19), 5.0) == (19, 21)
     assert bracket(runs(30), 5.0) == (23, math.inf)
     assert bracket(runs(0), 5.0) == (0.0, 17)
 
-    def report(engine, held_up_to):
-        return {"p99_bound_s": 5.0, "engines": {engine: {"uniform": {"at_rate": runs(held_up_to)}}}}
+    def report(engine, held_up_to, lat=1.0):
+        return {"p99_bound_s": 5.0,
+                "engines": {engine: {"uniform": {"at_rate": runs(held_up_to, lat=lat)}}}}
 
-    s = summarise({(0, "batch"): report("batch", 17), (0, "step"): report("step", 21),
-                   (1, "batch"): report("batch", 19), (1, "step"): report("step", 21)})["uniform"]
+    reports = {(0, "batch"): report("batch", 17), (0, "step"): report("step", 21, 1.5),
+               (1, "batch"): report("batch", 19), (1, "step"): report("step", 21, 2.0)}
+    summary = summarise(reports)
+    s = summary["uniform"]
     assert [r["first"] for r in s["rounds"]] == ["batch", "step"]
     assert s["rounds"][0]["ratio"] == (21 / 19, 23 / 17)
     assert s["batch"] == (17, 21) and s["step"] == (21, 23)
     assert s["ratio"] == (min(21 / 19, 21 / 21), max(23 / 17, 23 / 19))
+    # equal load: the highest rate both held in each round (17, then 19)
+    assert [r["equal_rate"] for r in s["rounds"]] == [17, 19]
+    assert s["p50_ratio"] == pytest.approx((1.5, 2.0)) and s["p99_ratio"] == pytest.approx(
+        (1.5, 2.0))
+    assert "| uniform | 17–21 | 21–23 | 1.00–1.35× | 1.50–2.00×, 1.50–2.00× |" in table(summary)
