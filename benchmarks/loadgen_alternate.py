@@ -133,6 +133,8 @@ def report(summary: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--first-round", type=int, default=1,
+                    help="resume a run in --out at this round (the earlier rounds' JSON kept)")
     ap.add_argument("--workloads", nargs="+", default=["uniform"])
     ap.add_argument("--rates", type=float, nargs="+", help="Server rates (req/s) for both")
     for engine in ENGINES:
@@ -150,8 +152,8 @@ def main(argv=None) -> int:
     if a.out is None or a.rates is None or a.p99 is None:
         ap.error("--out, --rates and --p99 are required unless --summarise")
     a.out.mkdir(parents=True, exist_ok=True)
-    reports = {}
-    for k in range(a.repeats):
+    reports = {key: r for key, r in read_run(a.out).items() if key[0] < a.first_round - 1}
+    for k in range(a.first_round - 1, a.repeats):
         for engine in order(k):
             path = a.out / f"round{k + 1}-{engine}.json"
             cmd = [sys.executable, "-m", "benchmarks.loadgen", "--engines", engine,
