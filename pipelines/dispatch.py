@@ -78,7 +78,7 @@ class Pipelines:
 def _text(pipes: Pipelines, key: ShapeKey, items, extras, on_denoised=None) -> PipelineOutput:
     return pipes.pipe.generate(items, height=key.height, width=key.width,
                                num_inference_steps=key.steps, on_step=on_denoised,
-                               denoised=on_denoised is not None,
+                               denoised=on_denoised is not None, hires=key.hires,
                                progress=False)  # the CLI and the service report their own
 
 

@@ -70,20 +70,13 @@ from pipelines.limits import (
     split_steps_problems,
     strength_problem,
 )
-from pipelines.program import PipelineOutput
+from pipelines.program import PipelineOutput, start_step
 from pipelines.prompting import prompt_items
 from pipelines.requests import ImageRequest
 from pipelines.runner import Job, checked_items, run
 from pipelines.tasks.edit import EDIT
 
 __all__ = ["ImageToImagePipeline", "InpaintPipeline", "start_step"]
-
-
-def start_step(num_inference_steps: int, strength: float) -> int:
-    """diffusers' ``get_timesteps``: the index of the first of the ``num_inference_steps``
-    scheduler steps that is run, ``steps - min(int(steps * strength), steps)``."""
-    init = min(int(num_inference_steps * strength), num_inference_steps)
-    return max(num_inference_steps - init, 0)
 
 
 # ---------------------------------------------------------------------- the pipelines

@@ -62,6 +62,14 @@ FIELDS: dict[str, dict[str, str]] = {
     "deepcache_interval": {"python": "deepcache_interval", "cli": "--deepcache-interval",
                            "jsonl": "deepcache_interval", "native": "deepcache_interval",
                            "openai": "deepcache_interval"},
+    # hires fix: a first pass at size / hires_scale, upscaled, denoised again at hires_strength
+    "hires_scale": {"python": "hires_scale", "cli": "--hires-scale", "jsonl": "hires_scale",
+                    "native": "hires_scale", "openai": "hires_scale"},
+    "hires_strength": {"python": "hires_strength", "cli": "--hires-strength",
+                       "jsonl": "hires_strength", "native": "hires_strength",
+                       "openai": "hires_strength"},
+    "hires_steps": {"python": "hires_steps", "cli": "--hires-steps", "jsonl": "hires_steps",
+                    "native": "hires_steps", "openai": "hires_steps"},
     "negative_aesthetic_score": {"python": "negative_aesthetic_score",
                                  "cli": "--negative-aesthetic-score"},
 }

@@ -16,7 +16,7 @@ FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 IMAGE_KEYS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "scheduler",
               "model", "unet", "vae", "lora", "adapter", "dtype", "quantization", "mode", "strength",
               "controlnet", "prompt_syntax", "ip_adapter_image", "ip_adapter_scale",
-              "cfg_cutoff", "deepcache_interval")
+              "cfg_cutoff", "deepcache_interval", "hires_scale", "hires_strength", "hires_steps")
 
 
 def image_info(**settings: Any) -> dict[str, str]:

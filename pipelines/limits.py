@@ -10,8 +10,9 @@ OpenAI routes), the generator replicas and the step engine all check requests he
 - one rule per setting: :func:`steps_problem`, :func:`guidance_problem`, :func:`seed_problem`,
   :func:`n_problem`, :func:`strength_problem`, :func:`size_problems`, :func:`cost_problem`,
   :func:`denoising_fraction_problem`, :func:`aesthetic_problem` and
-  :func:`split_steps_problems` (the SDXL refiner) and :func:`output_type_problem` (the Python
-  API's); ControlNet's rules are in :mod:`pipelines.control_limits`.
+  :func:`split_steps_problems` (the SDXL refiner), :func:`hires_problems` (the hires fix) and
+  :func:`output_type_problem` (the Python API's); ControlNet's are in
+  :mod:`pipelines.control_limits`.
   Each returns :class:`Problem` (canonical field, message, value) or None; the message states
   the allowed range and never the field's name, because
 - :data:`pipelines.field_names.FIELDS` names each setting in each front door's vocabulary
@@ -21,12 +22,10 @@ OpenAI routes), the generator replicas and the step engine all check requests he
 - :class:`Limits` + :func:`problems`: every rule of one request at once, against what this
   model (its scheduler's step limit, its size multiple) and this server (its serve args) allow.
 
-The default strength: image-to-image runs ``int(steps * strength)`` denoising steps, so a
-default must leave steps on the short schedules maxdiff serves (SDXL-Lightning's 2, 4 and 8
-steps) and make a visible edit where a request cannot say more (OpenAI's ``images.edit`` has no
-strength field). 0.75 does both (diffusers' SDXL image-to-image pipeline defaults to 0.3,
-which leaves no step at 2 steps and one at 4; its SD 1.x one to 0.8). Inpainting keeps
-diffusers' 0.9999.
+The default strength, 0.75: image-to-image runs ``int(steps * strength)`` steps, so it must
+leave steps on SDXL-Lightning's 2-8-step schedules (diffusers' SDXL default, 0.3, leaves none
+at 2) and make a visible edit where a request cannot say more (OpenAI's ``images.edit``).
+Inpainting keeps diffusers' 0.9999.
 """
 
 from __future__ import annotations
@@ -236,6 +235,57 @@ def strength_problem(strength: Any, steps: Any = None) -> Problem | None:
         return Problem("strength", f"with {steps} step(s) leaves no denoising step "
                        f"(int({steps} * {strength}) = 0); raise strength or steps", strength)
     return None
+
+
+HIRES_SCALE = 4.0  # the largest hires fix: the first pass at a quarter of each side
+
+
+def hires_scale_problem(scale: Any) -> Problem | None:
+    if is_number(scale) and 1.0 < scale <= HIRES_SCALE:
+        return None
+    return Problem("hires_scale", f"must be a number in (1, {HIRES_SCALE:g}] (the image is "
+                   "drawn at its size / hires_scale first, then upscaled)", scale)
+
+
+def hires_strength_problem(strength: Any, steps: Any = None) -> Problem | None:
+    p = strength_problem(strength, steps)
+    return p and p._replace(field="hires_strength")
+
+
+def hires_steps_problem(steps: Any, hi: int | None = None, why: str = "") -> Problem | None:
+    p = steps_problem(steps, hi, why)
+    return p and p._replace(field="hires_steps")
+
+
+def hires_first_size(width: int, height: int, scale: float, multiple: int) -> tuple[int, int]:
+    """A hires fix's first pass (width, height): each side / ``scale``, rounded down to a
+    multiple of ``multiple``."""
+    return int(width / scale) // multiple * multiple, int(height / scale) // multiple * multiple
+
+
+def hires_problems(scale: Any, strength: Any, hires_steps: Any, steps: Any, width: Any,
+                   height: Any, multiple: int, lo: int | None = None,
+                   max_steps: int | None = None, steps_why: str = "") -> list[Problem]:
+    """A hires fix (:class:`pipelines.requests.HiresFix`): ``scale`` in (1, 4], ``strength``
+    in (0, 1] leaving at least one of the second pass's steps (``hires_steps``, None: the
+    request's ``steps``), and a first pass (each side / ``scale``, rounded down to
+    ``multiple``) of at least ``lo`` (None: ``multiple``) pixels; ``hires_steps`` at most
+    ``max_steps`` (``steps_why``: whose limit). ``steps``, ``width`` and ``height``: the
+    request's, checked by the other rules."""
+    if (p := hires_scale_problem(scale)) is not None:
+        return [p]
+    out = [p for p in [None if hires_steps is None else hires_steps_problem(
+        hires_steps, max_steps, steps_why)] if p]
+    second = steps if hires_steps is None else hires_steps
+    if (p := hires_strength_problem(strength, None if out else second)) is not None:
+        out.append(p)
+    first = hires_first_size(width, height, scale, multiple) if is_int(width) and is_int(
+        height) else None
+    if first is not None and min(first) < (lo or multiple):
+        out.append(Problem("hires_scale", f"draws the first pass at {first[0]}x{first[1]}; its "
+                           f"sides must be at least {lo or multiple} pixels: lower hires_scale "
+                           "or raise the size", scale))
+    return out
 
 
 def edit_adapter_problem(adapter: Any) -> Problem | None:

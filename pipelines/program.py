@@ -34,7 +34,8 @@ from pipelines.compile_only import CompileOnly
 __all__ = ["jit", "Programs", "HostInputs", "PipelineOutput", "image_keys", "normal",
            "step_noise", "pad_rows", "BatchPut", "host_images", "conditioning", "cfg_rows",
            "cfg_halves", "conditional_half", "guide", "guide_pair", "decode",
-           "to_pixels", "finish", "collect", "cutoff_timestep", "end_step", "start_step_at"]
+           "to_pixels", "finish", "collect", "cutoff_timestep", "end_step", "start_step",
+           "start_step_at"]
 
 
 def jit(mesh, fn, **kwargs):
@@ -374,6 +375,14 @@ def end_step(timesteps, num_train_timesteps: int, fraction: float) -> int:
     (diffusers' ``StableDiffusionXLPipeline``: the timesteps ``>= cutoff``)."""
     cut = cutoff_timestep(num_train_timesteps, fraction)
     return int(np.sum(np.asarray(timesteps) >= cut))
+
+
+def start_step(num_inference_steps: int, strength: float) -> int:
+    """diffusers' ``get_timesteps``: the index of the first of the ``num_inference_steps``
+    scheduler steps that is run, ``steps - min(int(steps * strength), steps)`` (image-to-image,
+    a hires fix's second pass)."""
+    init = min(int(num_inference_steps * strength), num_inference_steps)
+    return max(num_inference_steps - init, 0)
 
 
 def start_step_at(timesteps, num_train_timesteps: int, fraction: float) -> int:

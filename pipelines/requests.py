@@ -34,6 +34,7 @@ from pipelines.limits import (
     deepcache_problem,
     describe,
     guidance_problem,
+    hires_first_size,
     ip_adapter_scale_problem,
     n_problem,
     prompt_text_problems,
@@ -63,20 +64,45 @@ def parse_size(value: Any) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class HiresFix:
+    """A1111's "Hires. fix" for a text-to-image request: the image is drawn first at its size
+    divided by ``scale`` (sides rounded down to the VAE's factor), its latents are upscaled
+    (bilinear) to the full size and denoised again from there at ``strength`` (image-to-image's
+    rule: ``int(steps * strength)`` of ``steps`` run; ``steps`` None: the request's), all in
+    one program (:mod:`pipelines.tasks.hires`). The request's ``steps`` are the first pass's."""
+
+    scale: float = 2.0
+    strength: float = 0.7  # A1111's default denoising strength
+    steps: int | None = None
+
+    def first_size(self, width: int, height: int, multiple: int) -> tuple[int, int]:
+        """The first pass's (width, height) for an output of ``width`` x ``height``."""
+        return hires_first_size(width, height, self.scale, multiple)
+
+    def __str__(self) -> str:
+        steps = "" if self.steps is None else f":{self.steps}"
+        return f"hires{self.scale:g}:s{self.strength:g}{steps}"
+
+
 class ShapeKey(NamedTuple):
-    """What selects a compiled program (besides the padded batch size)."""
+    """What selects a compiled program (besides the padded batch size); ``hires``: a
+    :class:`HiresFix` (None: plain text-to-image)."""
 
     height: int
     width: int
     steps: int
     cfg: bool
+    hires: HiresFix | None = None
 
     @classmethod
-    def of(cls, height: int, width: int, steps: int, guidance: float) -> ShapeKey:
-        return cls(height, width, steps, cfg_on(guidance))
+    def of(cls, height: int, width: int, steps: int, guidance: float,
+           hires: HiresFix | None = None) -> ShapeKey:
+        return cls(height, width, steps, cfg_on(guidance), hires)
 
     def __str__(self) -> str:
-        return f"{self.width}x{self.height}:{self.steps}:{'cfg' if self.cfg else 'nocfg'}"
+        tail = "" if self.hires is None else f":{self.hires}"
+        return f"{self.width}x{self.height}:{self.steps}:{'cfg' if self.cfg else 'nocfg'}{tail}"
 
 
 # ---------------------------------------------------------------------------------- seeds
@@ -242,12 +268,13 @@ class GenerationRequest:
     # separate device batches
     cfg_cutoff: float | None = None
     deepcache_interval: int = 1
+    hires: HiresFix | None = None  # a first pass at a smaller size (in the key)
 
     @property
     def key(self) -> ShapeKey:
         """Requests with equal keys can share a device batch (one compiled program); the
         adapter is not part of it (images with different adapters share a batch)."""
-        return ShapeKey.of(self.height, self.width, self.steps, self.guidance_scale)
+        return ShapeKey.of(self.height, self.width, self.steps, self.guidance_scale, self.hires)
 
     def images(self) -> list[ImageRequest]:
         """One :class:`ImageRequest` per image, seeds ``seed + k``."""

@@ -59,7 +59,7 @@ from pipelines.loading import enable_compile_cache, model_root
 from pipelines.previews import Previews
 from pipelines.program import HostInputs, PipelineOutput
 from pipelines.prompting import prompt_items
-from pipelines.requests import ImageRequest
+from pipelines.requests import HiresFix, ImageRequest
 from pipelines.runner import TEXT, Job, checked_items, run
 
 __all__ = ["TextToImagePipeline", "PipelineOutput", "enable_compile_cache", "model_root"]
@@ -210,7 +210,9 @@ class TextToImagePipeline(Constructors, LoraAdapters, TextualInversion, ImagePro
                  prompt_syntax: str | None = None, scheduler: str | None = None,
                  ip_adapter_image: Any = None, ip_adapter_scale: float | None = None,
                  callback_on_step_end=None, progress: bool | None = None,
-                 cfg_cutoff: float | None = None, deepcache_interval: int = 1) -> PipelineOutput:
+                 cfg_cutoff: float | None = None, deepcache_interval: int = 1,
+                 hires_scale: float | None = None, hires_strength: float = HiresFix.strength,
+                 hires_steps: int | None = None) -> PipelineOutput:
         """Generate images; arguments mean what diffusers' ``StableDiffusionXLPipeline`` gives
         them. ``seed``: one int (image k gets ``seed + k``), one int per image, or None (random
         seeds, reported in the output). ``latents``: initial noise in diffusers' layout
@@ -246,7 +248,14 @@ class TextToImagePipeline(Constructors, LoraAdapters, TextualInversion, ImagePro
         Feature caching (faster, approximate): ``cfg_cutoff`` in (0, 1] runs classifier-free
         guidance on the first ``floor(cfg_cutoff * steps)`` steps only; ``deepcache_interval``
         N > 1 runs the UNet in full every N steps and its outer blocks alone in between, on the
-        deep features the last full step cached (:class:`pipelines.requests.ImageRequest`)."""
+        deep features the last full step cached (:class:`pipelines.requests.ImageRequest`).
+
+        Hires fix (A1111's): ``hires_scale`` in (1, 4] draws each image at ``height`` /
+        ``hires_scale`` x ``width`` / ``hires_scale`` first (``num_inference_steps``), upscales
+        its latents to ``height`` x ``width`` and denoises them again at ``hires_strength``
+        (image-to-image's rule, ``int(hires_steps * hires_strength)`` of ``hires_steps`` run;
+        None: ``num_inference_steps``), in one program (:class:`pipelines.requests.HiresFix`,
+        :mod:`pipelines.tasks.hires`)."""
         items, _ = prompt_items(
             prompt, prompt_2, negative_prompt, negative_prompt_2, num_images_per_prompt, seed,
             guidance_scale=guidance_scale, guidance_rescale=guidance_rescale,
@@ -262,15 +271,18 @@ class TextToImagePipeline(Constructors, LoraAdapters, TextualInversion, ImagePro
         if callback_on_step_end is not None:
             def on_step(i, t, x):
                 callback_on_step_end(self, i, t, {"latents": x})
+        hires = None if hires_scale is None else HiresFix(hires_scale, hires_strength, hires_steps)
         return self.generate(items, height=height, width=width, num_inference_steps=num_inference_steps,
                              latents=latents, output_type=output_type,
-                             denoising_end=denoising_end, on_step=on_step, progress=progress)
+                             denoising_end=denoising_end, on_step=on_step, progress=progress,
+                             hires=hires)
 
     def generate(self, items: Sequence[ImageRequest], *, height: int | None = None,
                  width: int | None = None, num_inference_steps: int | None = None,
                  latents: np.ndarray | None = None, output_type: str = "pil",
                  denoising_end: float | None = None, on_step=None,
-                 progress: bool | None = None, denoised: bool = False) -> PipelineOutput:
+                 progress: bool | None = None, denoised: bool = False,
+                 hires: HiresFix | None = None) -> PipelineOutput:
         """Generate one image per :class:`ImageRequest` in one device batch (padded to a bucket).
 
         Every item has its own prompt, negative prompt, seed and guidance; they share the size
@@ -281,9 +293,20 @@ class TextToImagePipeline(Constructors, LoraAdapters, TextualInversion, ImagePro
         ``on_step(step, timestep, latents (N, C, H/f, W/f))`` and ``progress``: see
         :meth:`__call__` (text-to-image; the two-stage program reports no steps); with
         ``denoised`` ``on_step`` gets each step's estimate of the clean latents instead (what
-        previews draw: :meth:`preview`).
+        previews draw: :meth:`preview`). ``hires``: a hires fix (:meth:`__call__`'s
+        ``hires_scale``).
         """
         t0 = time.perf_counter()
+        if hires is not None:
+            from pipelines.tasks import hires as hires_task
+
+            if latents is not None or denoising_end is not None:
+                raise ValueError("hires_scale: a hires fix draws its own noise and runs the whole "
+                                 "schedule: leave out latents and denoising_end")
+            return hires_task.generate(self, items, hires, height=height, width=width,
+                                       num_inference_steps=num_inference_steps,
+                                       output_type=output_type, on_step=on_step,
+                                       progress=progress, denoised=denoised)
         if self.refiner is not None or denoising_end is not None or output_type not in ("pil", "np"):
             return refiner_lib.generate(
                 self, items, height=height, width=width, num_inference_steps=num_inference_steps,

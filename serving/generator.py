@@ -57,7 +57,7 @@ from ray import serve
 from pipelines import prompting
 from pipelines.conditioned_requests import ControlImage, ControlRequest, EditRequest
 from pipelines.control_limits import controlnet_problem
-from pipelines.limits import check, edit_adapter_problem
+from pipelines.limits import check, edit_adapter_problem, hires_problems
 from pipelines.requests import GenerationRequest
 from serving.backend import Backend, Expired, InvalidJob, Meters
 from serving.batch_backend import BatchBackend
@@ -200,6 +200,11 @@ class LoadedModel:
                                  "cannot run DeepCache; engine=batch runs it")
             self.pipe.check_request(job.steps, job.height, job.width, "pil", job.scheduler)
             job.validate()
+            if (h := job.hires) is not None:  # (the ingress checks it first)
+                lim = self.pipe.limits
+                check(hires_problems(h.scale, h.strength, h.steps, job.steps, job.width,
+                                     job.height, lim.multiple, lim.min_size, lim.max_steps,
+                                     lim.steps_why), "native")
             prompting.check_prompts(self.pipe, job.images()[:1], 1 if step else None,
                                     "engine=step holds one 75-token chunk per image")
             self.pipe.adapter_index(job.images()[:1])  # an adapter this model added
@@ -211,8 +216,9 @@ class LoadedModel:
 
     def backend_for(self, job: GenerationRequest) -> Backend:
         """The backend that runs ``job``: the serve arg ``engine``'s (ControlNet requests too:
-        engine=step runs them on step engines of their ControlNets)."""
-        return self.backend
+        engine=step runs them on step engines of their ControlNets); a hires fix runs on the
+        batch backend on either engine (its two passes run at two sizes), as edits do."""
+        return self.batches if job.hires is not None else self.backend
 
     def validate_edit(self, job: EditRequest) -> None:
         try:

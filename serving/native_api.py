@@ -233,13 +233,15 @@ def generation_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: 
                                   guidance=guidance, seed=body.seed, n=body.num_images,
                                   width=width, height=height)
     errors += validation.feature_cache_problems(s, DOOR, body.cfg_cutoff, body.deepcache_interval)
+    hires = validation.hires_fix(s, info, DOOR, body, steps=steps, n=body.num_images,
+                                 width=width, height=height, errors=errors)
     if errors:
         raise invalid_all(errors)
     return GenerationRequest(body.prompt, body.negative_prompt, body.seed, body.num_images,
                              width, height, steps, guidance, body.lora, body.prompt_syntax,
                              sampler, prompt_image, body.ip_adapter_scale,
                              safety_checker=checked, cfg_cutoff=body.cfg_cutoff,
-                             deepcache_interval=body.deepcache_interval)
+                             deepcache_interval=body.deepcache_interval, hires=hires)
 
 
 async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wanted: str | None,
@@ -249,6 +251,9 @@ async def control_job(s: ServeSettings, info: dict, body: GenerateRequest, wante
     naming every problem: an unknown ControlNet names the loaded ones."""
     loaded = [c["name"] for c in info.get("controlnets") or []]
     errors, raw = list(errors or []), []
+    if body.hires_scale is not None:
+        errors.append(("hires_scale", "a hires fix runs text-to-image without control_images; "
+                       "leave out one of them", body.hires_scale))
     for k, entry in enumerate(body.control_images):
         where = f"control_images[{k}]"
         name = chosen_controlnet(entry.controlnet, loaded)
@@ -346,6 +351,9 @@ def image_settings(job: GenerationRequest, seeds, info: dict, model_id: str) -> 
         mode = {**mode, "cfg_cutoff": f"{job.cfg_cutoff:g}"}
     if job.deepcache_interval != 1:
         mode = {**mode, "deepcache_interval": str(job.deepcache_interval)}
+    if (h := job.hires) is not None:
+        mode = {**mode, "hires_scale": f"{h.scale:g}", "hires_strength": f"{h.strength:g}",
+                **({} if h.steps is None else {"hires_steps": str(h.steps)})}
     return [image_info(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=seed,
                        steps=job.steps, guidance=job.guidance_scale,
                        size=f"{job.width}x{job.height}",

@@ -85,13 +85,15 @@ def generation_job(s: ServeSettings, info: dict, body: ImagesGenerationRequest,
                                   steps=info["default_steps"], n=n, width=width, height=height)
     interval = 1 if body.deepcache_interval is None else body.deepcache_interval
     errors += validation.feature_cache_problems(s, DOOR, body.cfg_cutoff, interval)
+    hires = validation.hires_fix(s, info, DOOR, body, steps=info["default_steps"], n=n,
+                                 width=width, height=height, errors=errors)
     if errors:
         raise invalid_all(errors)
     return GenerationRequest(body.prompt, None, None, n, width, height, info["default_steps"],
                              info["default_guidance"], adapter(info, body), body.prompt_syntax,
                              sampler, prompt_image, body.ip_adapter_scale,
                              safety_checker=checked, cfg_cutoff=body.cfg_cutoff,
-                             deepcache_interval=interval)
+                             deepcache_interval=interval, hires=hires)
 
 
 async def edit_job(s: ServeSettings, info: dict, *, prompt: str, image: UploadFile | None,

@@ -20,7 +20,15 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipelines.control_limits import CONTROL_SCALE_MAX
-from pipelines.limits import DEEPCACHE_MAX, IP_ADAPTER_SCALE, MAX_PROMPT_CHUNKS, MAX_SEED, STRENGTH
+from pipelines.limits import (
+    DEEPCACHE_MAX,
+    HIRES_SCALE,
+    IP_ADAPTER_SCALE,
+    MAX_PROMPT_CHUNKS,
+    MAX_SEED,
+    STRENGTH,
+)
+from pipelines.requests import HiresFix
 from serving.settings import ServeSettings  # noqa: F401 (re-exported)
 from serving.specs import AdapterSpec, WarmupShape  # noqa: F401 (re-exported)
 
@@ -71,6 +79,28 @@ def _deepcache_field(default):
                  json_schema_extra={"minimum": 1, "maximum": DEEPCACHE_MAX})
 
 
+# hires fix (pipelines.requests.HiresFix): ranges are pipelines.limits' rules
+def _hires_scale_field():
+    return Field(None, description="Hires fix (A1111's): draw the image at its width / "
+                 "hires_scale x height / hires_scale first, upscale its latents (bilinear) to "
+                 f"the full size and denoise again from them; in (1, {HIRES_SCALE:g}]. Omitted: "
+                 "off. Runs on engine=batch's backend on either engine; not with control_images.",
+                 json_schema_extra={"exclusiveMinimum": 1, "maximum": HIRES_SCALE})
+
+
+def _hires_strength_field():
+    return Field(None, description=f"The hires fix's second pass, in (0, 1] (default "
+                 f"{HiresFix.strength:g}): int(hires_steps * hires_strength) of hires_steps "
+                 "run, as image-to-image runs its strength. With hires_scale.",
+                 json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+
+
+def _hires_steps_field():
+    return Field(None, description="The hires fix's second pass's steps (default: the "
+                 "request's steps, the first pass's). With hires_scale.",
+                 json_schema_extra={"minimum": 1})
+
+
 class ImagesGenerationRequest(BaseModel):
     """OpenAI Images API ``POST /v1/images/generations``. ``user``, ``quality``, ``style``
     and ``background`` are accepted and ignored; unknown fields too. ``model``
@@ -108,6 +138,9 @@ class ImagesGenerationRequest(BaseModel):
     ip_adapter_scale: float | None = _ip_scale_field()
     cfg_cutoff: float | None = _cfg_cutoff_field()
     deepcache_interval: int | None = _deepcache_field(1)
+    hires_scale: float | None = _hires_scale_field()
+    hires_strength: float | None = _hires_strength_field()
+    hires_steps: int | None = _hires_steps_field()
     user: str | None = None
     quality: str | None = None
     style: str | None = None
@@ -258,6 +291,9 @@ class GenerateRequest(BaseModel):
     ip_adapter_scale: float | None = _ip_scale_field()
     cfg_cutoff: float | None = _cfg_cutoff_field()
     deepcache_interval: int = _deepcache_field(1)
+    hires_scale: float | None = _hires_scale_field()
+    hires_strength: float | None = _hires_strength_field()
+    hires_steps: int | None = _hires_steps_field()
     moderation: Moderation | None = _moderation_field()
     output_format: ImageFormat = "png"
     response_format: ResponseFormat = Field("b64_json", description="'b64_json': each image in "

@@ -20,12 +20,15 @@ from pipelines.limits import (
     STRENGTH,
     Limits,
     cfg_cutoff_problem,
+    cost_problem,
     deepcache_problem,
+    hires_problems,
     ip_adapter_scale_problem,
     prompt_text_problems,
     sampler_problem,
 )
 from pipelines.limits import problems as rule_problems
+from pipelines.requests import HiresFix
 from serving.errors import TIMEOUT_HEADER, invalid, invalid_all
 from serving.settings import ServeSettings
 
@@ -107,6 +110,29 @@ def feature_cache_problems(s: ServeSettings, door: str, cfg_cutoff, deepcache_in
                        "call); send 1 or omit it (engine=batch servers and the Python API run "
                        "it)", deepcache_interval))
     return errors
+
+
+def hires_fix(s: ServeSettings, info: dict, door: str, body, *, steps, n, width, height,
+              errors: list) -> HiresFix | None:
+    """A request's hires fix (``body.hires_scale``, ``hires_strength``, ``hires_steps``; None
+    when ``hires_scale`` is omitted), its problems added to ``errors``: the rules of
+    :mod:`pipelines.limits`, and both passes' cost (the first at the full size: an upper
+    bound) against the serve arg ``max_cost``."""
+    scale, strength, more = body.hires_scale, body.hires_strength, body.hires_steps
+    if scale is None:
+        errors += [(field_name(name, door), "needs hires_scale (without it there is no hires "
+                    "fix)", v) for name, v in (("hires_strength", strength),
+                                               ("hires_steps", more)) if v is not None]
+        return None
+    strength = HiresFix.strength if strength is None else strength
+    lim = limits(s, info)
+    found = hires_problems(scale, strength, more, steps, width, height, lim.multiple,
+                           lim.min_size, lim.max_steps, lim.steps_why)
+    if not found and lim.max_cost is not None and not errors:
+        second = int((steps if more is None else more) * strength)
+        found += [p for p in [cost_problem(n, steps + second, width, height, lim.max_cost)] if p]
+    errors += [(field_name(p.field, door), p.message, p.value) for p in found]
+    return None if found else HiresFix(float(scale), float(strength), more)
 
 
 def sampler(info: dict, name: str | None, errors: list) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,6 +150,22 @@ def test_jsonl_per_line_overrides_and_webp(converted, env, tmp_path):
     assert info["negative_prompt"] == "green" and info["seed"] == str(recs[1, 0]["seed"])
 
 
+def _python_api(env, model, tmp_path, common: str, kws: list[dict]) -> np.ndarray:
+    """``pipe('a red circle', seed=5, <common>, **kw)``'s image for each of ``kws``, made by
+    the Python API in another process (JAX in this one would be forked by later runs)."""
+    script = (
+        "import sys, numpy as np\n"
+        "from pipelines import TextToImagePipeline\n"
+        "pipe = TextToImagePipeline.from_pretrained(sys.argv[1])\n"
+        f"kws = {kws!r}\n"
+        f"np.save(sys.argv[2], np.stack([np.asarray(pipe('a red circle', seed=5, {common}, "
+        "**kw).images[0]) for kw in kws]))\n")
+    res = subprocess.run([sys.executable, "-c", script, str(model), str(tmp_path / "ref.npy")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    return np.load(tmp_path / "ref.npy").astype(int)
+
+
 def test_feature_caching_flags_and_lines_give_the_python_apis_pixels(sdxl_dir, env, tmp_path):
     """--deepcache-interval for the run, a JSONL line's own cfg_cutoff and deepcache_interval:
     each image equals the Python API's with the same keywords (to one level: the CLI runs on
@@ -167,22 +184,38 @@ def test_feature_caching_flags_and_lines_give_the_python_apis_pixels(sdxl_dir, e
     assert recs[1]["cfg_cutoff"] == 0.5 and "deepcache_interval" not in recs[1]
     info = image_files.read_image_info(out / recs[0]["file"])
     assert info["deepcache_interval"] == "2" and "cfg_cutoff" not in info
-    # the Python API in another process (JAX in this one would be forked by later runs)
-    script = (
-        "import sys, numpy as np\n"
-        "from pipelines import TextToImagePipeline\n"
-        "pipe = TextToImagePipeline.from_pretrained(sys.argv[1])\n"
-        "kws = [dict(deepcache_interval=2), dict(cfg_cutoff=0.5), {}]\n"
-        "np.save(sys.argv[2], np.stack([np.asarray(pipe('a red circle', seed=5, "
-        "num_inference_steps=2, **kw).images[0]) for kw in kws]))\n")
-    res = subprocess.run([sys.executable, "-c", script, str(sdxl_dir), str(tmp_path / "ref.npy")],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    assert res.returncode == 0, res.stderr
-    *ours, plain = np.load(tmp_path / "ref.npy").astype(int)
+    *ours, plain = _python_api(env, sdxl_dir, tmp_path, "num_inference_steps=2",
+                               [dict(deepcache_interval=2), dict(cfg_cutoff=0.5), {}])
     for line, mine in enumerate(ours):
         got = np.asarray(Image.open(out / recs[line]["file"]).convert("RGB"), int)
         assert np.abs(got - mine).max() <= 1, line
         assert np.abs(got - plain).max() > 1, line  # the setting changed the image
+
+
+@pytest.mark.slow  # default-suite time: make test-slow runs it
+def test_hires_fix_flags_and_lines_give_the_python_apis_pixels(sdxl_dir, env, tmp_path):
+    """--hires-scale / --hires-strength for the run, a JSONL line's own hires_scale and
+    hires_steps: each image equals the Python API's with the same keywords (to one level) and
+    its PNG text chunks record them."""
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("\n".join(json.dumps(d) for d in [
+        {"prompt": "a red circle", "seed": 5},  # the run's --hires-scale 2 --hires-strength 0.6
+        {"prompt": "a red circle", "seed": 5, "hires_scale": 1.5, "hires_steps": 3},
+    ]) + "\n")
+    out = tmp_path / "out"
+    res = run(env, "generate", "--prompts", jobs, "--model", sdxl_dir, "--steps", "2",
+              "--size", "64x64", "--hires-scale", "2", "--hires-strength", "0.6", "--out", out)
+    assert res.returncode == 0, res.stderr
+    recs = {r["line"]: r for r in metadata(out)}
+    info = image_files.read_image_info(out / recs[1]["file"])
+    assert (info["hires_scale"], info["hires_strength"], info["hires_steps"]) == \
+        ("1.5", "0.6", "3")
+    ours = _python_api(env, sdxl_dir, tmp_path, "height=64, width=64, num_inference_steps=2, "
+                       "hires_strength=0.6", [dict(hires_scale=2.0),
+                                              dict(hires_scale=1.5, hires_steps=3)])
+    for line, mine in enumerate(ours):
+        got = np.asarray(Image.open(out / recs[line]["file"]).convert("RGB"), int)
+        assert np.abs(got - mine).max() <= 1, line
 
 
 def test_bad_feature_caching_values_exit_2_naming_the_field(sdxl_dir, tmp_path, capsys):
@@ -213,6 +246,35 @@ def test_feature_caching_of_a_line_overrides_the_runs():
         (0.5, 1), (0.25, 3)]
     plain = plan_jobs(lines[:1], RunSettings(**{**s.__dict__, "cfg_cutoff": None}))
     assert jobs[0].id != plain[0].id  # another setting, another file
+
+
+def test_hires_fix_of_a_line_overrides_the_runs_and_is_its_own_file():
+    s = RunSettings(model="m", scheduler="s", dtype="float32", steps=4, guidance=5.0,
+                    width=64, height=64, run_seed=0, hires_scale=2.0, hires_strength=0.5)
+    lines = read_prompts(file="p.jsonl", file_text="\n".join(json.dumps(d) for d in [
+        {"prompt": "a"}, {"prompt": "a", "hires_scale": 1.5, "hires_steps": 6}]))
+    jobs = plan_jobs(lines, s)
+    assert [j.shape.hires for j in jobs] == [requests.HiresFix(2.0, 0.5),
+                                             requests.HiresFix(1.5, 0.5, 6)]
+    assert jobs[1].record()["hires_steps"] == 6 and "hires_steps" not in jobs[0].record()
+    assert jobs[0].image_info()["hires_scale"] == "2.0"
+    plain = plan_jobs(lines[:1], RunSettings(**{**s.__dict__, "hires_scale": None}))
+    assert plain[0].shape.hires is None and "hires_scale" not in plain[0].record()
+    assert jobs[0].id != plain[0].id  # another setting, another file
+
+
+@pytest.mark.parametrize("line,match", [
+    ({"prompt": "a", "hires_strength": 0.5}, "'hires_strength' and 'hires_steps' need "
+     "'hires_scale'"),
+    ({"prompt": "a", "hires_scale": 2, "hires_strength": 0.1}, "field 'hires_strength': with 4 "
+     "step(s) leaves no denoising step"),
+])
+def test_bad_hires_lines_are_named(line, match):
+    s = RunSettings(model="m", scheduler="s", dtype="float32", steps=4, guidance=5.0,
+                    width=64, height=64, run_seed=0)
+    lines = read_prompts(file="p.jsonl", file_text=json.dumps(line))
+    with pytest.raises(cli.InputError, match=re.escape(match)):
+        plan_jobs(lines, s)
 
 
 def test_another_vae_is_another_image():
@@ -500,8 +562,9 @@ def test_batches_group_by_shape_and_pad_to_one_bucket():
     got = [(shape, [j.line.index for j in jobs], bucket)
            for shape, jobs, bucket in requests.plan_batches(plan_jobs(lines, s),
                                                             lambda j: j.shape, 2)]
-    assert got == [((32, 32, 1, True), [0, 0], 2), ((32, 32, 1, True), [0, 2], 2),
-                   ((32, 32, 1, False), [1], 1)]
+    assert got == [(requests.ShapeKey(32, 32, 1, True), [0, 0], 2),
+                   (requests.ShapeKey(32, 32, 1, True), [0, 2], 2),
+                   (requests.ShapeKey(32, 32, 1, False), [1], 1)]
 
 
 def test_convert_refuses_an_existing_destination_unless_forced(sdxl_dir, tmp_path, capsys):

@@ -38,7 +38,7 @@ def test_parse_size_refuses(bad):
 def test_shape_key_and_cfg_rule():
     assert cfg_on(1.01) and not cfg_on(1.0) and not cfg_on(0)
     k = ShapeKey.of(64, 96, 4, 7.5)
-    assert k == (64, 96, 4, True) and str(k) == "96x64:4:cfg"
+    assert k == ShapeKey(64, 96, 4, True) and k.hires is None and str(k) == "96x64:4:cfg"
     r = GenerationRequest("a", None, 5, 2, width=96, height=64, steps=4, guidance_scale=0.0)
     assert r.key == ShapeKey(64, 96, 4, False)
 

@@ -91,6 +91,10 @@ def cmd_generate(args) -> int:
                 errors.append(f"{prompted[0]}: an image prompt (--ip-adapter-image / a line's "
                               "ip_adapter_image) needs an IP-Adapter: pass --ip-adapter FILE "
                               "(config key 'ip_adapter')")
+            lone = [f for f in ("hires_strength", "hires_steps") if getattr(args, f) is not None]
+            if lone and args.hires_scale is None and not any(ln.hires_scale for ln in lines):
+                errors.append(f"--{lone[0].replace('_', '-')}: needs --hires-scale (or a "
+                              "line's hires_scale): without it there is no hires fix")
         if errors:
             raise InputError(errors)
         out = OutputDir(args.out)
@@ -116,6 +120,8 @@ def cmd_generate(args) -> int:
             num_images=args.num_images, format=args.format, prompt_syntax=args.prompt_syntax,
             cfg_cutoff=args.cfg_cutoff,
             deepcache_interval=1 if args.deepcache_interval is None else args.deepcache_interval,
+            hires_scale=args.hires_scale, hires_strength=args.hires_strength,
+            hires_steps=args.hires_steps,
             lora=", ".join(f"{x.path}:{x.scale:g}" for x in cfg.loras) or None,
             embeddings=", ".join(str(e) for e in cfg.embeddings) or None,
             refiner=f"{cfg.refiner}:{cfg.high_noise_frac:g}" if cfg.refiner else None,
@@ -137,10 +143,12 @@ def cmd_generate(args) -> int:
                                                        pipe.mesh.size):
             edit = isinstance(batch_shape, EditKey)
             control = isinstance(batch_shape, ControlKey)
-            h, w, steps, cfg_on = batch_shape[1:5] if edit or control else batch_shape
+            h, w, steps, cfg_on = batch_shape[1:5] if edit or control else batch_shape[:4]
             if batch_shape != shape:
                 shape = batch_shape
                 desc = f"{w}x{h}, {steps} step(s), guidance {'on' if cfg_on else 'off'}"
+                if not (edit or control) and batch_shape.hires is not None:
+                    desc = f"{desc}, {batch_shape.hires}"
                 if edit:
                     desc = f"{batch_shape.kind} (strength {batch_shape.strength:g}) {desc}"
                 if control:

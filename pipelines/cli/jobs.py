@@ -3,7 +3,7 @@ identity.
 
 A job's identity is everything that decides its pixels (line index, image index, prompt,
 negative prompt, seed, steps, guidance, size, scheduler, model, dtype, feature caching
-(``cfg_cutoff``, ``deepcache_interval``, where set); for an edit the image's
+(``cfg_cutoff``, ``deepcache_interval``, where set), a hires fix; for an edit the image's
 and mask's contents (SHA-256) and the strength; with ControlNets each control image's
 contents, its ControlNet's folder, scale and window) plus the file format. Per-image seeds come
 from a hash of (run seed, line index, image index), so adding, removing or reordering *later*
@@ -26,11 +26,12 @@ from pipelines.image_files import image_info
 from pipelines.limits import (
     cfg_on,
     describe,
+    hires_problems,
     prompt_text_problems,
     seed_problem,
     strength_problem,
 )
-from pipelines.requests import ImageRequest, ShapeKey, derive_seed, image_seeds
+from pipelines.requests import HiresFix, ImageRequest, ShapeKey, derive_seed, image_seeds
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class RunSettings:
     ip_adapter: str | None = None  # the loaded IP-Adapter, "PATH:SCALE" (the default scale)
     cfg_cutoff: float | None = None  # --cfg-cutoff (None: guidance on every step)
     deepcache_interval: int = 1  # --deepcache-interval (1: no DeepCache)
+    hires_scale: float | None = None  # --hires-scale (None: no hires fix but a line's)
+    hires_strength: float | None = None  # --hires-strength (None: HiresFix's default)
+    hires_steps: int | None = None  # --hires-steps (None: the first pass's steps)
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class ImageJob:
     scheduler: str | None = None  # the line's sampler (None: the run's --scheduler)
     cfg_cutoff: float | None = None  # feature caching: the line's, else the run's
     deepcache_interval: int = 1
+    hires: HiresFix | None = None  # a hires fix: the line's fields over the run's
 
     @property
     def shape(self) -> ShapeKey | EditKey | ControlKey:
@@ -92,7 +97,7 @@ class ImageJob:
         if self.line.image is not None:
             return EditKey("inpaint" if self.line.mask else "img2img", self.height, self.width,
                            self.steps, cfg_on(self.guidance), self.strength)
-        return ShapeKey.of(self.height, self.width, self.steps, self.guidance)
+        return ShapeKey.of(self.height, self.width, self.steps, self.guidance, self.hires)
 
     def request(self) -> ImageRequest:
         image = None
@@ -115,7 +120,7 @@ class ImageJob:
         return identity(self.line.index, self.image, self.prompt, self.negative_prompt, self.seed,
                         self.steps, self.guidance, self.width, self.height, self.settings,
                         self.prompt_syntax, self.scheduler, self.cfg_cutoff,
-                        self.deepcache_interval)
+                        self.deepcache_interval, self.hires)
 
     def image_info(self) -> dict[str, str]:
         """The settings stored inside the image file (no time or path, so files reproduce)."""
@@ -146,14 +151,15 @@ class ImageJob:
                     prompt_syntax=self.prompt_syntax,
                     **({"refiner": s.refiner} if s.refiner else {}), **edit,
                     **_feature_cache(self.cfg_cutoff, self.deepcache_interval),
-                    **_image_prompt(self.line, s),
+                    **_hires(self.hires), **_image_prompt(self.line, s),
                     file=self.file, id=self.id, **extra)
 
 
 def identity(line: int, image: int, prompt: str, negative_prompt: str | None, seed: int,
              steps: int, guidance: float, width: int, height: int, s: RunSettings,
              prompt_syntax: str | None = None, scheduler: str | None = None,
-             cfg_cutoff: float | None = None, deepcache_interval: int = 1) -> dict:
+             cfg_cutoff: float | None = None, deepcache_interval: int = 1,
+             hires: HiresFix | None = None) -> dict:
     return dict(line=line, image=image, prompt=prompt, negative_prompt=negative_prompt, seed=seed,
                 steps=steps, guidance=float(guidance), width=width, height=height,
                 scheduler=s.scheduler, model=s.model, unet=s.unet, dtype=s.dtype, format=s.format,
@@ -164,7 +170,41 @@ def identity(line: int, image: int, prompt: str, negative_prompt: str | None, se
                 **({"prompt_syntax": prompt_syntax} if prompt_syntax else {}),
                 **({"embeddings": s.embeddings} if s.embeddings else {}),
                 **({"sampler": scheduler} if scheduler else {}),
-                **_feature_cache(cfg_cutoff, deepcache_interval))
+                **_feature_cache(cfg_cutoff, deepcache_interval), **_hires(hires))
+
+
+def _hires(hires: HiresFix | None) -> dict:
+    """A hires fix's settings (none: empty, so ids of runs without one are unchanged)."""
+    if hires is None:
+        return {}
+    return {"hires_scale": hires.scale, "hires_strength": hires.strength,
+            **({"hires_steps": hires.steps} if hires.steps is not None else {})}
+
+
+def line_hires(line: PromptLine, s: RunSettings) -> HiresFix | None:
+    """A line's hires fix: its own ``hires_*`` fields over the run's (None: off). InputError
+    for an edit or ControlNet line that asks for one, or a strength that leaves no step."""
+    def pick(name: str, default=None):
+        mine, run = getattr(line, name), getattr(s, name)
+        return mine if mine is not None else run if run is not None else default
+
+    scale = pick("hires_scale")
+    if scale is None:
+        if line.hires_strength is not None or line.hires_steps is not None:
+            raise InputError([f"{line.where}: fields 'hires_strength' and 'hires_steps' need "
+                              "'hires_scale' (or --hires-scale): without it there is no hires "
+                              "fix"])
+        return None
+    if line.image is not None or line.controls:
+        raise InputError([f"{line.where}: a hires fix runs text-to-image lines; leave "
+                          "hires_scale (--hires-scale) out of edits and ControlNet lines"])
+    hires = HiresFix(float(scale), float(pick("hires_strength", HiresFix.strength)),
+                     pick("hires_steps"))
+    steps = line.steps if line.steps is not None else s.steps
+    found = hires_problems(hires.scale, hires.strength, hires.steps, steps, None, None, 1)
+    if found:
+        raise InputError([f"{line.where}: {describe(p, 'jsonl')}" for p in found])
+    return hires
 
 
 def _feature_cache(cfg_cutoff: float | None, deepcache_interval: int) -> dict:
@@ -228,6 +268,7 @@ def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[ImageJob]:
         cutoff = line.cfg_cutoff if line.cfg_cutoff is not None else s.cfg_cutoff
         interval = (line.deepcache_interval if line.deepcache_interval is not None
                     else s.deepcache_interval)
+        hires = line_hires(line, s)
         seeds = image_seeds(line.seed, n)
         strength, edit = None, {}
         if line.image is not None:
@@ -249,9 +290,10 @@ def plan_jobs(lines: list[PromptLine], s: RunSettings) -> list[ImageJob]:
             if seed is None:
                 seed = derive_seed(s.run_seed, line.index, k)
             jid = job_id({**identity(line.index, k, line.prompt, neg, seed, steps, guidance, w,
-                                     h, s, syntax, line.scheduler, cutoff, interval), **edit})
+                                     h, s, syntax, line.scheduler, cutoff, interval, hires),
+                          **edit})
             name = f"{line.index:0{wl}d}-{k:0{wi}d}-{slug(line.prompt)}-{jid[:8]}.{s.format}"
             jobs.append(ImageJob(line, k, line.prompt, neg, seed, steps, float(guidance), w, h, s,
                                  jid, name, strength, syntax, line.scheduler, cutoff,
-                                 interval))
+                                 interval, hires))
     return jobs

@@ -14,6 +14,9 @@ from pipelines.limits import (
     cfg_cutoff_problem,
     deepcache_problem,
     guidance_problem,
+    hires_scale_problem,
+    hires_steps_problem,
+    hires_strength_problem,
     ip_adapter_scale_problem,
     n_problem,
     prompt_syntax_problem,
@@ -29,7 +32,8 @@ from pipelines.requests import (
 
 LINE_FIELDS = ("prompt", "negative_prompt", "seed", "steps", "guidance", "size", "n", "image",
                "mask", "strength", "control_images", "prompt_syntax", "scheduler",
-               "ip_adapter_image", "ip_adapter_scale", "cfg_cutoff", "deepcache_interval")
+               "ip_adapter_image", "ip_adapter_scale", "cfg_cutoff", "deepcache_interval",
+               "hires_scale", "hires_strength", "hires_steps")
 
 
 CONTROL_FIELDS = ("image", "controlnet", "scale", "start", "end",  # of a control_images entry
@@ -69,6 +73,10 @@ class PromptLine:
     # feature caching (None: the run's --cfg-cutoff / --deepcache-interval)
     cfg_cutoff: float | None = None
     deepcache_interval: int | None = None
+    # hires fix (None: the run's --hires-scale / --hires-strength / --hires-steps)
+    hires_scale: float | None = None
+    hires_strength: float | None = None
+    hires_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,9 @@ _CHECKS = {
                                                                float)(v),
     "cfg_cutoff": lambda v: None if v is None else _rule(cfg_cutoff_problem, float)(v),
     "deepcache_interval": _rule(deepcache_problem),
+    "hires_scale": lambda v: None if v is None else _rule(hires_scale_problem, float)(v),
+    "hires_strength": lambda v: None if v is None else _rule(hires_strength_problem, float)(v),
+    "hires_steps": lambda v: None if v is None else _rule(hires_steps_problem)(v),
 }
 
 

@@ -15,12 +15,15 @@ from pipelines.limits import (
     deepcache_problem,
     denoising_fraction_problem,
     guidance_problem,
+    hires_scale_problem,
+    hires_steps_problem,
+    hires_strength_problem,
     ip_adapter_scale_problem,
     n_problem,
     seed_problem,
     steps_problem,
 )
-from pipelines.requests import parse_size
+from pipelines.requests import HiresFix, parse_size
 
 PROG = "maxdiff"
 
@@ -34,6 +37,7 @@ examples:
       --set model=/models/sdxl-base --set unet=/models/sdxl_lightning_4step_unet.safetensors
   maxdiff generate "a watercolor fox" --image fox.png --strength 0.6
   maxdiff generate "a red hat" --image fox.png --mask hat-mask.png   # inpaint the white part
+  maxdiff generate "a castle on a hill" --size 1024x1024 --hires-scale 2   # 512 first, upscaled
   maxdiff generate "a golden statue" --controlnet canny=/models/controlnet-canny-sdxl-1.0 \\
       --control-image edges.png:canny:0.5 --control-guidance-end 0.8
   maxdiff generate "a lighthouse at dusk" --model /models/sdxl-base \\
@@ -46,8 +50,8 @@ of "negative_prompt", "seed", "steps", "guidance", "size" ("WxH"), "n" (images o
 "image", "mask", "strength" (an edit), "control_images" (ControlNet: a list of {"image",
 "controlnet" (a --controlnet name or folder), "scale", "start", "end", "guess_mode"}),
 "ip_adapter_image", "ip_adapter_scale" (an image prompt, with --ip-adapter),
-"prompt_syntax", "scheduler", "cfg_cutoff", "deepcache_interval"; paths relative to the JSONL
-file's folder:
+"prompt_syntax", "scheduler", "cfg_cutoff", "deepcache_interval", "hires_scale",
+"hires_strength", "hires_steps"; paths relative to the JSONL file's folder:
   {"prompt": "a red fox", "seed": 7, "n": 2}
   {"prompt": "a lighthouse", "negative_prompt": "blurry", "size": "1024x768", "steps": 20}
   {"prompt": "a red hat", "image": "fox.png", "mask": "hat-mask.png", "strength": 0.9}
@@ -196,6 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "steps and only its outer blocks in between, on the deep features the "
                           "last full step cached (N in 1..100; default 1: off); a JSONL line's "
                           "deepcache_interval overrides it")
+    gen.add_argument("--hires-scale", type=_rule(hires_scale_problem, float), metavar="S",
+                     help="hires fix (A1111's): draw each image at its size / S first (S in "
+                          "(1, 4]), upscale its latents to the size and denoise again from them, "
+                          "in one program; a JSONL line's hires_scale overrides it (default: "
+                          "off). Text-to-image lines only")
+    gen.add_argument("--hires-strength", type=_rule(hires_strength_problem, float), metavar="F",
+                     help=f"the hires fix's second pass: int(steps * F) of its steps run, F in "
+                          f"(0, 1] (default {HiresFix.strength:g})")
+    gen.add_argument("--hires-steps", type=_rule(hires_steps_problem), metavar="N",
+                     help="the hires fix's second pass's steps (default: --steps)")
     gen.add_argument("--size", type=_size, metavar="WxH", help="image size, e.g. 1024x768")
     gen.add_argument("--seed", type=_rule(lambda v: seed_problem(v, optional=False)), metavar="S",
                      help="run seed: makes the whole run reproducible")

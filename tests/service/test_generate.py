@@ -224,6 +224,45 @@ def test_feature_caching_equals_the_python_api(main_app, pipe):
             (route, r.text)
 
 
+def test_hires_fix_equals_the_python_api(main_app, pipe):
+    """hires_scale / hires_strength / hires_steps on /v1/generate and (extra fields) on
+    /v1/images/generations: the image is the Python API's with the same settings and its file
+    records them; bad values, a strength without a scale and both passes over max_cost are
+    422s naming the field."""
+    hires = dict(hires_scale=2.0, hires_strength=0.5, hires_steps=4)
+    r = generate(main_app.url, prompt="a small dog", seed=81, steps=STEPS, width=64, height=64,
+                 **hires)
+    assert r.status_code == 200, r.text
+    raw = base64.b64decode(r.json()["images"][0]["b64_json"])
+    text = Image.open(io.BytesIO(raw)).text
+    assert (text["hires_scale"], text["hires_strength"], text["hires_steps"]) == ("2", "0.5", "4")
+    ours = pipe("a small dog", seed=81, num_inference_steps=STEPS, height=64, width=64,
+                guidance_scale=0.0, **hires).images[0]
+    assert np.abs(png(raw).astype(int) - np.asarray(ours, int)).max() <= 1
+    import openai
+
+    client = openai.OpenAI(base_url=f"{main_app.url}/v1", api_key="unused", max_retries=0)
+    r2 = client.images.generate(prompt="a small dog", size="64x64",
+                                extra_body={"hires_scale": 2.0, "hires_strength": 0.5})
+    seed = r2.data[0].model_extra["seed"]
+    ours = pipe("a small dog", seed=seed, num_inference_steps=STEPS, height=64, width=64,
+                guidance_scale=0.0, hires_scale=2.0, hires_strength=0.5).images[0]
+    assert np.abs(png(r2.data[0].b64_json).astype(int) - np.asarray(ours, int)).max() <= 1
+    bad = [({"hires_scale": 1.0}, "hires_scale", "(1, 4]"),
+           ({"hires_strength": 0.5}, "hires_strength", "needs hires_scale"),
+           ({"hires_scale": 2.0, "hires_strength": 0.2}, "hires_strength", "no denoising step"),
+           ({"hires_scale": 4.0, "width": 32, "height": 32}, "hires_scale", "first pass at 8x8"),
+           ({"hires_scale": 2.0, "hires_steps": 9}, "hires_steps", "1..8"),  # max_steps
+           # each pass alone is within max_cost (0.02), the two together are not
+           ({"hires_scale": 2.0, "steps": 4, "hires_steps": 8, "width": 64, "height": 64}, None,
+            "max_cost")]
+    for body, field, words in bad:
+        r = requests.post(f"{main_app.url}/v1/generate", json={"prompt": "x", **body}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 422 and words in err["message"], (body, r.text)
+        assert field is None or err["param"] == field, (body, r.text)
+
+
 def _tiny_png() -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (SIZE, SIZE), (200, 30, 30)).save(buf, "PNG")

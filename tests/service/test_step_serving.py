@@ -214,6 +214,17 @@ def test_cfg_cutoff_runs_and_deepcache_is_refused_before_queueing(step_app, pipe
             r.text
 
 
+def test_a_hires_fix_runs_on_a_step_server(step_app, pipe):
+    """engine=step: a hires-fix request (two sizes, so not a step engine's) runs on the batch
+    backend beside the engines and gives the Python API's image."""
+    body = dict(prompt="a small dog", seed=91, steps=2, hires_scale=2.0, hires_steps=3,
+                width=BIG, height=BIG)
+    got = png(_generate(step_app, **body)["images"][0]["b64_json"]).astype(int)
+    ours = pipe("a small dog", seed=91, num_inference_steps=2, guidance_scale=0.0,
+                hires_scale=2.0, hires_steps=3, height=BIG, width=BIG).images[0]
+    assert np.abs(got - np.asarray(ours, int)).max() <= 1
+
+
 def test_a_client_disconnect_frees_its_slot(step_app):
     before = _engine_stats(step_app)["cancelled"]
     r = requests.post(f"{step_app}/v1/generate", json={
