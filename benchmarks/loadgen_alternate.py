@@ -16,8 +16,8 @@ rates (the highest rate that held, the lowest above it that failed: ``benchmarks
 verdict, :func:`benchmarks.loadgen_intervals.held`), and over the rounds the interval each
 capacity and the step/batch ratio can lie in; and the latencies at equal load: in each round,
 at the highest rate both engines held, step's p50 and p99 over batch's (their range over the
-rounds). ``--summarise DIR`` recomputes it from a finished run's JSON. Not a test: it wants an
-idle machine.
+rounds), and the same ratios at every rate both held in every round. ``--summarise DIR``
+recomputes it from a finished run's JSON. Not a test: it wants an idle machine.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def summarise(reports: dict[tuple[int, str], dict]) -> dict:
                         "ratio": ratio, **equal_load(reports, k, wl)})
         loads = [r for r in per if r["equal_rate"] is not None]
         out[wl] = {
+            "by_rate": by_rate(reports, rounds, wl),
             "rounds": per,
             "batch": (min(r["batch"][0] for r in per), max(r["batch"][1] for r in per)),
             "step": (min(r["step"][0] for r in per), max(r["step"][1] for r in per)),
@@ -75,6 +76,21 @@ def summarise(reports: dict[tuple[int, str], dict]) -> dict:
             **{f"{q}_ratio": (min(r[f"{q}_ratio"] for r in loads),
                               max(r[f"{q}_ratio"] for r in loads)) if loads else None
                for q in ("p50", "p99")}}
+    return out
+
+
+def by_rate(reports: dict, rounds: list[int], wl: str) -> dict:
+    """At every rate both engines held in every round: the range over the rounds of step's p50
+    and p99 over batch's (``{"15": {"p50_ratio": (lo, hi), "p99_ratio": (lo, hi)}}``)."""
+    out = {}
+    common = set.intersection(*({q for q, r in reports[k, e]["engines"][e][wl]["at_rate"].items()
+                                 if held(r, reports[k, e]["p99_bound_s"])}
+                                for k in rounds for e in ENGINES))
+    for q in sorted(common, key=float):
+        ratios = {f"{p}_ratio": [reports[k, "step"]["engines"]["step"][wl]["at_rate"][q][f"{p}_s"]
+                                 / reports[k, "batch"]["engines"]["batch"][wl]["at_rate"][q][
+                                     f"{p}_s"] for k in rounds] for p in ("p50", "p99")}
+        out[q] = {name: (min(v), max(v)) for name, v in ratios.items()}
     return out
 
 
@@ -127,6 +143,10 @@ def report(summary: dict) -> str:
                 f"; at {r['equal_rate']:g}/s p50 {r['p50_ratio']:.2f}x, p99 {r['p99_ratio']:.2f}x")
             lines.append(f"{wl} round {r['round']} ({r['first']} first): batch {r['batch']}, "
                          f"step {r['step']}, ratio {r['ratio'][0]:.2f}-{r['ratio'][1]:.2f}{eq}")
+        for q, r in s["by_rate"].items():
+            lines.append(f"{wl} at {q}/s, held by both in every round: step / batch p50 "
+                         f"{r['p50_ratio'][0]:.2f}-{r['p50_ratio'][1]:.2f}x, p99 "
+                         f"{r['p99_ratio'][0]:.2f}-{r['p99_ratio'][1]:.2f}x")
     return "\n".join(lines + ["", table(summary)])
 
 
@@ -144,10 +164,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="per LoadGen run")
     ap.add_argument("--out", type=Path, help="where each round's JSON and the summary go")
     ap.add_argument("--summarise", type=Path, metavar="DIR",
-                    help="recompute and print the summary of a finished run in DIR")
+                    help="recompute the summary of a finished run in DIR (its summary.json) "
+                         "and print it")
     a = ap.parse_args(argv)
     if a.summarise is not None:
-        print(report(summarise(read_run(a.summarise))))
+        summary = summarise(read_run(a.summarise))
+        (a.summarise / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        print(report(summary))
         return 0
     if a.out is None or a.rates is None or a.p99 is None:
         ap.error("--out, --rates and --p99 are required unless --summarise")

@@ -390,27 +390,41 @@ def test_preview_cost_times_all_three_settings(sdxl_dir, tmp_path):
     assert all(r["s_per_image"] > 0 for r in out.values())
 
 
-def test_published_step_vs_batch_intervals_come_from_the_committed_log():
-    """Every step-against-batch ratio the pages publish is what benchmarks.loadgen_intervals
-    computes from the committed LoadGen JSON (capacity intervals from the brackets, Offline
-    ranges, equal-load latency ratios)."""
-    from benchmarks.loadgen_intervals import summary, table
+def test_published_step_vs_batch_figures_come_from_their_logs():
+    """Every step-against-batch figure the pages publish is computed from committed JSON:
+    uniform traffic from the alternated runs (benchmarks.loadgen_alternate: capacity intervals
+    over three rounds, equal-load latency ratios; the run's summary.json is that computation),
+    mixed traffic still from the 2026-12-03 run (one run, benchmarks.loadgen_intervals), whose
+    table the benchmarks page keeps."""
+    from benchmarks import loadgen_alternate, loadgen_intervals
 
-    s = summary(json.loads((ROOT / "docs/results/loadgen-2026-12-03/loadgen.json").read_text()))
-    uniform, mixed = s["uniform"], s["mixed"]
-    assert uniform["batch"]["capacity"] == (17.2931, 19.2145)  # held, failed
-    cap = {w: "{:.2f}–{:.2f}×".format(*s[w]["capacity_ratio"]) for w in s}
-    assert cap == {"uniform": "1.09–1.36×", "mixed": "1.03–1.17×"}
+    run = ROOT / "docs/results/loadgen-2026-12-06/uniform"
+    reports = loadgen_alternate.read_run(run)
+    assert sorted(reports) == [(k, e) for k in range(3) for e in ("batch", "step")]
+    new = loadgen_alternate.summarise(reports)
+    assert json.loads(json.dumps(new)) == json.loads((run / "summary.json").read_text())
+    old = loadgen_intervals.summary(json.loads(
+        (ROOT / "docs/results/loadgen-2026-12-03/loadgen.json").read_text()))
+    assert old["uniform"]["batch"]["capacity"] == (17.2931, 19.2145)  # held, failed
+    uniform = "{:.2f}–{:.2f}×".format(*new["uniform"]["ratio"])
+    mixed = "{:.2f}–{:.2f}×".format(*old["mixed"]["capacity_ratio"])
     pages = {p: (ROOT / p).read_text() for p in ("README.md", "docs/performance.md",
                                                   "docs/service.md", "docs/benchmarks.md")}
-    assert f"{cap['uniform']} / {cap['mixed']}" in pages["README.md"]
+    assert f"{uniform} / {mixed}" in pages["README.md"]
     for page in ("docs/performance.md", "docs/service.md"):
-        assert cap["uniform"][:-1] in pages[page] and cap["mixed"][:-1] in pages[page], page
-    assert table(s) in pages["docs/benchmarks.md"]
-    perf = pages["docs/performance.md"]
-    for w, p50, p99 in (("uniform", uniform["p50_ratio"], uniform["p99_ratio"]),
-                        ("mixed", mixed["p50_ratio"], mixed["p99_ratio"])):
-        assert f"{w} p50 {p50:.2f}×, p99 {p99:.2f}×" in perf
+        assert uniform in pages[page] and mixed in pages[page], page
+    assert loadgen_alternate.table(new) in pages["docs/benchmarks.md"]
+    assert loadgen_intervals.table(old) in pages["docs/benchmarks.md"]
+    u = new["uniform"]
+    p50, p99 = ("{:.2f}–{:.2f}×".format(*u[f"{q}_ratio"]) for q in ("p50", "p99"))
+    assert f"p50 {p50}, p99 {p99}" in pages["docs/performance.md"]
+    at15 = u["by_rate"]["15"]
+    p50, p99 = ("{:.2f}–{:.2f}×".format(*at15[f"{q}_ratio"]) for q in ("p50", "p99"))
+    assert f"15/s, which both held in every round: p50 {p50}, p99 {p99}" in \
+        pages["docs/performance.md"]
+    m = old["mixed"]
+    assert f"mixed p50 {m['p50_ratio']:.2f}×, p99 {m['p99_ratio']:.2f}×" in \
+        pages["docs/performance.md"]
 
 
 def test_feature_cache_benchmark_times_every_setting_and_prices_the_loop(sdxl_dir):
@@ -520,3 +534,6 @@ def test_alternating_loadgen_rounds_summarised_as_intervals():
     assert s["p50_ratio"] == pytest.approx((1.5, 2.0)) and s["p99_ratio"] == pytest.approx(
         (1.5, 2.0))
     assert "| uniform | 17–21 | 21–23 | 1.00–1.35× | 1.50–2.00×, 1.50–2.00× |" in table(summary)
+    # and at every rate both held in every round (17 only)
+    assert s["by_rate"] == {"17": {"p50_ratio": pytest.approx((1.5, 2.0)),
+                                   "p99_ratio": pytest.approx((1.5, 2.0))}}
