@@ -92,6 +92,16 @@ def test_feature_caching_stays_data_parallel(pipe):
     assert aot.collectives(hlo) == {} and SPLASH in hlo
 
 
+def test_the_hires_fix_stays_data_parallel(pipe):
+    """The hires task's two passes (the first at 32², its latents upscaled to 64²) compile
+    for the chips in one program with no collective and the splash kernel."""
+    with aot.recording() as rec:
+        pipe(["a red circle"] * 4, num_inference_steps=2, guidance_scale=5.0, height=SIZE,
+             width=SIZE, seed=1, hires_scale=2.0)
+    hlo = _only(rec)
+    assert aot.collectives(hlo) == {} and SPLASH in hlo
+
+
 @pytest.mark.slow
 def test_image_to_image_and_inpainting_compile(pipe):
     from pipelines import ImageToImagePipeline, InpaintPipeline
