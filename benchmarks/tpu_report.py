@@ -20,8 +20,10 @@ tasks at the base setting, whole program only (HBM per chip and collectives, as
 ``--fit-only``): ``img2img`` (strength 0.75), ``inpaint`` (a 4-channel UNet, strength 0.9999),
 ``controlnet`` (one ControlNet made from the UNet's config as diffusers' ``from_unet`` makes
 the released ones) and ``step`` (the step engine's programs, one slot per image: the row holds
-the largest one's HBM and every program's collectives). A full-size SDXL compile takes minutes
-on two cores; ``--config`` takes any diffusers folder of configs.
+the largest one's HBM and every program's collectives). ``--parts-only`` prices ``base`` or
+``lightning`` from one UNet call and one decode compiled alone, without the whole program (half
+the compile time; no HBM fit). A full-size SDXL compile takes minutes on two cores; ``--config``
+takes any diffusers folder of configs.
 """
 
 from __future__ import annotations
@@ -45,15 +47,26 @@ TASKS = ("img2img", "inpaint", "controlnet", "step")  # at the base setting, fit
 SDXL_1024_TFLOP = {"unet": 6.75, "vae": 10.5, "clip": 0.11}
 
 
-def analytic_tflop(program: str, size: int, config: str) -> float | None:
+def analytic_tflop(program: str, size: int, config: str, text: bool = True) -> float | None:
     """SDXL's analytic work per image at 1024² (None elsewhere): the yardstick the compiler's
-    count is held to."""
+    count is held to. ``text=False``: without the text encoders (what ``--parts-only`` prices)."""
     if config != "sdxl-base" or size != 1024:
         return None
     _, steps, guidance = PROGRAMS[program]
     rows = 2 if guidance > 1 else 1
     t = SDXL_1024_TFLOP
-    return steps * rows * t["unet"] + t["vae"] + rows * t["clip"]
+    return steps * rows * t["unet"] + t["vae"] + (rows * t["clip"] if text else 0.0)
+
+
+def parts_as_whole(unet: dict, vae: dict) -> tuple[dict, dict]:
+    """``--parts-only``: :func:`compose`'s ``whole`` and ``loops`` from the two parts compiled
+    alone, with nothing else (no text encoders or glue: SDXL's are 0.1 % of its flops) and each
+    part's HBM traffic as compiled alone (more than in the program's loops: the decode 85
+    against 32 GB, the UNet call 16 against 10, so the estimate errs low)."""
+    whole = {k: unet[k] + vae[k] for k in ("tflop", "gbytes", "kernel_gbytes")}
+    loops = {"unet": sum(unet["hbm_gbytes_by_loop"].values()),
+             "vae": sum(vae["hbm_gbytes_by_loop"].values()), "entry": 0.0}
+    return whole, loops
 
 
 def compose(whole: dict, unet: dict, vae: dict, loops: dict, *, calls: int, per_chip: int,
@@ -208,7 +221,8 @@ def one_task(folder: Path, topology: str, program: str, per_chip: int, size: int
 
 
 def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dtype: str,
-        config: str, log, fit_only: bool = False, hlo_dir: Path | None = None) -> dict:
+        config: str, log, fit_only: bool = False, hlo_dir: Path | None = None,
+        parts_only: bool = False) -> dict:
     from pipelines import aot
 
     if program in TASKS:
@@ -222,13 +236,15 @@ def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dty
     chips = pipe.mesh.size
     n = per_chip * chips
     row.update(chip=chip.name, chips=chips, images=n)
-    with aot.recording() as whole:
-        pipe(["a photo of a cat"] * n, num_inference_steps=steps, guidance_scale=guidance,
-             height=size, width=size, seed=0)
-    row["compile_whole_s"] = time.perf_counter() - t0
-    log(f"  whole program compiled in {row['compile_whole_s']:.0f} s")
     name = f"{topology.replace(':', '-')}-{program}-{size}-{per_chip}"
-    _save_hlo(hlo_dir, name + "-whole", whole[-1])
+    whole = []
+    if not parts_only:
+        with aot.recording() as whole:
+            pipe(["a photo of a cat"] * n, num_inference_steps=steps, guidance_scale=guidance,
+                 height=size, width=size, seed=0)
+        row["compile_whole_s"] = time.perf_counter() - t0
+        log(f"  whole program compiled in {row['compile_whole_s']:.0f} s")
+        _save_hlo(hlo_dir, name + "-whole", whole[-1])
     if fit_only:  # memory and collectives only: no second compile for the per-step cost
         w = aot.analyse(whole[-1], chip, per_chip)
         row.update(compiled=True, fit_only=True, hbm_gib=w["hbm_gib"],
@@ -249,17 +265,23 @@ def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dty
     row["compile_vae_s"] = time.perf_counter() - t2
     log(f"  one image's VAE decode compiled in {row['compile_vae_s']:.0f} s")
     _save_hlo(hlo_dir, name + "-vae", vae[-1])
-    w = aot.analyse(whole[-1], chip, per_chip)
     u = aot.analyse(unet[-1], chip, per_chip)
     v = aot.analyse(vae[-1], chip, 1)
+    if parts_only:  # no whole program: neither its HBM nor its own collectives are known
+        w, loops = parts_as_whole(u, v)
+        row.update(compiled=True, parts_only=True, collective_ops=u["collective_ops"]
+                   + v["collective_ops"], parts_hbm_gib=max(u["hbm_gib"], v["hbm_gib"]))
+    else:
+        w = aot.analyse(whole[-1], chip, per_chip)
+        loops = loops_gb(w)
+        row.update(compiled=True, hbm_gib=w["hbm_gib"], hbm_fraction=w["hbm_fraction"],
+                   fits=w["fits"], weights_gib=w["arguments_gib"], temp_gib=w["temp_gib"],
+                   collectives=w["collectives"], collective_ops=w["collective_ops"])
     row.update(
-        compiled=True, hbm_gib=w["hbm_gib"], hbm_fraction=w["hbm_fraction"], fits=w["fits"],
-        weights_gib=w["arguments_gib"], temp_gib=w["temp_gib"],
-        collectives=w["collectives"], collective_ops=w["collective_ops"],
         unet_collective_ops=u["collective_ops"],
-        **compose(w, u, v, loops_gb(w), calls=steps, per_chip=per_chip,
+        **compose(w, u, v, loops, calls=steps, per_chip=per_chip,
                   chip=chip),  # Euler: one UNet call a step
-        analytic_tflop_per_image=analytic_tflop(program, size, config))
+        analytic_tflop_per_image=analytic_tflop(program, size, config, text=not parts_only))
     row["images_per_s"] = row["images_per_s_per_chip"] * chips
     if row["analytic_tflop_per_image"]:
         row["tflop_vs_analytic"] = row["tflop_per_image"] / row["analytic_tflop_per_image"]
@@ -284,7 +306,8 @@ def table(rows: list[dict]) -> str:
         if not r.get("compiled"):
             out.append(f"{head} | did not compile: {r['error'][:80]} | | | | | | |")
             continue
-        hbm = f"{r['hbm_gib']:.1f} GiB ({r['hbm_fraction']:.0%})"
+        hbm = ("(parts only)" if r.get("parts_only")
+               else f"{r['hbm_gib']:.1f} GiB ({r['hbm_fraction']:.0%})")
         if r.get("fit_only"):
             out.append(f"{head} | {hbm} | (fit only) | | | | | {r['collective_ops']} |")
             continue
@@ -318,6 +341,10 @@ def main(argv=None) -> int:
                     help="folder for report.jsonl (one line per result) and report.log")
     ap.add_argument("--fit-only", action="store_true",
                     help="compile the whole program only: HBM and collectives, no cost")
+    ap.add_argument("--parts-only", action="store_true",
+                    help="price one UNet call and one decode compiled alone, without the "
+                         "whole program (no HBM fit; the text encoders left out; each part's "
+                         "bytes as compiled alone)")
     ap.add_argument("--hlo-dir", type=Path, default=None,
                     help="also write each compiled program's HLO text here (gzip)")
     ap.add_argument("--table", action="store_true",
@@ -347,7 +374,8 @@ def main(argv=None) -> int:
                     log(f"{topology} {program} {args.size}² {per_chip}/chip {args.dtype}")
                     try:
                         row = one(folder, topology, program, per_chip, args.size, args.dtype,
-                                  args.config, log, args.fit_only, args.hlo_dir)
+                                  args.config, log, args.fit_only, args.hlo_dir,
+                                  args.parts_only)
                     except Exception as e:  # the compiler's error is a result too
                         failed += 1
                         row = {"topology": topology, "program": program,
@@ -361,8 +389,10 @@ def main(argv=None) -> int:
                             f"temp {row['temp_gib']:.2f} GiB, collectives "
                             f"{row['collective_ops']}")
                     elif row.get("compiled"):
-                        log(f"  HBM {row['hbm_gib']:.2f} GiB/chip ({row['hbm_fraction']:.0%}), "
-                            f"{row['tflop_per_image']:.2f} TFLOP and "
+                        log((f"  parts only (largest part {row['parts_hbm_gib']:.2f} GiB/chip), "
+                             if row.get("parts_only") else
+                             f"  HBM {row['hbm_gib']:.2f} GiB/chip ({row['hbm_fraction']:.0%}), ")
+                            + f"{row['tflop_per_image']:.2f} TFLOP and "
                             f"{row['gbytes_per_image']:.1f} GB per image "
                             f"({row['hbm_gbytes_per_image']:.1f} touching HBM), "
                             f"{row['flops_per_byte']:.0f} / {row['hbm_flops_per_byte']:.0f} "

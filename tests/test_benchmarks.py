@@ -373,6 +373,29 @@ def test_tpu_report_sums_each_parts_roofline():
     assert got["vae_decode"]["hbm_bound"] == "memory" and got["unet_call"]["hbm_bound"] == "compute"
 
 
+def test_tpu_report_parts_only_prices_the_two_parts_and_nothing_else():
+    """--parts-only: the program is ``calls`` UNet calls and ``per_chip`` decodes with each
+    part's bytes as compiled alone (its loops' HBM traffic plus its kernels'), no rest."""
+    from benchmarks.tpu_report import analytic_tflop, compose, parts_as_whole
+    from pipelines.aot import CHIPS
+
+    chip = CHIPS["TPU v5 lite"]
+    unet = dict(tflop=19.7, gbytes=81.9, kernel_gbytes=0.5,
+                hbm_gbytes_by_loop={"entry": 7.0, "UNet2DConditionModel": 1.19})
+    vae = dict(tflop=1.97, gbytes=8.19, kernel_gbytes=0.0, hbm_gbytes_by_loop={"entry": 8.19})
+    whole, loops = parts_as_whole(unet, vae)
+    assert loops == {"unet": pytest.approx(8.19), "vae": pytest.approx(8.19), "entry": 0.0}
+    got = compose(whole, unet, vae, loops, calls=20, per_chip=2, chip=chip)
+    assert got["rest"]["tflop"] == 0.0 and got["rest"]["hbm_gbytes"] == 0.0
+    assert got["tflop_per_image"] == pytest.approx((20 * 19.7 + 2 * 1.97) / 2)
+    # by HBM bytes: 20 calls x 0.1 s (compute-bound) + 2 decodes x 0.01 s (8.19 GB: memory)
+    assert got["hbm_roofline_s"] == pytest.approx(2.0 + 0.02, rel=1e-3)
+    assert analytic_tflop("base", 1024, "sdxl-base", text=False) == pytest.approx(
+        20 * 2 * 6.75 + 10.5)
+    assert analytic_tflop("base", 1024, "sdxl-base") == pytest.approx(
+        20 * 2 * 6.75 + 10.5 + 2 * 0.11)
+
+
 def test_preview_cost_times_all_three_settings(sdxl_dir, tmp_path):
     """benchmarks.preview_cost's round on the tiny model with a tiny random TAESD: every setting
     runs (the previews' programs compile in the warm-up) and is priced against no previews."""
@@ -391,40 +414,48 @@ def test_preview_cost_times_all_three_settings(sdxl_dir, tmp_path):
 
 
 def test_published_step_vs_batch_figures_come_from_their_logs():
-    """Every step-against-batch figure the pages publish is computed from committed JSON:
-    uniform traffic from the alternated runs (benchmarks.loadgen_alternate: capacity intervals
-    over three rounds, equal-load latency ratios; the run's summary.json is that computation),
-    mixed traffic still from the 2026-12-03 run (one run, benchmarks.loadgen_intervals), whose
-    table the benchmarks page keeps."""
+    """Every step-against-batch figure the pages publish is computed from committed JSON: both
+    workloads from the alternated runs (benchmarks.loadgen_alternate: capacity intervals over
+    three rounds, equal-load latency ratios; each run's summary.json is that computation); the
+    2026-12-03 run's table (one run, benchmarks.loadgen_intervals), which the benchmarks page
+    keeps as history, from its own JSON."""
     from benchmarks import loadgen_alternate, loadgen_intervals
 
-    run = ROOT / "docs/results/loadgen-2026-12-06/uniform"
-    reports = loadgen_alternate.read_run(run)
-    assert sorted(reports) == [(k, e) for k in range(3) for e in ("batch", "step")]
-    new = loadgen_alternate.summarise(reports)
-    assert json.loads(json.dumps(new)) == json.loads((run / "summary.json").read_text())
+    runs = {}
+    for wl in ("uniform", "mixed"):
+        run = ROOT / "docs/results/loadgen-2026-12-06" / wl
+        reports = loadgen_alternate.read_run(run)
+        assert sorted(reports) == [(k, e) for k in range(3) for e in ("batch", "step")]
+        runs[wl] = loadgen_alternate.summarise(reports)
+        assert json.loads(json.dumps(runs[wl])) == json.loads((run / "summary.json").read_text())
     old = loadgen_intervals.summary(json.loads(
         (ROOT / "docs/results/loadgen-2026-12-03/loadgen.json").read_text()))
     assert old["uniform"]["batch"]["capacity"] == (17.2931, 19.2145)  # held, failed
-    uniform = "{:.2f}–{:.2f}×".format(*new["uniform"]["ratio"])
-    mixed = "{:.2f}–{:.2f}×".format(*old["mixed"]["capacity_ratio"])
+    uniform, mixed = ("{:.2f}–{:.2f}×".format(*runs[wl][wl]["ratio"])
+                      for wl in ("uniform", "mixed"))
     pages = {p: (ROOT / p).read_text() for p in ("README.md", "docs/performance.md",
                                                   "docs/service.md", "docs/benchmarks.md")}
     assert f"{uniform} / {mixed}" in pages["README.md"]
+    for wl in ("uniform", "mixed"):
+        assert loadgen_alternate.table(runs[wl]) in pages["docs/benchmarks.md"], wl
+    assert loadgen_intervals.table(old) in pages["docs/benchmarks.md"]
+
+    def pair(ratios, q):
+        return "{:.2f}–{:.2f}×".format(*ratios[f"{q}_ratio"])
+
+    pages = {p: " ".join(text.split()) for p, text in pages.items()}  # prose wraps anywhere
     for page in ("docs/performance.md", "docs/service.md"):
         assert uniform in pages[page] and mixed in pages[page], page
-    assert loadgen_alternate.table(new) in pages["docs/benchmarks.md"]
-    assert loadgen_intervals.table(old) in pages["docs/benchmarks.md"]
-    u = new["uniform"]
-    p50, p99 = ("{:.2f}–{:.2f}×".format(*u[f"{q}_ratio"]) for q in ("p50", "p99"))
-    assert f"p50 {p50}, p99 {p99}" in pages["docs/performance.md"]
+    u, m = runs["uniform"]["uniform"], runs["mixed"]["mixed"]
+    assert f"p50 {pair(u, 'p50')}, p99 {pair(u, 'p99')}" in pages["docs/performance.md"]
     at15 = u["by_rate"]["15"]
-    p50, p99 = ("{:.2f}–{:.2f}×".format(*at15[f"{q}_ratio"]) for q in ("p50", "p99"))
-    assert f"15/s, which both held in every round: p50 {p50}, p99 {p99}" in \
-        pages["docs/performance.md"]
-    m = old["mixed"]
-    assert f"mixed p50 {m['p50_ratio']:.2f}×, p99 {m['p99_ratio']:.2f}×" in \
-        pages["docs/performance.md"]
+    assert f"15/s, which both held in every round: p50 {pair(at15, 'p50')}, p99 " \
+        f"{pair(at15, 'p99')}" in pages["docs/performance.md"]
+    at5 = m["by_rate"]["5"]
+    for page in ("docs/performance.md", "docs/service.md"):
+        assert f"p50 {pair(m, 'p50')}, p99 {pair(m, 'p99')}" in pages[page], page
+    for page in ("docs/performance.md", "docs/benchmarks.md"):
+        assert f"5/s: p50 {pair(at5, 'p50')}, p99 {pair(at5, 'p99')}" in pages[page], page
 
 
 def test_feature_cache_benchmark_times_every_setting_and_prices_the_loop(sdxl_dir):
