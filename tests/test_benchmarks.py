@@ -396,6 +396,25 @@ def test_tpu_report_parts_only_prices_the_two_parts_and_nothing_else():
         20 * 2 * 6.75 + 10.5 + 2 * 0.11)
 
 
+def test_published_v6e_estimate_is_the_composed_row():
+    """The MLPerf-setting estimate on v6e the pages publish is docs/results/tpu-2026-12-06b's
+    composed row, and compose.py recomputes that row from the committed parts and whole."""
+    run = ROOT / "docs/results/tpu-2026-12-06b"
+    proc = subprocess.run([sys.executable, str(run / "compose.py"), str(run)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row == json.loads((run / "composed.jsonl").read_text())
+    assert row["collective_ops"] == 0 and row["fits"]
+    assert abs(row["tflop_vs_analytic"] - 1) < 0.1  # nothing computed twice
+    ips = f"{row['images_per_s_per_chip']:.2f} / {row['hbm_images_per_s_per_chip']:.2f} images/s"
+    for page in ("README.md", "docs/performance.md", "docs/results/tpu-2026-12-06b/README.md"):
+        text = " ".join((ROOT / page).read_text().replace("**", "").split())
+        assert ips in text, page
+        assert f"{row['hbm_gib']:.1f} GiB" in text or f"{row['hbm_gib']:.2f} GiB" in text, page
+
+
 def test_preview_cost_times_all_three_settings(sdxl_dir, tmp_path):
     """benchmarks.preview_cost's round on the tiny model with a tiny random TAESD: every setting
     runs (the previews' programs compile in the warm-up) and is priced against no previews."""
