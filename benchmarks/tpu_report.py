@@ -237,7 +237,6 @@ def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dty
     n = per_chip * chips
     row.update(chip=chip.name, chips=chips, images=n)
     name = f"{topology.replace(':', '-')}-{program}-{size}-{per_chip}"
-    whole = []
     if not parts_only:
         with aot.recording() as whole:
             pipe(["a photo of a cat"] * n, num_inference_steps=steps, guidance_scale=guidance,
@@ -246,11 +245,7 @@ def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dty
         log(f"  whole program compiled in {row['compile_whole_s']:.0f} s")
         _save_hlo(hlo_dir, name + "-whole", whole[-1])
     if fit_only:  # memory and collectives only: no second compile for the per-step cost
-        w = aot.analyse(whole[-1], chip, per_chip)
-        row.update(compiled=True, fit_only=True, hbm_gib=w["hbm_gib"],
-                   hbm_fraction=w["hbm_fraction"], fits=w["fits"],
-                   weights_gib=w["arguments_gib"], temp_gib=w["temp_gib"],
-                   collectives=w["collectives"], collective_ops=w["collective_ops"])
+        row.update(compiled=True, fit_only=True, **fitted(aot.analyse(whole[-1], chip, per_chip)))
         return row
     t1 = time.perf_counter()
     cfg = guidance > 1
@@ -265,27 +260,42 @@ def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dty
     row["compile_vae_s"] = time.perf_counter() - t2
     log(f"  one image's VAE decode compiled in {row['compile_vae_s']:.0f} s")
     _save_hlo(hlo_dir, name + "-vae", vae[-1])
-    u = aot.analyse(unet[-1], chip, per_chip)
-    v = aot.analyse(vae[-1], chip, 1)
-    if parts_only:  # no whole program: neither its HBM nor its own collectives are known
-        w, loops = parts_as_whole(u, v)
-        row.update(compiled=True, parts_only=True, collective_ops=u["collective_ops"]
-                   + v["collective_ops"], parts_hbm_gib=max(u["hbm_gib"], v["hbm_gib"]))
-    else:
-        w = aot.analyse(whole[-1], chip, per_chip)
-        loops = loops_gb(w)
-        row.update(compiled=True, hbm_gib=w["hbm_gib"], hbm_fraction=w["hbm_fraction"],
-                   fits=w["fits"], weights_gib=w["arguments_gib"], temp_gib=w["temp_gib"],
-                   collectives=w["collectives"], collective_ops=w["collective_ops"])
-    row.update(
-        unet_collective_ops=u["collective_ops"],
-        **compose(w, u, v, loops, calls=steps, per_chip=per_chip,
-                  chip=chip),  # Euler: one UNet call a step
-        analytic_tflop_per_image=analytic_tflop(program, size, config, text=not parts_only))
-    row["images_per_s"] = row["images_per_s_per_chip"] * chips
-    if row["analytic_tflop_per_image"]:
-        row["tflop_vs_analytic"] = row["tflop_per_image"] / row["analytic_tflop_per_image"]
+    row.update(priced(None if parts_only else aot.analyse(whole[-1], chip, per_chip),
+                      aot.analyse(unet[-1], chip, per_chip), aot.analyse(vae[-1], chip, 1),
+                      chip, program=program, size=size, config=config, per_chip=per_chip,
+                      chips=chips))
     return row
+
+
+def fitted(whole: dict) -> dict:
+    """A row's fit figures from the whole program's :func:`pipelines.aot.analyse`."""
+    return dict(hbm_gib=whole["hbm_gib"], hbm_fraction=whole["hbm_fraction"], fits=whole["fits"],
+                weights_gib=whole["arguments_gib"], temp_gib=whole["temp_gib"],
+                collectives=whole["collectives"], collective_ops=whole["collective_ops"])
+
+
+def priced(whole: dict | None, unet: dict, vae: dict, chip, *, program: str, size: int,
+           config: str, per_chip: int, chips: int) -> dict:
+    """A row's figures from the analysed programs (:func:`pipelines.aot.analyse`): the whole
+    program (its HBM fit and collectives; ``None``: ``--parts-only``), one UNet call and one
+    image's decode, priced by :func:`compose` for ``per_chip`` images a chip on ``chips``."""
+    _, steps, _ = PROGRAMS[program]
+    if whole is None:  # neither the program's HBM nor its own collectives are known
+        whole, loops = parts_as_whole(unet, vae)
+        out = dict(parts_only=True, collective_ops=unet["collective_ops"]
+                   + vae["collective_ops"], parts_hbm_gib=max(unet["hbm_gib"], vae["hbm_gib"]))
+    else:
+        loops, out = loops_gb(whole), fitted(whole)
+    out.update(
+        compiled=True, unet_collective_ops=unet["collective_ops"],
+        **compose(whole, unet, vae, loops, calls=steps, per_chip=per_chip,
+                  chip=chip),  # Euler: one UNet call a step
+        analytic_tflop_per_image=analytic_tflop(program, size, config,
+                                                text=not out.get("parts_only")))
+    out["images_per_s"] = out["images_per_s_per_chip"] * chips
+    if out["analytic_tflop_per_image"]:
+        out["tflop_vs_analytic"] = out["tflop_per_image"] / out["analytic_tflop_per_image"]
+    return out
 
 
 def _both(row: dict, key: str, spec: str) -> str:
@@ -339,9 +349,10 @@ def main(argv=None) -> int:
                     help="a shipped config name (maxdiff/assets/configs) or a diffusers folder")
     ap.add_argument("--out", type=Path, default=Path("out/tpu_report"),
                     help="folder for report.jsonl (one line per result) and report.log")
-    ap.add_argument("--fit-only", action="store_true",
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--fit-only", action="store_true",
                     help="compile the whole program only: HBM and collectives, no cost")
-    ap.add_argument("--parts-only", action="store_true",
+    only.add_argument("--parts-only", action="store_true",
                     help="price one UNet call and one decode compiled alone, without the "
                          "whole program (no HBM fit; the text encoders left out; each part's "
                          "bytes as compiled alone)")

@@ -16,18 +16,12 @@ d = Path(sys.argv[1])
 row = json.loads((d / "report.jsonl").read_text().splitlines()[-1])
 w = json.loads((d / "whole.json").read_text())
 kernel = json.loads((d / "parts.json").read_text())
-parts = {name: {"tflop": row[key]["tflop"], "gbytes": row[key]["gbytes"],
-                "kernel_gbytes": kernel[name]}
-         for name, key in (("unet", "unet_call"), ("vae", "vae_decode"))}
-chip = aot.CHIPS["TPU v6 lite"]
+unet, vae = ({"tflop": row[key]["tflop"], "gbytes": row[key]["gbytes"],
+              "kernel_gbytes": kernel[name]} for name, key in (("unet", "unet_call"),
+                                                              ("vae", "vae_decode")))
+unet["collective_ops"] = row["unet_collective_ops"]
 out = {k: v for k, v in row.items() if k not in ("parts_only", "parts_hbm_gib")}
-out.update(hbm_gib=w["hbm_gib"], hbm_fraction=w["hbm_fraction"], fits=w["fits"],
-           weights_gib=w["arguments_gib"], temp_gib=w["temp_gib"],
-           collectives=w["collectives"], collective_ops=w["collective_ops"],
-           compile_whole_s=w["compile_whole_s"], composed=True,
-           **tr.compose(w, parts["unet"], parts["vae"], tr.loops_gb(w), calls=20, per_chip=2,
-                        chip=chip),
-           analytic_tflop_per_image=tr.analytic_tflop("base", 1024, "sdxl-base"))
-out["images_per_s"] = out["images_per_s_per_chip"] * out["chips"]
-out["tflop_vs_analytic"] = out["tflop_per_image"] / out["analytic_tflop_per_image"]
+out.update(tr.priced(w, unet, vae, aot.CHIPS["TPU v6 lite"], program="base", size=1024,
+                     config="sdxl-base", per_chip=2, chips=row["chips"]),
+           compile_whole_s=w["compile_whole_s"], composed=True)
 print(json.dumps(out, sort_keys=True))
