@@ -186,7 +186,7 @@ FAMILIES = {f.name: f for f in (
            True, (("tokenizer", "tokenizer"), ("tokenizer_2", "tokenizer_2")), n_time_ids=6,
            guidance=5.0, zero_negative=True),
     Family("sdxl-refiner", "Stable Diffusion XL refiner", "StableDiffusionXLImg2ImgPipeline",
-           (("text_encoder_2", "openclip", REFINER_BIGG),), False,
+           (("text_encoder_2", "openclip", REFINER_BIGG),), True,
            (("tokenizer_2", "tokenizer_2"),), n_time_ids=5, guidance=5.0, zero_negative=True),
     Family("sd1", "Stable Diffusion 1.x", "StableDiffusionPipeline",
            (("text_encoder", "clip", SD1_CLIP),), True),

@@ -375,7 +375,7 @@ def _looks_like(keys: list[str]) -> str:
     return "no Stable Diffusion model maxdiff recognises"
 
 
-_WANT = ("maxdiff reads single-file SDXL base and SD 1.x / 2.x checkpoints "
+_WANT = ("maxdiff reads single-file SDXL base and refiner and SD 1.x / 2.x checkpoints "
          "(model.diffusion_model.*, first_stage_model.*, conditioner.embedders.* or "
          "cond_stage_model.*) and diffusers folders")
 
@@ -513,14 +513,15 @@ def shipped_config(family: str) -> Path:
 # ----------------------------------------------------------------------------- writing
 def export(folder: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
            variant: str | None = None, include_vae: bool = True) -> int:
-    """Write a diffusers SDXL or SD 1.x / 2.x folder as one single file in the original layout
-    (what diffusers' ``from_single_file`` and the A1111 / ComfyUI loaders read). Tensors stream
-    one at a time; ``dtype`` (e.g. ``"float16"``) casts floating tensors. Returns the size."""
+    """Write a diffusers SDXL (base or refiner) or SD 1.x / 2.x folder as one single file in
+    the original layout (what diffusers' ``from_single_file`` and the A1111 / ComfyUI loaders
+    read). Tensors stream one at a time; ``dtype`` (e.g. ``"float16"``) casts floating
+    tensors. Returns the size."""
     folder = Path(folder)
     family = folder_family(folder)
     if not family.single_file:
         raise CheckpointError(f"{folder}: a {family.title} folder; single files hold SDXL base "
-                              "and SD 1.x / 2.x models")
+                              "and refiner and SD 1.x / 2.x models")
     cast = checkpoint.resolve_dtype(dtype) if dtype is not None else None
     configs = {name: checkpoint.read_config(folder / name) for name in family.components
                if include_vae or name != "vae"}

@@ -119,7 +119,7 @@ class RunConfig(StrictConfig):
     # the UNet's transformer linear layers in int8 / fp8 through qwix (maxdiff.quantization):
     # none, int8-weights (int8 weights), int8 (int8 weights and activations), fp8 (e4m3)
     quantization: Quantization = "none"
-    # an SDXL refiner folder that finishes every text-to-image image from high_noise_frac of
+    # an SDXL refiner (folder or single file) that finishes every text-to-image image from high_noise_frac of
     # the schedule (diffusers' ensemble of experts; base and refiner in one program)
     refiner: str | None = None
     # run the checkpoint's safety checker where it ships one (SD 1.x; diffusers' default)

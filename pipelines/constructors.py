@@ -124,14 +124,15 @@ class Constructors:
     @classmethod
     def from_single_file(cls, path: str | os.PathLike, config: str | os.PathLike | None = None,
                          **kwargs) -> Constructors:
-        """Load a single-file SDXL checkpoint in the original Stability layout (the
-        ``.safetensors`` files A1111 / ComfyUI users download: ``model.diffusion_model.*``,
-        ``first_stage_model.*``, ``conditioner.embedders.*``), as diffusers'
-        ``from_single_file`` does. The architecture is recognised from the keys; its configs
-        are the SDXL base configs maxdiff ships (``maxdiff/assets/configs/sdxl-base``) unless
-        ``config`` names a diffusers folder whose ``config.json`` files (and tokenizers, when
-        it has them) describe the file. A file without a VAE needs ``vae=``. Other keyword
-        arguments as :meth:`from_pretrained`. Weights stream tensor by tensor."""
+        """Load a single-file checkpoint in the original Stability layout (the ``.safetensors``
+        files A1111 / ComfyUI users download: ``model.diffusion_model.*``,
+        ``first_stage_model.*``, ``conditioner.embedders.*`` or ``cond_stage_model.*``), as
+        diffusers' ``from_single_file`` does. The architecture is recognised from the keys; its
+        configs are the ones maxdiff ships for its family (``maxdiff/assets/configs/``: SDXL
+        base and refiner, SD 1.5, SD 2.1) unless ``config`` names a diffusers folder whose
+        ``config.json`` files (and tokenizers, when it has them) describe the file. A file
+        without a VAE needs ``vae=``. Other keyword arguments as :meth:`from_pretrained`.
+        Weights stream tensor by tensor."""
         if not Path(path).is_file():
             raise checkpoint.CheckpointError(f"{path}: no such file (from_single_file reads one "
                                              ".safetensors file; use from_pretrained for a folder)")

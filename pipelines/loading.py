@@ -81,7 +81,7 @@ def model_root(path: Path, config: str | os.PathLike | None
         if not layout.family.single_file:
             raise checkpoint.CheckpointError(
                 f"{path}: a {layout.family.title} single file; maxdiff's pipelines load SDXL "
-                "base and SD 1.x / 2.x single files and diffusers folders")
+                "base and refiner and SD 1.x / 2.x single files and diffusers folders")
         if layout.in_channels != 4:
             raise checkpoint.CheckpointError(
                 f"{path}: an inpainting UNet ({layout.in_channels} input channels); maxdiff "

@@ -159,6 +159,54 @@ def test_refiner_start_errors(refiner):
         refiner("a cat", image=lat[:, :3], denoising_start=0.8, num_inference_steps=STEPS)
 
 
+def test_a_refiner_single_file_loads_as_its_folder(refiner_dir, refiner, tmp_path, capsys):
+    """The refiner in the original single-file layout (``sd_xl_refiner_1.0.safetensors``:
+    OpenCLIP bigG under ``conditioner.embedders.0.model.*``): diffusers' ``from_single_file``
+    reads the file maxdiff writes to the folder's weights (the oracle of the key map), maxdiff
+    reads it to the folder's pixels, ``maxdiff convert`` turns it back into a folder, and the CLI
+    takes the file as ``--refiner`` (read with the
+    shipped refiner configs, which describe the real 2.26 B-parameter UNet, not this one)."""
+    from diffusers import StableDiffusionXLImg2ImgPipeline
+
+    from maxdiff import single_file
+    from maxdiff.checkpoint import SafetensorsFile
+    from pipelines import cli
+
+    file = tmp_path / "refiner.safetensors"
+    single_file.export(refiner_dir, file)
+    keys = SafetensorsFile(file).keys()
+    assert "conditioner.embedders.0.model.transformer.resblocks.0.attn.in_proj_weight" in keys
+    assert "model.diffusion_model.label_emb.0.0.weight" in keys
+    assert not any(k.startswith("conditioner.embedders.1.") for k in keys)
+    theirs = StableDiffusionXLImg2ImgPipeline.from_single_file(
+        str(file), config=str(refiner_dir), local_files_only=True)
+    original = StableDiffusionXLImg2ImgPipeline.from_pretrained(refiner_dir)
+    for name in ("unet", "vae", "text_encoder_2"):
+        want, got = getattr(original, name).state_dict(), getattr(theirs, name).state_dict()
+        assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want), name
+
+    ours = ImageToImagePipeline.from_single_file(file, config=refiner_dir,
+                                                 compile_cache_dir=None)
+    kw = dict(prompt="a red circle", image=_image(1), strength=0.6, num_inference_steps=3,
+              guidance_scale=4.0, seed=2, output_type="np")
+    assert np.array_equal(ours(**kw).images, refiner(**kw).images)
+
+    back = tmp_path / "back"  # and back to a folder diffusers loads to the same weights
+    assert cli.main(["convert", str(file), str(back), "--single-file-config",
+                     str(refiner_dir)]) == 0
+    again = StableDiffusionXLImg2ImgPipeline.from_pretrained(back)
+    assert again.text_encoder is None
+    for name in ("unet", "vae", "text_encoder_2"):
+        want, got = getattr(original, name).state_dict(), getattr(again, name).state_dict()
+        assert all(torch.equal(want[k], got[k]) for k in want), name
+
+    code = cli.main(["generate", "a cat", "--model", str(refiner_dir), "--refiner", str(file),
+                     "--steps", "2", "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert ("shipped Stable Diffusion XL refiner configs do not describe this file"
+            in capsys.readouterr().err)
+
+
 def test_run_config_cli_and_serve_args_take_a_refiner(tmp_path):
     """The run config keys (what the CLI's --refiner / --high-noise-frac and the serve args
     set), their ranges, and engine=step's refusal (its program has no refiner stage)."""

@@ -157,6 +157,8 @@ def test_bad_files_say_what_is_wrong(model, tmp_path, case, match):
 REAL_SIZES = {
     "sdxl-base": {"unet": 2_567_463_684, "vae": 83_653_863, "text_encoder": 123_060_480,
                   "text_encoder_2": 694_659_840},
+    # the refiner's UNet: diffusers' count of what its own converter makes of sd_xl_refiner.yaml
+    "sdxl-refiner": {"unet": 2_259_526_660, "vae": 83_653_863, "text_encoder_2": 694_659_840},
     "sd1": {"unet": 859_520_964, "vae": 83_653_863, "text_encoder": 123_060_480},
     "sd2": {"unet": 865_910_724, "vae": 83_653_863, "text_encoder": 340_387_840},
 }

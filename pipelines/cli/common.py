@@ -69,7 +69,7 @@ def _run_config(args, **extra: Any):
     vae = _existing(cfg.vae, "vae", "--vae")
     single_file_config = _existing(cfg.single_file_config, "single_file_config",
                                   "--single-file-config", folder=True)
-    refiner = _existing(cfg.refiner, "refiner", "--refiner", folder=True)
+    refiner = _existing(cfg.refiner, "refiner", "--refiner")  # a folder or a single file
     ip_adapter = _existing(cfg.ip_adapter, "ip_adapter", "--ip-adapter", file=True)
     ip_encoder = _existing(cfg.ip_adapter_image_encoder, "ip_adapter_image_encoder",
                            "--ip-adapter-encoder", folder=True)

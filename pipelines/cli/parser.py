@@ -163,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "unless --ip-adapter-encoder names it")
     g.add_argument("--ip-adapter-encoder", metavar="DIR",
                    help="the IP-Adapter's CLIP vision encoder folder (transformers layout)")
-    g.add_argument("--refiner", metavar="DIR",
-                   help="SDXL refiner folder that finishes every text-to-image image "
+    g.add_argument("--refiner", metavar="PATH",
+                   help="SDXL refiner (a folder or its single file) that finishes every text-to-image image "
                         "(diffusers' base + refiner, one program; edits run the base alone)")
     g.add_argument("--high-noise-frac", type=_rule(denoising_fraction_problem, float),
                    metavar="F", help="where the refiner takes over, a fraction of the noise "
