@@ -19,10 +19,12 @@ published workload), ``base`` (20 Euler steps, CFG 8: MLPerf's SDXL setting). Th
 tasks at the base setting, whole program only (HBM per chip and collectives, as
 ``--fit-only``): ``img2img`` (strength 0.75), ``inpaint`` (a 4-channel UNet, strength 0.9999),
 ``controlnet`` (one ControlNet made from the UNet's config as diffusers' ``from_unet`` makes
-the released ones) and ``step`` (the step engine's programs, one slot per image: the row holds
-the largest one's HBM and every program's collectives). ``--parts-only`` prices ``base`` or
-``lightning`` from one UNet call and one decode compiled alone, without the whole program (half
-the compile time; no HBM fit). A full-size SDXL compile takes minutes on two cores; ``--config``
+the released ones), ``refiner`` (base + the SDXL refiner's shipped configs from 0.8 of the
+schedule: diffusers' ensemble of experts, one program) and ``step`` (the step engine's
+programs, one slot per image: the row holds the largest one's HBM and every program's
+collectives). ``--parts-only`` prices ``base`` or ``lightning`` from one UNet call and one
+decode compiled alone, without the whole program (half the compile time; no HBM fit). A
+full-size SDXL compile takes minutes on two cores; ``--config`` (and ``--refiner-config``)
 takes any diffusers folder of configs.
 """
 
@@ -42,7 +44,7 @@ PROGRAMS = {
     "lightning": ("lightning-4step", 4, 0.0),
     "base": (None, 20, 8.0),
 }
-TASKS = ("img2img", "inpaint", "controlnet", "step")  # at the base setting, fit only
+TASKS = ("img2img", "inpaint", "controlnet", "refiner", "step")  # the base setting, fit only
 # SDXL at 1024² (docs: design notes): UNet forward, VAE decode, both CLIP encoders, TFLOP
 SDXL_1024_TFLOP = {"unet": 6.75, "vae": 10.5, "clip": 0.11}
 
@@ -178,6 +180,8 @@ def run_task(pipe, program: str, n: int, size: int, folder: Path) -> None:
         with checkpoint.shapes_only():
             cn = ControlNetPipeline.from_pipe(pipe, controlnet=_controlnet_folder(folder))
         cn(prompts, image=image, height=size, width=size, **kw)
+    elif program == "refiner":  # the base's text-to-image with the refiner attached at load
+        pipe(prompts, height=size, width=size, **kw)
     elif program == "step":
         from pipelines.step_engine import StepEngine
 
@@ -187,16 +191,23 @@ def run_task(pipe, program: str, n: int, size: int, folder: Path) -> None:
 
 
 def one_task(folder: Path, topology: str, program: str, per_chip: int, size: int, dtype: str,
-             config: str, log, hlo_dir: Path | None = None) -> dict:
+             config: str, log, hlo_dir: Path | None = None,
+             refiner: tuple[str, Path] | None = None) -> dict:
     """A :data:`TASKS` program's row: every program it compiled, HBM of the largest against
-    the chip's, the collectives of all."""
+    the chip's, the collectives of all. ``refiner``: (its config's name, its folder)."""
     from pipelines import aot
 
     _, steps, guidance = PROGRAMS["base"]
     row = {"topology": topology, "program": program, "batch_per_chip": per_chip, "size": size,
            "dtype": dtype, "steps": steps, "guidance": guidance, "config": config}
     t0 = time.perf_counter()
-    pipe = aot.load(folder, topology, dtype)
+    extra = {}
+    if program == "refiner":
+        if refiner is None:
+            raise ValueError("program 'refiner' needs the refiner's config folder")
+        row["refiner_config"] = refiner[0]
+        extra["refiner"] = refiner[1]
+    pipe = aot.load(folder, topology, dtype, **extra)
     chip = aot.chip_of(pipe.mesh)
     n = per_chip * pipe.mesh.size
     row.update(chip=chip.name, chips=pipe.mesh.size, images=n)
@@ -222,11 +233,12 @@ def one_task(folder: Path, topology: str, program: str, per_chip: int, size: int
 
 def one(folder: Path, topology: str, program: str, per_chip: int, size: int, dtype: str,
         config: str, log, fit_only: bool = False, hlo_dir: Path | None = None,
-        parts_only: bool = False) -> dict:
+        parts_only: bool = False, refiner: tuple[str, Path] | None = None) -> dict:
     from pipelines import aot
 
     if program in TASKS:
-        return one_task(folder, topology, program, per_chip, size, dtype, config, log, hlo_dir)
+        return one_task(folder, topology, program, per_chip, size, dtype, config, log, hlo_dir,
+                        refiner)
     preset, steps, guidance = PROGRAMS[program]
     row = {"topology": topology, "program": program, "batch_per_chip": per_chip, "size": size,
            "dtype": dtype, "steps": steps, "guidance": guidance, "config": config}
@@ -347,6 +359,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--config", default="sdxl-base",
                     help="a shipped config name (maxdiff/assets/configs) or a diffusers folder")
+    ap.add_argument("--refiner-config", default="sdxl-refiner",
+                    help="the refiner program's refiner: a shipped config name or a folder")
     ap.add_argument("--out", type=Path, default=Path("out/tpu_report"),
                     help="folder for report.jsonl (one line per result) and report.log")
     only = ap.add_mutually_exclusive_group()
@@ -379,6 +393,8 @@ def main(argv=None) -> int:
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         folder = aot.model_folder(args.config, Path(tmp) / "model")
+        refiner = (args.refiner_config, aot.model_folder(args.refiner_config, Path(tmp) / "refiner")
+                   ) if "refiner" in args.program else None
         for topology in args.topology:
             for program in args.program:
                 for per_chip in args.batch_per_chip:
@@ -386,7 +402,7 @@ def main(argv=None) -> int:
                     try:
                         row = one(folder, topology, program, per_chip, args.size, args.dtype,
                                   args.config, log, args.fit_only, args.hlo_dir,
-                                  args.parts_only)
+                                  args.parts_only, refiner)
                     except Exception as e:  # the compiler's error is a result too
                         failed += 1
                         row = {"topology": topology, "program": program,

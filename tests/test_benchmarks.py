@@ -415,6 +415,35 @@ def test_published_v6e_estimate_is_the_composed_row():
         assert f"{row['hbm_gib']:.1f} GiB" in text or f"{row['hbm_gib']:.2f} GiB" in text, page
 
 
+def test_published_tpu_scaling_and_fits_come_from_their_reports():
+    """The v5e-8 scaling figures and the full-size fits the performance page publishes are the
+    rows in docs/results/tpu-2026-12-07b: per chip, SDXL-Lightning on v5e:2x4 costs what it
+    costs on v5e:2x2 (docs/results/tpu-2026-12-05b), with no collectives; base + refiner and
+    the MLPerf base setting fit a v5e chip."""
+    run = ROOT / "docs/results/tpu-2026-12-07b"
+
+    def row(path):
+        return json.loads(path.read_text().splitlines()[0])
+
+    four, eight = row(ROOT / "docs/results/tpu-2026-12-05b/report.jsonl"), row(
+        run / "v5e-2x4-lightning/report.jsonl")
+    assert (four["chips"], eight["chips"]) == (4, 8) and eight["collective_ops"] == 0
+    for part in ("unet_call", "vae_decode"):
+        for key in ("tflop", "gbytes", "hbm_gbytes"):
+            assert eight[part][key] == pytest.approx(four[part][key], rel=1e-3), (part, key)
+    assert eight["hbm_gib"] == pytest.approx(four["hbm_gib"], rel=1e-3)
+    perf = " ".join((ROOT / "docs/performance.md").read_text().replace("**", "").split())
+    ips, hbm = eight["images_per_s_per_chip"], eight["hbm_images_per_s_per_chip"]
+    assert (f"{ips:.2f} / {hbm:.2f} images/s per chip, {8 * ips:.1f} / {8 * hbm:.1f} for the "
+            "eight chips") in perf
+    refiner, base = row(run / "refiner/report.jsonl"), row(run / "v5e-base/report.jsonl")
+    assert refiner["program"] == "refiner" and refiner["refiner_config"] == "sdxl-refiner"
+    for r in (refiner, base):
+        assert r["compiled"] and r["fits"] and r["collective_ops"] == 0
+    assert f"{refiner['hbm_gib']:.1f} GiB of 16" in perf
+    assert f"compiles for v5e:2x2 in {base['hbm_gib']:.1f} GiB" in perf
+
+
 def test_preview_cost_times_all_three_settings(sdxl_dir, tmp_path):
     """benchmarks.preview_cost's round on the tiny model with a tiny random TAESD: every setting
     runs (the previews' programs compile in the warm-up) and is priced against no previews."""
