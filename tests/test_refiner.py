@@ -159,24 +159,32 @@ def test_refiner_start_errors(refiner):
         refiner("a cat", image=lat[:, :3], denoising_start=0.8, num_inference_steps=STEPS)
 
 
-def test_a_refiner_single_file_loads_as_its_folder(refiner_dir, refiner, tmp_path, capsys):
+def test_a_refiner_single_file_loads_as_its_folder(tmp_path, capsys):
     """The refiner in the original single-file layout (``sd_xl_refiner_1.0.safetensors``:
     OpenCLIP bigG under ``conditioner.embedders.0.model.*``): diffusers' ``from_single_file``
     reads the file maxdiff writes to the folder's weights (the oracle of the key map), maxdiff
     reads it to the folder's pixels, ``maxdiff convert`` turns it back into a folder, and the CLI
     takes the file as ``--refiner`` (read with the
-    shipped refiner configs, which describe the real 2.26 B-parameter UNet, not this one)."""
+    shipped refiner configs, which describe the real 2.26 B-parameter UNet, not this one). The
+    tiny refiner has the real one's UNet layout: four levels, attention in the middle two."""
+    import tiny
     from diffusers import StableDiffusionXLImg2ImgPipeline
 
     from maxdiff import single_file
     from maxdiff.checkpoint import SafetensorsFile
     from pipelines import cli
 
-    file = tmp_path / "refiner.safetensors"
+    refiner_dir, file = tmp_path / "refiner", tmp_path / "refiner.safetensors"
+    tiny.make_sdxl_refiner(refiner_dir, unet_layout=tiny.REFINER_LAYOUT)
     single_file.export(refiner_dir, file)
     keys = SafetensorsFile(file).keys()
     assert "conditioner.embedders.0.model.transformer.resblocks.0.attn.in_proj_weight" in keys
     assert "model.diffusion_model.label_emb.0.0.weight" in keys
+    unet = "model.diffusion_model."  # levels 1 and 2 attend, four layers deep; level 3 does not
+    assert unet + "input_blocks.7.1.transformer_blocks.3.attn2.to_k.weight" in keys
+    assert unet + "output_blocks.3.1.transformer_blocks.3.ff.net.2.weight" in keys
+    assert not any(k.startswith((unet + "input_blocks.10.1.", unet + "output_blocks.0.1."))
+                   for k in keys)
     assert not any(k.startswith("conditioner.embedders.1.") for k in keys)
     theirs = StableDiffusionXLImg2ImgPipeline.from_single_file(
         str(file), config=str(refiner_dir), local_files_only=True)
@@ -189,7 +197,8 @@ def test_a_refiner_single_file_loads_as_its_folder(refiner_dir, refiner, tmp_pat
                                                  compile_cache_dir=None)
     kw = dict(prompt="a red circle", image=_image(1), strength=0.6, num_inference_steps=3,
               guidance_scale=4.0, seed=2, output_type="np")
-    assert np.array_equal(ours(**kw).images, refiner(**kw).images)
+    folder = ImageToImagePipeline.from_pretrained(refiner_dir, compile_cache_dir=None)
+    assert np.array_equal(ours(**kw).images, folder(**kw).images)
 
     back = tmp_path / "back"  # and back to a folder diffusers loads to the same weights
     assert cli.main(["convert", str(file), str(back), "--single-file-config",

@@ -378,14 +378,25 @@ def run_on_host_devices(script: str, n: int = 4):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+# the real refiner's UNet layout at tiny width (sd_xl_refiner.yaml: four levels, attention in
+# the middle two only, four transformer layers in each)
+REFINER_LAYOUT = dict(
+    block_out_channels=(16, 32, 32, 32), attention_head_dim=(1, 2, 2, 2),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D",
+                      "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    transformer_layers_per_block=4)
+
+
 def make_sdxl_refiner(folder: str | Path, seed: int = 5, scheduler_config: dict | None = None,
-                      vae_config: dict | None = None):
+                      vae_config: dict | None = None, unet_layout: dict | None = None):
     """A tiny SDXL refiner folder as diffusers saves stabilityai's: a
     ``StableDiffusionXLImg2ImgPipeline`` with ``text_encoder=None``, ``tokenizer=None`` and
     ``requires_aesthetics_score=True``. Its UNet reads encoder 2's states alone
     (``cross_attention_dim`` = its hidden size) and five time ids (original size, crop
     corner, aesthetic score): ``projection_class_embeddings_input_dim = 5 *
-    addition_time_embed_dim + projection_dim``; its own VAE and text encoder weights."""
+    addition_time_embed_dim + projection_dim``; its own VAE and text encoder weights.
+    ``unet_layout``: UNet fields over the base's tiny layout (:data:`REFINER_LAYOUT`)."""
     from diffusers import (
         AutoencoderKL,
         EulerDiscreteScheduler,
@@ -397,7 +408,7 @@ def make_sdxl_refiner(folder: str | Path, seed: int = 5, scheduler_config: dict 
     folder = Path(folder)
     tok2 = CLIPTokenizer.from_pretrained(write_clip_tokenizer(folder / "_tok", pad_token="!"))
     te_config = clip_text_config(projection=True, legacy_eos=False)
-    unet_config = dict(SDXL_UNET, cross_attention_dim=te_config.hidden_size,
+    unet_config = dict(SDXL_UNET, **(unet_layout or {}), cross_attention_dim=te_config.hidden_size,
                        projection_class_embeddings_input_dim=5 * SDXL_UNET["addition_time_embed_dim"]
                        + te_config.projection_dim)
     torch.manual_seed(seed)
