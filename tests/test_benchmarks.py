@@ -442,6 +442,21 @@ def test_published_tpu_scaling_and_fits_come_from_their_reports():
         assert r["compiled"] and r["fits"] and r["collective_ops"] == 0
     assert f"{refiner['hbm_gib']:.1f} GiB of 16" in perf
     assert f"compiles for v5e:2x2 in {base['hbm_gib']:.1f} GiB" in perf
+    # MLPerf's setting on v6e at 4 images a chip, priced from its parts, against 2 a chip
+    four_a_chip = row(run / "v6e-base4/report.jsonl")
+    two_a_chip = row(ROOT / "docs/results/tpu-2026-12-06b/report.jsonl")
+    assert (four_a_chip["batch_per_chip"], two_a_chip["batch_per_chip"]) == (4, 2)
+    assert four_a_chip["parts_only"] and two_a_chip["parts_only"]
+    call, before = four_a_chip["unet_call"], two_a_chip["unet_call"]
+    assert call["hbm_flops_per_byte"] > before["hbm_flops_per_byte"]
+    assert (f"{call['tflop']:.1f} TFLOP on {call['gbytes']:.1f} / {call['hbm_gbytes']:.1f} GB, "
+            f"{call['flops_per_byte']:.0f} / {call['hbm_flops_per_byte']:.0f} flops/byte (at 2 a "
+            f"chip, compiled alone: {before['flops_per_byte']:.0f} / "
+            f"{before['hbm_flops_per_byte']:.0f})") in perf
+    assert f"at {100 * call['hbm_flops_per_byte'] / four_a_chip['ridge']:.0f} % of the ridge" in perf
+    for r in (four_a_chip, two_a_chip):
+        assert (f"{r['images_per_s_per_chip']:.2f} / {r['hbm_images_per_s_per_chip']:.2f}"
+                in perf)
 
 
 def test_preview_cost_times_all_three_settings(sdxl_dir, tmp_path):
