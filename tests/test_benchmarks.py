@@ -442,6 +442,16 @@ def test_published_tpu_scaling_and_fits_come_from_their_reports():
         assert r["compiled"] and r["fits"] and r["collective_ops"] == 0
     assert f"{refiner['hbm_gib']:.1f} GiB of 16" in perf
     assert f"compiles for v5e:2x2 in {base['hbm_gib']:.1f} GiB" in perf
+    # SDXL-Lightning on v6e: the UNet compute-bound by the bytes touching HBM, the decode not
+    v6e = row(run / "v6e-lightning/report.jsonl")
+    assert v6e["chip"] == "v6e" and v6e["collective_ops"] == 0 and v6e["fits"]
+    assert v6e["unet_call"]["hbm_bound"] == "compute" and v6e["vae_decode"]["bound"] == \
+        v6e["vae_decode"]["hbm_bound"] == "memory"
+    assert (f"{v6e['hbm_gib']:.1f} GiB of 32" in perf and f"{v6e['images_per_s_per_chip']:.2f} / "
+            f"{v6e['hbm_images_per_s_per_chip']:.2f} images/s per chip" in perf)
+    per_image_ms = 1000 * v6e["hbm_roofline_s"] / v6e["batch_per_chip"]
+    decode_ms = 1000 * v6e["vae_decode"]["hbm_roofline_s"]
+    assert f"({decode_ms:.0f} of {per_image_ms:.0f} ms)" in perf
     # MLPerf's setting on v6e at 4 images a chip, priced from its parts, against 2 a chip
     four_a_chip = row(run / "v6e-base4/report.jsonl")
     two_a_chip = row(ROOT / "docs/results/tpu-2026-12-06b/report.jsonl")
