@@ -449,6 +449,9 @@ def test_published_tpu_scaling_and_fits_come_from_their_reports():
         v6e["vae_decode"]["hbm_bound"] == "memory"
     assert (f"{v6e['hbm_gib']:.1f} GiB of 32" in perf and f"{v6e['images_per_s_per_chip']:.2f} / "
             f"{v6e['hbm_images_per_s_per_chip']:.2f} images/s per chip" in perf)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"(on v6e: {v6e['images_per_s_per_chip']:.1f} / "
+            f"{v6e['hbm_images_per_s_per_chip']:.1f})") in readme
     per_image_ms = 1000 * v6e["hbm_roofline_s"] / v6e["batch_per_chip"]
     decode_ms = 1000 * v6e["vae_decode"]["hbm_roofline_s"]
     assert f"({decode_ms:.0f} of {per_image_ms:.0f} ms)" in perf
