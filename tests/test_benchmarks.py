@@ -472,6 +472,47 @@ def test_published_tpu_scaling_and_fits_come_from_their_reports():
                 in perf)
 
 
+def test_the_deployment_pages_tpu_table_is_the_compiled_rows():
+    """docs/deployment.md's table of what fits a TPU chip: each cell is the committed row of
+    that program and chip (HBM per chip, collectives, the roofline's two ends)."""
+    res = ROOT / "docs/results"
+
+    def row(path, n=0):
+        return json.loads((res / path).read_text().splitlines()[n])
+
+    lightning = {"v5e-4": row("tpu-2026-12-05b/report.jsonl"),
+                 "v5e-8": row("tpu-2026-12-07b/v5e-2x4-lightning/report.jsonl"),
+                 "v6e": row("tpu-2026-12-07b/v6e-lightning/report.jsonl")}
+    base = {"v5e": row("tpu-2026-12-07b/v5e-base/report.jsonl"),
+            "v6e": json.loads((res / "tpu-2026-12-06b/whole.json").read_text())}
+    cells = {  # table row label -> the committed rows its HBM cells come from
+        "SDXL-Lightning, 4 steps (2)": lightning,
+        "SDXL-Lightning, 4 steps (8)": {"v5e": row("tpu-2026-12-05/report.jsonl")},
+        "SDXL base, 20 steps, CFG 8 (2)": base,
+        "image-to-image, inpainting (1)": {"v5e": row("tpu-2026-12-06/report.jsonl"),
+                                           "inpaint": row("tpu-2026-12-07/report.jsonl")},
+        "ControlNet (1)": {"v5e": row("tpu-2026-12-07/report.jsonl", 1)},
+        "base + refiner (1)": {"v5e": row("tpu-2026-12-07b/refiner/report.jsonl"),
+                               "v6e": row("tpu-2026-12-07b/v6e-refiner/report.jsonl")},
+        "step engine, one slot a chip": {"v5e": row("tpu-2026-12-07/report.jsonl", 2)},
+    }
+    lines = {line.split("|")[1].strip(): line for line in
+             (ROOT / "docs/deployment.md").read_text().splitlines() if line.startswith("| ")}
+    for label, rows in cells.items():
+        line = lines[label]
+        ops = {r["collective_ops"] for r in rows.values()}
+        assert len(ops) == 1 and f"| {ops.pop()}" in line, label
+        for name, r in rows.items():
+            assert f"{r['hbm_gib']:.2f} GiB" in line, (label, name)
+
+    def roofline(r):
+        return f"{r['images_per_s_per_chip']:.2f}-{r['hbm_images_per_s_per_chip']:.2f}"
+    assert (f"v5e {roofline(lightning['v5e-8'])}, v6e {roofline(lightning['v6e'])}"
+            in lines["SDXL-Lightning, 4 steps (2)"])
+    assert f"v6e {roofline(row('tpu-2026-12-06b/composed.jsonl'))}" in lines[
+        "SDXL base, 20 steps, CFG 8 (2)"]
+
+
 def test_preview_cost_times_all_three_settings(sdxl_dir, tmp_path):
     """benchmarks.preview_cost's round on the tiny model with a tiny random TAESD: every setting
     runs (the previews' programs compile in the warm-up) and is priced against no previews."""
