@@ -224,10 +224,10 @@ def one_task(folder: Path, topology: str, program: str, per_chip: int, size: int
     for a in each:
         for op, k in a["collectives"].items():
             ops[op] = ops.get(op, 0) + k
-    row.update(compiled=True, fit_only=True, programs=len(rec), hbm_gib=w["hbm_gib"],
-               hbm_fraction=w["hbm_fraction"], fits=all(a["fits"] for a in each),
-               weights_gib=w["arguments_gib"], temp_gib=w["temp_gib"], collectives=ops,
-               collective_ops=sum(ops.values()))
+    # the largest program's fit; whether all fit and the collectives of all
+    row.update(compiled=True, fit_only=True, programs=len(rec), **{
+        **fitted(w), "fits": all(a["fits"] for a in each), "collectives": ops,
+        "collective_ops": sum(ops.values())})
     return row
 
 
