@@ -685,3 +685,55 @@ def test_alternating_loadgen_rounds_summarised_as_intervals():
     # and at every rate both held in every round (17 only)
     assert s["by_rate"] == {"17": {"p50_ratio": pytest.approx((1.5, 2.0)),
                                    "p99_ratio": pytest.approx((1.5, 2.0))}}
+
+
+def test_cpu_bf16_convolution_probe_runs_both_dtypes():
+    """benchmarks.cpu_bf16_flags' convolution probe on a small shape: both dtypes timed, and
+    each one's output fingerprinted (how a flag that changes the kernel is told apart)."""
+    from benchmarks.cpu_bf16_flags import conv_rates
+
+    out = conv_rates(8, 4, reps=1)
+    assert out["float32"] > 0 and out["bfloat16"] > 0
+    assert abs(out["float32_sum"] - out["bfloat16_sum"]) < 0.05 * abs(out["float32_sum"]) + 1
+
+
+def test_published_cpu_bf16_figures_come_from_the_rows():
+    """docs/performance.md's bf16-on-CPU figures are the committed rows' (three rounds, every
+    flag set): the ranges without flags and under the library paths, and which paths took the
+    convolutions at all."""
+    rows = json.loads((ROOT / "docs/results/cpu-bf16-2026-12-07/flags.json").read_text())
+    page = " ".join((ROOT / "docs/performance.md").read_text().split())
+    assert {r["round"] for r in rows} == {1, 2, 3} and not any("error" in r for r in rows)
+
+    def span(rs, key):
+        v = [r[f"{key}_bf16_over_fp32"] for r in rs]
+        return f"{min(v):.2f}–{max(v):.2f}×"
+
+    none = [r for r in rows if r["flags"] == "(none)"]
+    lib = [r for r in rows if r["flags"] != "(none)"]
+    assert f"64 channels ran at {span(none, 'conv64@256')} float32's speed" in page
+    assert f"no path was better ({span(lib, 'conv64@256')})" in page
+    assert f"512 channels at {span(lib, 'conv512@64')} under the library paths" in page
+    undisturbed = sorted(none, key=lambda r: r["float32"])[1:]  # the round at 73 GFLOP/s out
+    assert f"{span(undisturbed, 'conv512@64')} as it comes (two undisturbed rounds)" in page
+    took = {r["flags"] for r in lib if not r["conv64@256_same_as_default"]}
+    assert took and all("ynn" in f for f in took)
+
+
+def test_how_far_float32_goes_is_the_compare_runs():
+    """performance.md's float32 ceiling: each part's share of the matmul peak in the three
+    compare.py runs, and the share a 1.5x pipeline / 1.3x VAE decode would need in those runs."""
+    runs = json.loads((ROOT / "docs/results/compare-2026-12-03/repeats-3-compile-off.json")
+                      .read_text())["runs"]
+    page = " ".join((ROOT / "docs/performance.md").read_text().split())
+    part = {p: [next(r for r in run if r["part"] == p) for run in runs]
+            for p in ("pipeline", "vae", "unet")}
+
+    def pct(rows, scale=None):
+        v = [r["pct_peak"] * (scale / r["ratio"] if scale else 1) for r in rows]
+        return f"{min(v):.0f}–{max(v):.0f} %"
+
+    assert f"whole pipeline ran at {pct(part['pipeline'])} of the float32 matmul peak" in page
+    assert f"VAE decode at {pct(part['vae'])} and a UNet step at {pct(part['unet'])}" in page
+    assert f"1.5× diffusers' would need {pct(part['pipeline'], 1.5)} of that" in page
+    assert f"1.3× diffusers' {pct(part['vae'], 1.3)}" in page
