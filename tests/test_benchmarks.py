@@ -489,9 +489,13 @@ def test_the_deployment_pages_tpu_table_is_the_compiled_rows():
         "SDXL-Lightning, 4 steps (2)": lightning,
         "SDXL-Lightning, 4 steps (8)": {"v5e": row("tpu-2026-12-05/report.jsonl")},
         "SDXL base, 20 steps, CFG 8 (2)": base,
-        "image-to-image, inpainting (1)": {"v5e": row("tpu-2026-12-06/report.jsonl"),
-                                           "inpaint": row("tpu-2026-12-07/report.jsonl")},
-        "ControlNet (1)": {"v5e": row("tpu-2026-12-07/report.jsonl", 1)},
+        "image-to-image, inpainting (1)": {
+            "v5e": row("tpu-2026-12-06/report.jsonl"),
+            "v5e inpaint": row("tpu-2026-12-07/report.jsonl"),
+            "v6e": row("tpu-2026-12-07c/v6e-img2img/report.jsonl"),
+            "v6e inpaint": row("tpu-2026-12-07c/v6e-inpaint/report.jsonl")},
+        "ControlNet (1)": {"v5e": row("tpu-2026-12-07/report.jsonl", 1),
+                           "v6e": row("tpu-2026-12-07c/v6e-controlnet/report.jsonl")},
         "base + refiner (1)": {"v5e": row("tpu-2026-12-07b/refiner/report.jsonl"),
                                "v6e": row("tpu-2026-12-07b/v6e-refiner/report.jsonl")},
         "step engine, one slot a chip": {"v5e": row("tpu-2026-12-07/report.jsonl", 2)},
@@ -504,6 +508,8 @@ def test_the_deployment_pages_tpu_table_is_the_compiled_rows():
         assert len(ops) == 1 and f"| {ops.pop()}" in line, label
         for name, r in rows.items():
             assert f"{r['hbm_gib']:.2f} GiB" in line, (label, name)
+            chip = name.split()[0].split("-")[0]  # tpu-2026-12-06b/whole.json names none
+            assert r.get("chip", chip) == chip and r.get("compiled", True), (label, name)
 
     def roofline(r):
         return f"{r['images_per_s_per_chip']:.2f}-{r['hbm_images_per_s_per_chip']:.2f}"
@@ -737,3 +743,21 @@ def test_how_far_float32_goes_is_the_compare_runs():
     assert f"VAE decode at {pct(part['vae'])} and a UNet step at {pct(part['unet'])}" in page
     assert f"1.5× diffusers' would need {pct(part['pipeline'], 1.5)} of that" in page
     assert f"1.3× diffusers' {pct(part['vae'], 1.3)}" in page
+
+
+def test_published_v6e_task_fits_come_from_their_rows():
+    """performance.md's v6e:2x2 figures for image-to-image, inpainting and ControlNet are the
+    rows in docs/results/tpu-2026-12-07c: each compiled whole and fits, with the collectives
+    the v5e:2x2 programs have (none; ControlNet's one scale flag)."""
+    run = ROOT / "docs/results/tpu-2026-12-07c"
+    rows = {p: json.loads((run / f"v6e-{p}/report.jsonl").read_text().splitlines()[0])
+            for p in ("img2img", "inpaint", "controlnet")}
+    perf = " ".join((ROOT / "docs/performance.md").read_text().replace("**", "").split())
+    for program, r in rows.items():
+        assert (r["program"], r["topology"], r["size"]) == (program, "v6e:2x2", 1024)
+        assert r["compiled"] and r["fits"] and r["collective_ops"] == (program == "controlnet")
+    edit, inpaint, net = rows["img2img"], rows["inpaint"], rows["controlnet"]
+    assert f"{edit['hbm_gib']:.1f}" == f"{inpaint['hbm_gib']:.1f}"
+    assert (f"image-to-image and inpainting {edit['hbm_gib']:.1f} GiB of 32 (weights "
+            f"{edit['weights_gib']:.1f} GiB, temporaries {edit['temp_gib']:.1f} GiB), 0 "
+            f"collectives; ControlNet {net['hbm_gib']:.1f} GiB, the same 1") in perf
