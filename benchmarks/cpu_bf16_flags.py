@@ -9,12 +9,11 @@ paths (oneDNN, XNNPACK, YNNPACK; for dots and for convolutions), one fresh proce
 
 Per flag set and operation: the median GFLOP/s of 7 calls of each dtype after a warm-up (the
 convolutions' two dtypes alternating, 9 calls each; their FLOPs counted directly: 2 x 9 x in x
-out per output pixel), and their ratio
-(bf16 / fp32; above 1, bf16 is faster); and whether the convolutions' outputs differ from the
-run without flags (a flag that changes nothing computes bit for bit the same). The flags are
-the ones jaxlib's XLA accepts that route dots or convolutions to a library (``strings
-libjax_common.so | grep xla_cpu``); an unknown flag or value stops the process, and the row
-says so.
+out per output pixel), and their ratio (bf16 / fp32; above 1, bf16 is faster); and whether the
+convolutions' outputs differ from the run without flags (a flag that changes nothing computes
+bit for bit the same). The flags are the ones jaxlib's XLA accepts that route dots or
+convolutions to a library (``strings libjax_common.so | grep xla_cpu``); an unknown flag or
+value stops the process, and the row says so.
 """
 
 from __future__ import annotations
@@ -124,7 +123,7 @@ def main(argv=None) -> None:
         default = None
         for flags in FLAG_SETS:
             row = dict(one_row(flags, default), round=rnd + 1)
-            default = row if default is None else default  # the run without flags is first
+            default = default or row  # the round's first row: the run without flags
             rows.append(row)
     if a.repeats > 1:
         print("# bf16 / fp32, min-median-max over the rounds: matmul; " + "; ".join(CONVS))
