@@ -63,10 +63,24 @@ def conv_rates(side: int, ch: int, reps: int = 9) -> dict:
     return out
 
 
+def cpu_vector_flags() -> list[str]:
+    """The CPU's AVX-512 / AMX / VNNI / bf16 flags from /proc/cpuinfo (empty where none, or
+    where the file is not there): without ``avx512_bf16`` or ``amx_bf16`` the chip has no bf16
+    arithmetic, and bf16 against float32 says nothing about XLA:CPU's use of it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return []
+    return sorted(w for w in line.split()[2:]
+                  if w.startswith(("avx512", "amx")) or "vnni" in w or "bf16" in w)
+
+
 def child() -> dict:
     from benchmarks.compare import matmul_peak
 
-    out = {name: matmul_peak(name, reps=7) for name in ("float32", "bfloat16")}
+    out = {"cpu_flags": cpu_vector_flags()}
+    out.update({name: matmul_peak(name, reps=7) for name in ("float32", "bfloat16")})
     out["bf16_over_fp32"] = out["bfloat16"] / out["float32"]
     for conv, (side, ch) in CONVS.items():
         out.update({f"{conv}_{k}": v for k, v in conv_rates(side, ch).items()})
@@ -116,6 +130,11 @@ def main(argv=None) -> None:
     if a.child:
         print(json.dumps(child()))
         return
+    vec = cpu_vector_flags()
+    print(f"# CPU vector flags: {' '.join(vec) or 'none of AVX-512, AMX, VNNI, bf16'}"
+          + ("" if {"avx512_bf16", "amx_bf16"} & set(vec) else
+             " (no bf16 arithmetic on this CPU: bf16 / fp32 says nothing about its use)"),
+          flush=True)
     rows = []
     for rnd in range(a.repeats):
         if a.repeats > 1:

@@ -703,27 +703,24 @@ def test_cpu_bf16_convolution_probe_runs_both_dtypes():
     assert abs(out["float32_sum"] - out["bfloat16_sum"]) < 0.05 * abs(out["float32_sum"]) + 1
 
 
-def test_published_cpu_bf16_figures_come_from_the_rows():
-    """docs/performance.md's bf16-on-CPU figures are the committed rows' (three rounds, every
-    flag set): the ranges without flags and under the library paths, and which paths took the
-    convolutions at all."""
-    rows = json.loads((ROOT / "docs/results/cpu-bf16-2026-12-07/flags.json").read_text())
-    page = " ".join((ROOT / "docs/performance.md").read_text().split())
+def test_published_cpu_bf16_convolution_run_is_read_as_its_host_allows():
+    """The 2026-12-07 convolution rows came from a host without AVX-512 (its /proc/cpuinfo
+    flags are committed beside them), so the pages draw no bf16 conclusion from them: they say
+    convolutions are not measured on an AVX512-BF16 host yet, and only which flags made a
+    library take the convolutions (YNNPACK's, in every round)."""
+    run = ROOT / "docs/results/cpu-bf16-2026-12-07"
+    flags = next(line for line in (run / "cpuinfo.txt").read_text().splitlines()
+                 if line.startswith("flags")).split()
+    assert "avx2" in flags and not any(f.startswith("avx512") for f in flags)
+    rows = json.loads((run / "flags.json").read_text())
     assert {r["round"] for r in rows} == {1, 2, 3} and not any("error" in r for r in rows)
-
-    def span(rs, key):
-        v = [r[f"{key}_bf16_over_fp32"] for r in rs]
-        return f"{min(v):.2f}–{max(v):.2f}×"
-
-    none = [r for r in rows if r["flags"] == "(none)"]
     lib = [r for r in rows if r["flags"] != "(none)"]
-    assert f"64 channels ran at {span(none, 'conv64@256')} float32's speed" in page
-    assert f"no path was better ({span(lib, 'conv64@256')})" in page
-    assert f"512 channels at {span(lib, 'conv512@64')} under the library paths" in page
-    undisturbed = sorted(none, key=lambda r: r["float32"])[1:]  # the round at 73 GFLOP/s out
-    assert f"{span(undisturbed, 'conv512@64')} as it comes (two undisturbed rounds)" in page
     took = {r["flags"] for r in lib if not r["conv64@256_same_as_default"]}
     assert took and all("ynn" in f for f in took)
+    perf = " ".join((ROOT / "docs/performance.md").read_text().split())
+    assert "Convolutions are not measured on such a host yet" in perf
+    assert "convolutions: not yet measured on an AVX512-BF16 host" in perf
+    assert "no AVX-512" in (run / "README.md").read_text()
 
 
 def test_how_far_float32_goes_is_the_compare_runs():
