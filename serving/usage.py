@@ -126,11 +126,11 @@ class PriorityGate:
             self.active += 1
             fut.set_result(now - arrived)
 
-    async def acquire(self, priority: int) -> None:
-        """Take a slot; waits (in class order) while all are taken."""
+    async def acquire(self, priority: int) -> float:
+        """Take a slot; waits (in class order) while all are taken. Returns the seconds waited."""
         if self.active < self.capacity and not self._waiting:
             self.active += 1
-            return
+            return 0.0
         arrived = time.monotonic()
         fut = asyncio.get_running_loop().create_future()
         # at time t a waiter's class is priority + (t - arrived) / age_s: the highest first is
@@ -138,7 +138,7 @@ class PriorityGate:
         heapq.heappush(self._waiting, (arrived / self.age_s - priority, arrived,
                                        next(self._order), fut))
         try:
-            await fut
+            return await fut
         except BaseException:
             if fut.done() and not fut.cancelled():
                 self.release()  # admitted just as the waiter gave up: pass the slot on
@@ -187,22 +187,24 @@ class Accounts:
 
     async def run(self, call, key_id: str | None, deadline: float, replicas: int):
         """``await call()`` (a generator call) behind the priority gate, if there is one;
-        ``replicas``: running generator replicas (the gate's capacity follows them)."""
+        ``replicas``: running generator replicas (the gate's capacity follows them). Behind a
+        gate the result's timings carry ``priority_wait_s``, the seconds it waited there."""
         if self.gate is None:
             return await call()
         per_ingress = math.ceil(max(replicas, 1) * self.s.generator_max_ongoing
                                 / self.s.ingress_replicas)
         self.gate.resize(per_ingress)
         try:
-            await asyncio.wait_for(self.gate.acquire(self.policy(key_id).priority),
-                                   max(deadline - time.monotonic(), 0))
+            waited = await asyncio.wait_for(self.gate.acquire(self.policy(key_id).priority),
+                                            max(deadline - time.monotonic(), 0))
         except asyncio.TimeoutError:
             raise ApiError(504, "the request did not start before its deadline (it waited "
                            "behind higher-priority requests)", kind="timeout") from None
         try:
-            return await call()
+            result = await call()
         finally:
             self.gate.release()
+        return dataclasses.replace(result, timings={**result.timings, "priority_wait_s": waited})
 
     async def count(self, key_id: str | None, job, result) -> None:
         """Add a finished request to its key's usage."""

@@ -72,13 +72,15 @@ def test_the_gate_takes_classes_in_order_and_ages():
         gate = PriorityGate(1, age_s=1000)
         order = []
 
+        waited = {}
+
         async def one(name, priority):
-            await gate.acquire(priority)
+            waited[name] = await gate.acquire(priority)
             order.append(name)
             await asyncio.sleep(0.01)
             gate.release()
 
-        await gate.acquire(0)  # all taken
+        assert await gate.acquire(0) == 0.0  # a free slot: no wait; now all are taken
         tasks = [asyncio.create_task(one(n, p)) for n, p in
                  (("low-1", 0), ("high", 5), ("low-2", 0), ("mid", 2), ("low-3", 0))]
         await asyncio.sleep(0.01)
@@ -88,6 +90,8 @@ def test_the_gate_takes_classes_in_order_and_ages():
         await asyncio.gather(*tasks, return_exceptions=True)
         assert order == ["high", "mid", "low-1", "low-3"]
         assert gate.active == 0
+        # each says how long it waited: high for the first release, the rest behind it in turn
+        assert 0.015 <= waited["high"] < waited["mid"] < waited["low-1"] < waited["low-3"]
         # ageing: a class-0 request that waited 3 "age" units goes before a class-2 newcomer
         aged = PriorityGate(1, age_s=0.05)
         await aged.acquire(0)
