@@ -130,23 +130,16 @@ class RunConfig(StrictConfig):
     revision: str | None = None
     variant: str | None = None
 
-    @field_validator("loras", mode="before")
+    @field_validator("loras", "embeddings", mode="before")
     @classmethod
-    def _loras(cls, v):
+    def _specs(cls, v, info):
+        """None, one spec (a string or a mapping) or a list of them -> a tuple of parsed specs."""
         if v is None:
             return ()
         if isinstance(v, (str, dict)):
             v = [v]
-        return tuple(LoraSpec.parse(x) for x in v)
-
-    @field_validator("embeddings", mode="before")
-    @classmethod
-    def _embeddings(cls, v):
-        if v is None:
-            return ()
-        if isinstance(v, (str, dict)):
-            v = [v]
-        return tuple(EmbeddingSpec.parse(x) for x in v)
+        parse = (LoraSpec if info.field_name == "loras" else EmbeddingSpec).parse
+        return tuple(parse(x) for x in v)
 
     @model_validator(mode="after")
     def _ip_adapter_encoder(self):

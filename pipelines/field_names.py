@@ -7,29 +7,31 @@ these words. JAX-free.
 from __future__ import annotations
 
 DOORS = ("python", "cli", "jsonl", "native", "openai")
+
+
+def _everywhere(name: str) -> dict[str, str]:
+    """A setting named ``name`` in every front door (the CLI's flag: ``--name-with-dashes``)."""
+    return {"python": name, "cli": "--" + name.replace("_", "-"), "jsonl": name, "native": name,
+            "openai": name}
+
+
 FIELDS: dict[str, dict[str, str]] = {
     "steps": {"python": "num_inference_steps", "cli": "--steps", "jsonl": "steps",
               "native": "steps", "openai": "steps"},
     "guidance": {"python": "guidance_scale", "cli": "--guidance", "jsonl": "guidance",
                  "native": "guidance_scale", "openai": "guidance_scale"},
-    "seed": {"python": "seed", "cli": "--seed", "jsonl": "seed", "native": "seed",
-             "openai": "seed"},
+    "seed": _everywhere("seed"),
     "n": {"python": "num_images_per_prompt", "cli": "--num-images", "jsonl": "n",
           "native": "num_images", "openai": "n"},
-    "strength": {"python": "strength", "cli": "--strength", "jsonl": "strength",
-                 "native": "strength", "openai": "strength"},
+    "strength": _everywhere("strength"),
     "width": {"python": "width", "cli": "--size", "jsonl": "size", "native": "width",
               "openai": "size"},
     "height": {"python": "height", "cli": "--size", "jsonl": "size", "native": "height",
                "openai": "size"},
     "prompt": {"python": "prompt", "cli": "prompt", "jsonl": "prompt", "native": "prompt",
                "openai": "prompt"},
-    "prompt_syntax": {"python": "prompt_syntax", "cli": "--prompt-syntax",
-                      "jsonl": "prompt_syntax", "native": "prompt_syntax",
-                      "openai": "prompt_syntax"},
-    "negative_prompt": {"python": "negative_prompt", "cli": "--negative-prompt",
-                        "jsonl": "negative_prompt", "native": "negative_prompt",
-                        "openai": "negative_prompt"},
+    "prompt_syntax": _everywhere("prompt_syntax"),
+    "negative_prompt": _everywhere("negative_prompt"),
     "adapter": {"python": "adapter", "cli": "--lora", "jsonl": "lora", "native": "lora",
                 "openai": "model"},
     # ControlNet: in a JSONL line and a JSON body they are fields of one entry of
@@ -44,12 +46,8 @@ FIELDS: dict[str, dict[str, str]] = {
     "controlnet": {"python": "controlnet", "cli": "--control-image", "jsonl": "controlnet",
                    "native": "controlnet"},
     # IP-Adapter: an image as a prompt (a loaded adapter; the image and its scale per image)
-    "ip_adapter_image": {"python": "ip_adapter_image", "cli": "--ip-adapter-image",
-                         "jsonl": "ip_adapter_image", "native": "ip_adapter_image",
-                         "openai": "ip_adapter_image"},
-    "ip_adapter_scale": {"python": "ip_adapter_scale", "cli": "--ip-adapter-scale",
-                         "jsonl": "ip_adapter_scale", "native": "ip_adapter_scale",
-                         "openai": "ip_adapter_scale"},
+    "ip_adapter_image": _everywhere("ip_adapter_image"),
+    "ip_adapter_scale": _everywhere("ip_adapter_scale"),
     # the SDXL refiner (two-stage): the base stops at denoising_end, the refiner starts at
     # denoising_start (fractions of the schedule); the refiner's aesthetic-score time ids
     "denoising_end": {"python": "denoising_end", "cli": "--high-noise-frac"},
@@ -57,19 +55,12 @@ FIELDS: dict[str, dict[str, str]] = {
     "aesthetic_score": {"python": "aesthetic_score", "cli": "--aesthetic-score"},
     # feature caching: classifier-free guidance for the first fraction of the steps only;
     # DeepCache (the UNet's deep features reused for N - 1 of every N steps)
-    "cfg_cutoff": {"python": "cfg_cutoff", "cli": "--cfg-cutoff", "jsonl": "cfg_cutoff",
-                   "native": "cfg_cutoff", "openai": "cfg_cutoff"},
-    "deepcache_interval": {"python": "deepcache_interval", "cli": "--deepcache-interval",
-                           "jsonl": "deepcache_interval", "native": "deepcache_interval",
-                           "openai": "deepcache_interval"},
+    "cfg_cutoff": _everywhere("cfg_cutoff"),
+    "deepcache_interval": _everywhere("deepcache_interval"),
     # hires fix: a first pass at size / hires_scale, upscaled, denoised again at hires_strength
-    "hires_scale": {"python": "hires_scale", "cli": "--hires-scale", "jsonl": "hires_scale",
-                    "native": "hires_scale", "openai": "hires_scale"},
-    "hires_strength": {"python": "hires_strength", "cli": "--hires-strength",
-                       "jsonl": "hires_strength", "native": "hires_strength",
-                       "openai": "hires_strength"},
-    "hires_steps": {"python": "hires_steps", "cli": "--hires-steps", "jsonl": "hires_steps",
-                    "native": "hires_steps", "openai": "hires_steps"},
+    "hires_scale": _everywhere("hires_scale"),
+    "hires_strength": _everywhere("hires_strength"),
+    "hires_steps": _everywhere("hires_steps"),
     "negative_aesthetic_score": {"python": "negative_aesthetic_score",
                                  "cli": "--negative-aesthetic-score"},
 }
