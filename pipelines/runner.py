@@ -315,6 +315,14 @@ class _Steps:
         self.bar.close()
 
 
+def _placed(tree, latent_shape: tuple, rows, rep):
+    """Scalars or a scheduler state on the mesh: leaves shaped like the batch's latents (a
+    multistep sampler's history, one per image) split over the data axis as the latents are,
+    the rest (timesteps, sigmas, counters, settings) on every device."""
+    return jax.tree.map(
+        lambda a: meshlib.place(a, rows if np.shape(a) == latent_shape else rep), tree)
+
+
 def run(job: Job) -> program_lib.PipelineOutput:
     """Run ``job``: its host inputs (random seeds drawn where an item has none), padded to a
     bucket of the mesh and placed, the program of its key (compiled once), the images back on
@@ -347,7 +355,8 @@ def run(job: Job) -> program_lib.PipelineOutput:
         scalars["cfg_cutoff"] = np.float32(cutoff)
     if interval > 1:
         scalars["deepcache_interval"] = np.int32(interval)
-    state = sched.set_timesteps(job.steps, (bucket, lh, lw, pipe.vae.config.latent_channels))
+    latent_shape = (bucket, lh, lw, pipe.vae.config.latent_channels)
+    state = sched.set_timesteps(job.steps, latent_shape)
     rows = put.tree(job.rows)
     if tiled and hasattr(job.task, "encode_tiled"):
         rows = job.task.encode_tiled(job, rows)
@@ -355,8 +364,8 @@ def run(job: Job) -> program_lib.PipelineOutput:
     if inputs.ip_pixels is not None:  # image prompts: the IP-Adapter's weights go in too
         ip = pipe.ip_adapter
         params = {**params, "ip_adapter": ip.params}
-    args = [params, job.weights, put.tree(inputs), rows, meshlib.place(scalars, rep),
-            meshlib.place(state, rep)]
+    args = [params, job.weights, put.tree(inputs), rows,
+            *(_placed(tree, latent_shape, put.rows, rep) for tree in (scalars, state))]
     if aidx is not None:
         args += [pipe.adapter_tables.as_tree(), put(aidx)]
     # the program closes over the scheduler (its config is static) and the text encoders: one

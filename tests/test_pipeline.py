@@ -281,7 +281,8 @@ def test_dtype_per_component(sdxl_dir):
 
 
 def test_data_parallel_equals_single_device(sdxl_dir, tmp_path):
-    """4 host devices: the batch is sharded over the mesh and the images equal one device's."""
+    """4 host devices: the batch is sharded over the mesh and the images equal one device's,
+    with the pipeline's Euler and with DPM++ 2M (whose per-image history is sharded too)."""
     script = textwrap.dedent(f"""
         import json, sys, numpy as np, jax
         from pipelines import TextToImagePipeline
@@ -290,9 +291,9 @@ def test_data_parallel_equals_single_device(sdxl_dir, tmp_path):
         for d in (4, 1):
             p = TextToImagePipeline.from_pretrained({str(sdxl_dir)!r}, devices=d)
             assert p.mesh.size == d
-            r = p(["a red circle", "a blue square", "the dog"], seed=11, num_inference_steps=2,
-                  guidance_scale=3.0, output_type="np")
-            out[d] = r.images
+            out[d] = np.stack([p(["a red circle", "a blue square", "the dog"], seed=11,
+                                 num_inference_steps=3, guidance_scale=3.0, output_type="np",
+                                 scheduler=s).images for s in (None, "dpmpp_2m")])
         print(json.dumps(float(np.abs(out[4] - out[1]).max())))
     """)
     worst = tiny.run_on_host_devices(script, 4)

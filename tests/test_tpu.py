@@ -8,6 +8,8 @@ benchmarks/tpu_report.py."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -70,12 +72,17 @@ def test_a_compile_only_mesh_loads_shapes_in_bfloat16(pipe, tpu_mesh):
 
 @pytest.mark.parametrize("guidance", [pytest.param(0.0, marks=pytest.mark.slow), 5.0])
 def test_text_to_image_is_data_parallel_with_splash(pipe, guidance):
+    """DPM++ 2M: its state holds a history per image, which is split over the chips as the
+    latents are (no chip holds the whole batch's)."""
     with aot.recording() as rec:
         out = pipe(["a red circle"] * 4, num_inference_steps=2, guidance_scale=guidance,
-                   height=SIZE, width=SIZE, seed=1)
+                   height=SIZE, width=SIZE, seed=1, scheduler="dpmpp_2m")
     assert len(out.images) == 4 and out.images[0].size == (SIZE, SIZE)
     hlo = _only(rec)
     assert aot.collectives(hlo) == {}
+    latents = rf"f32\[(\d+),{SIZE // 2},{SIZE // 2},4\]\S* parameter\(\d+\), sharding=(\S+)"
+    params = re.findall(latents, hlo)
+    assert params and all(rows == "1" and "devices=[4" in how for rows, how in params), params
     assert SPLASH in hlo
     assert rec[0]["kernel_flops"] > 0
     a = aot.analyse(rec[0], aot.chip_of(pipe.mesh), 1)
