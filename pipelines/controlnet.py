@@ -55,7 +55,7 @@ from pipelines.limits import describe
 from pipelines.program import PipelineOutput
 from pipelines.prompting import prompt_items
 from pipelines.requests import ImageRequest
-from pipelines.runner import Job, checked_items, run
+from pipelines.runner import Job, checked_items, given, run
 from pipelines.tasks.controlnet import CONTROLNET, control_inputs, control_keep, control_residuals
 from pipelines.text_to_image import TextToImagePipeline
 
@@ -289,9 +289,7 @@ class ControlNetPipeline(ComposedPipeline):
         Items share the size and step count; ``height``/``width`` default to the first control
         image's size rounded down to a multiple of the VAE scale factor."""
         t0 = time.perf_counter()
-        items = list(items)
-        if not items:
-            raise ValueError("items is empty: give at least one ImageRequest")
+        items = given(items)
         n = len(items)
         controls = [list(row) if isinstance(row, (list, tuple)) else row for row in controls]
         if len(controls) != n:

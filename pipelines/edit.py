@@ -73,7 +73,7 @@ from pipelines.limits import (
 from pipelines.program import PipelineOutput, start_step
 from pipelines.prompting import prompt_items
 from pipelines.requests import ImageRequest
-from pipelines.runner import Job, checked_items, run
+from pipelines.runner import Job, checked_items, given, run
 from pipelines.tasks.edit import EDIT
 
 __all__ = ["ImageToImagePipeline", "InpaintPipeline", "start_step"]
@@ -147,9 +147,7 @@ class _EditPipeline(ComposedPipeline):
         if latents is not None:
             raise ValueError("latents= is not used here: pass noise= (the add-noise noise) and "
                              "image_latents_noise= (the VAE posterior noise)")
-        items = list(items)
-        if not items:
-            raise ValueError("items is empty: give at least one ImageRequest")
+        items = given(items)
         check([edit_adapter_problem(it.adapter) for it in items])
         n = len(items)
         f = self.vae_scale_factor

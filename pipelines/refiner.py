@@ -37,12 +37,11 @@ from pipelines.limits import (
     check,
     denoising_fraction_problem,
     output_type_problem,
-    problems,
     split_steps_problems,
 )
 from pipelines.program import PipelineOutput
 from pipelines.requests import ImageRequest, bucket_size
-from pipelines.runner import Job, run
+from pipelines.runner import Job, checked_items, run
 from pipelines.tasks.refine import Refine
 
 __all__ = ["generate"]
@@ -59,24 +58,15 @@ def generate(base, items: Sequence[ImageRequest], *, height: int | None = None,
     the same ``num_inference_steps`` with its own scheduler, as diffusers' two pipelines do."""
     t0 = time.perf_counter()
     refiner = base.refiner
-    items = [it.with_defaults(base.default_guidance) for it in items]
-    if not items:
-        raise ValueError("items is empty: give at least one ImageRequest")
     if refiner is not None and denoising_end is None:
         denoising_end = base.high_noise_frac
-    steps = base.default_steps if num_inference_steps is None else num_inference_steps
-    height = base.default_height if height is None else height
-    width = base.default_width if width is None else width
-    check([*problems(base.limits, steps=steps, width=width, height=height),
-           output_type_problem(output_type, latent=refiner is None),
-           None if denoising_end is None else denoising_fraction_problem(denoising_end)])
+    items, steps, height, width = checked_items(
+        base, items, num_inference_steps, height, width, None,
+        more=[output_type_problem(output_type, latent=refiner is None),
+              None if denoising_end is None else denoising_fraction_problem(denoising_end)],
+        no_samplers="text-to-image without a refiner or denoising_end")
     if refiner is not None:
         refiner.check_request(steps, height, width)
-    for k, it in enumerate(items):
-        it.validate(k)
-        if it.scheduler is not None:
-            raise ValueError(f"scheduler={it.scheduler!r}: a sampler per request runs "
-                             "text-to-image without a refiner or denoising_end")
     if base.adapter_index(items) is not None and any(it.adapter for it in items):
         raise ValueError("per-image adapters (add_adapter) do not run with denoising_end or a "
                          "refiner; fuse the LoRA with load_lora_weights instead")

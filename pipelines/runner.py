@@ -26,12 +26,12 @@ import numpy as np
 
 from maxdiff import adapters as adapterlib
 from maxdiff import mesh as meshlib
-from pipelines import loop
+from pipelines import loop, step_hooks
 from pipelines import program as program_lib
 from pipelines.limits import check, sampler_problem
 from pipelines.requests import ImageRequest, bucket_size
 
-__all__ = ["Task", "TEXT", "Job", "Static", "Ctx", "build", "run", "checked_items"]
+__all__ = ["Task", "TEXT", "Job", "Static", "Ctx", "build", "run", "given", "checked_items"]
 
 
 class ProgramKey(NamedTuple):
@@ -102,6 +102,17 @@ class Ctx:
             uidx=program_lib.conditional_half(self.uidx),
             inputs=dataclasses.replace(self.inputs, cfg=False), memo=dict(self.memo))
 
+    def denoise(self, scheduler, model, x, state, start, end, *, step_keys, shape, nocfg,
+                **more):
+        """:func:`pipelines.loop.denoise` with this batch's guidance and feature caching;
+        ``nocfg()`` makes the conditional-only model, called where a ``cfg_cutoff`` is on."""
+        cutoff = self.scalars["cfg_cutoff"] if self.static.cfg_cutoff else None
+        return loop.denoise(scheduler, model, x, state, start, end, cfg=self.inputs.cfg,
+                            g=self.inputs.guidance, r=self.inputs.rescale, step_keys=step_keys,
+                            shape=shape, cfg_cutoff=cutoff,
+                            deepcache=self.scalars.get("deepcache_interval"),
+                            model_nocfg=None if cutoff is None else nocfg(), **more)
+
     def denoiser(self, **extras):
         """``model(xin, t, i)``: the family's denoiser on the batch's conditioning (per-image
         adapters applied), with ``extras`` (ControlNet residuals, from :meth:`Task.model`)."""
@@ -154,6 +165,11 @@ class Task:
         """After the loop: (latents, the VAE and its weights that decode them)."""
         return x, ctx.pipe.vae, ctx.params["vae"]
 
+    def encode_tiled(self, job: Job, rows: dict) -> dict:
+        """``rows`` with its images encoded on the host, tile by tile, where the decoder tiles
+        (the program then takes their latents): none for text-to-image."""
+        return rows
+
 
 TEXT = Task()  # text-to-image: every default
 
@@ -192,16 +208,25 @@ class Job:
         return len(self.items)
 
 
+def given(items: Sequence[ImageRequest]) -> list[ImageRequest]:
+    """``items`` as a list; ValueError when there are none."""
+    items = list(items)
+    if not items:
+        raise ValueError("items is empty: give at least one ImageRequest")
+    return items
+
+
 def checked_items(pipe, items: Sequence[ImageRequest], steps, height, width,
-                  output_type: str | None, *, size_from=None, samplers: bool = False):
+                  output_type: str | None, *, size_from=None, samplers: bool = False,
+                  more: Sequence = (), no_samplers: str | None = None):
     """The checks and defaults every task shares: at least one item, the step count (default:
     the pipeline's), the size (default: ``size_from``'s (width, height) rounded down to the
     VAE's factor, else the pipeline's), then :meth:`check_request` and each item's
     ``validate``; an item without a guidance scale gets the pipeline's. ``output_type`` None:
-    checked by the caller. Returns (items, steps, height, width)."""
-    items = [it.with_defaults(pipe.default_guidance) for it in items]
-    if not items:
-        raise ValueError("items is empty: give at least one ImageRequest")
+    checked by the caller; ``more``: the caller's problems, reported with the request's;
+    ``no_samplers``: where a sampler per request does run, when not here. Returns (items,
+    steps, height, width)."""
+    items = [it.with_defaults(pipe.default_guidance) for it in given(items)]
     steps = pipe.default_steps if steps is None else steps
     if size_from is not None:
         f = pipe.vae_scale_factor
@@ -210,15 +235,17 @@ def checked_items(pipe, items: Sequence[ImageRequest], steps, height, width,
         width = w0 - w0 % f if width is None else width
     height = pipe.default_height if height is None else height
     width = pipe.default_width if width is None else width
-    pipe.check_request(steps, height, width, *(() if output_type is None else (output_type,)))
+    pipe.check_request(steps, height, width, *(() if output_type is None else (output_type,)),
+                       more=more)
     for k, it in enumerate(items):
         it.validate(k)
         check([sampler_problem(it.scheduler)])
     for name in dict.fromkeys(it.scheduler for it in items if it.scheduler is not None):
         if not samplers:
-            raise ValueError(f"scheduler={name!r}: a sampler per request runs text-to-image; "
-                             f"this pipeline runs its own ({type(pipe.scheduler).__name__}): "
-                             "switch pipe.scheduler (or from_pretrained(scheduler=...))")
+            raise ValueError(f"scheduler={name!r}: a sampler per request runs " + (
+                no_samplers or f"text-to-image; this pipeline runs its own "
+                f"({type(pipe.scheduler).__name__}): switch pipe.scheduler (or "
+                "from_pretrained(scheduler=...))"))
         pipe.check_request(steps, height, width, scheduler=name)
     return items, steps, height, width
 
@@ -238,81 +265,16 @@ def build(task: Task, pipe, static: Static, scheduler=None):
         ctx = Ctx(pipe, static, params, weights, inputs, rows, scalars, state, cond, uidx, ad,
                   keys, scheduler)
         x, start = task.begin(ctx)
-        cutoff = scalars["cfg_cutoff"] if static.cfg_cutoff else None
-        x = loop.denoise(scheduler, task.model(ctx), x, state, start, task.end(ctx),
-                                cfg=inputs.cfg, g=inputs.guidance, r=inputs.rescale,
-                                step_keys=keys[-1], shape=ctx.shape, extra=task.extra(ctx),
-                                after_step=_with_hooks(task.after_step(ctx), static.hooks,
-                                                       scheduler),
-                                on_denoised=_denoised_hook(static.hooks, scheduler),
-                                cfg_cutoff=cutoff, deepcache=scalars.get("deepcache_interval"),
-                                model_nocfg=None if cutoff is None else task.model(
-                                    ctx.without_cfg()))
+        x = ctx.denoise(scheduler, task.model(ctx), x, state, start, task.end(ctx),
+                        step_keys=keys[-1], shape=ctx.shape,
+                        nocfg=lambda: task.model(ctx.without_cfg()), extra=task.extra(ctx),
+                        after_step=step_hooks.with_hooks(task.after_step(ctx), static.hooks,
+                                                         scheduler),
+                        on_denoised=step_hooks.denoised_hook(static.hooks, scheduler))
         x, vae, vae_params = task.then(ctx, x)
         return program_lib.finish(vae, vae_params, x, static.out)
 
     return program
-
-
-_LISTENER: list = [None]  # the running job's step listener (the programs' host callbacks)
-
-
-def _step_done(i, t, x) -> None:
-    listener = _LISTENER[0]
-    if listener is not None:
-        listener(int(i), t, x)
-
-
-def _denoised_hook(hooks: str, scheduler):
-    """For ``"denoised"`` hooks: a host callback with the step index, its timestep and the
-    step's estimate of the clean latents (previews), else None."""
-    if hooks != "denoised":
-        return None
-
-    def hook(i, state, x0):
-        jax.debug.callback(_step_done, i, scheduler.timestep_for_model(state, i), x0)
-    return hook
-
-
-def _with_hooks(after_step, hooks: str, scheduler):
-    """``after_step`` followed by a host callback with the step index, its timestep and (for
-    ``"latents"``) the latents; unchanged without ``hooks`` (or with ``"denoised"``, reported
-    by :func:`_denoised_hook`), so a call that asks for nothing runs the same program."""
-    if hooks in ("", "denoised"):
-        return after_step
-
-    def hooked(i, state, x):
-        if after_step is not None:
-            x = after_step(i, state, x)
-        jax.debug.callback(_step_done, i, scheduler.timestep_for_model(state, i),
-                           x if hooks == "latents" else None)
-        return x
-    return hooked
-
-
-class _Steps:
-    """A job's step listener: a progress bar (tqdm) and the caller's ``on_step(step,
-    timestep, latents (N, C, h, w))``; steps reported more than once (one call per device)
-    count once."""
-
-    def __init__(self, job: Job, total: int):
-        from tqdm import tqdm
-
-        self.job, self.seen = job, -1
-        self.bar = tqdm(total=total, desc=f"{job.task.name} {job.width}x{job.height}",
-                        unit="step", disable=not job.progress, leave=False)
-
-    def __call__(self, i: int, t, x) -> None:
-        if i <= self.seen:
-            return
-        self.bar.update(i - self.seen)
-        self.seen = i
-        if self.job.on_step is not None and x is not None:
-            latents = np.asarray(x)[:self.job.n].transpose(0, 3, 1, 2)
-            self.job.on_step(i, np.asarray(t), latents)
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def _placed(tree, latent_shape: tuple, rows, rep):
@@ -358,7 +320,7 @@ def run(job: Job) -> program_lib.PipelineOutput:
     latent_shape = (bucket, lh, lw, pipe.vae.config.latent_channels)
     state = sched.set_timesteps(job.steps, latent_shape)
     rows = put.tree(job.rows)
-    if tiled and hasattr(job.task, "encode_tiled"):
+    if tiled:
         rows = job.task.encode_tiled(job, rows)
     params, ip = pipe.params, None
     if inputs.ip_pixels is not None:  # image prompts: the IP-Adapter's weights go in too
@@ -382,14 +344,14 @@ def run(job: Job) -> program_lib.PipelineOutput:
                    file=sys.stderr)
     program = pipe.programs.get(key, lambda: build(job.task, pipe, static, sched))
     t1 = time.perf_counter()
-    steps = _Steps(job, int(state.timesteps.shape[0])) if hooks else None
-    _LISTENER[0] = steps
+    steps = step_hooks.Steps(job, int(state.timesteps.shape[0])) if hooks else None
+    step_hooks.LISTENER[0] = steps
     try:
         out = program(*args)
         images = program_lib.collect(out, job.n, job.output_type,
                                      decoder.decode_tiled if tiled else None)
     finally:
-        _LISTENER[0] = None
+        step_hooks.LISTENER[0] = None
         if steps is not None:
             steps.close()
     nsfw = None

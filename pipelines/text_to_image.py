@@ -362,15 +362,16 @@ class TextToImagePipeline(Constructors, LoraAdapters, TextualInversion, ImagePro
                       steps_why=f"what {type(self.scheduler).__name__} allows")
 
     def check_request(self, steps: int, height: int, width: int, output_type: str = "pil",
-                      scheduler: str | None = None) -> None:
+                      scheduler: str | None = None, more: Sequence = ()) -> None:
         """ValueError naming every field of a request this pipeline cannot run: the step count,
         the size (:attr:`limits`) and the output type, by the rules of :mod:`pipelines.limits`
         (the step engine and the service's replicas check their requests here too); with
-        ``scheduler`` (a sampler name) the steps that sampler allows."""
+        ``scheduler`` (a sampler name) the steps that sampler allows; ``more``: the caller's
+        problems (:class:`pipelines.limits.Problem` or None), named with them."""
         limits = self.limits
         if scheduler is not None:
             limits = dataclasses.replace(limits, steps_why=f"what {scheduler!r} allows",
                                          max_steps=max_inference_steps(
                                              self.scheduler_for(scheduler)))
         check([*problems(limits, steps=steps, width=width, height=height),
-               output_type_problem(output_type)])
+               output_type_problem(output_type), *more])

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from pipelines import loop
 from pipelines import program as program_lib
 from pipelines.limits import check, hires_problems
 from pipelines.requests import HiresFix, ImageRequest
@@ -53,12 +52,9 @@ class Hires(Task):
                                     memo={})
         keys0 = program_lib.image_keys(inputs.seeds, TEXT.n_keys)
         x = program_lib.normal(keys0[0], shape0) * sched.init_noise_sigma(state0)
-        cutoff = ctx.scalars["cfg_cutoff"] if ctx.static.cfg_cutoff else None
-        x = loop.denoise(sched, first.denoiser(), x, state0, 0, state0.timesteps.shape[0],
-                         cfg=inputs.cfg, g=inputs.guidance, r=inputs.rescale,
-                         step_keys=keys0[-1], shape=shape0, cfg_cutoff=cutoff,
-                         deepcache=ctx.scalars.get("deepcache_interval"),
-                         model_nocfg=None if cutoff is None else first.without_cfg().denoiser())
+        x = ctx.denoise(sched, first.denoiser(), x, state0, 0, state0.timesteps.shape[0],
+                        step_keys=keys0[-1], shape=shape0,
+                        nocfg=lambda: first.without_cfg().denoiser())
         lh, lw, _ = ctx.shape
         t_start = ctx.scalars["t_start"]
         noise = program_lib.normal(ctx.keys[0], ctx.shape)

@@ -13,7 +13,6 @@ refiner's. The cut is traced: a new ``denoising_end`` never recompiles. Feature 
 
 from __future__ import annotations
 
-from pipelines import loop
 from pipelines import program as program_lib
 from pipelines.runner import Ctx, Task
 
@@ -46,12 +45,7 @@ class Refine(Task):
                 return refiner.family.denoise(refiner.unet, params["unet"], cond, xin, t, **more)
             return model
 
-        cutoff = ctx.scalars["cfg_cutoff"] if ctx.static.cfg_cutoff else None
-        x = loop.denoise(refiner.scheduler, denoiser(cond), x, state, ctx.scalars["start"],
-                                state.timesteps.shape[0], cfg=ctx.inputs.cfg,
-                                g=ctx.inputs.guidance, r=ctx.inputs.rescale,
-                                step_keys=ctx.keys[-1], shape=ctx.shape, cfg_cutoff=cutoff,
-                                deepcache=ctx.scalars.get("deepcache_interval"),
-                                model_nocfg=None if cutoff is None else denoiser(
-                                    program_lib.conditional_half(cond)))
+        x = ctx.denoise(refiner.scheduler, denoiser(cond), x, state, ctx.scalars["start"],
+                        state.timesteps.shape[0], step_keys=ctx.keys[-1], shape=ctx.shape,
+                        nocfg=lambda: denoiser(program_lib.conditional_half(cond)))
         return x, refiner.vae, params["vae"]
