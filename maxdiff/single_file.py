@@ -359,8 +359,8 @@ def _looks_like(keys: list[str]) -> str:
     if has("lora_down", "lora_up", "lora_A", "lora_B", "lora_unet_", "lora_te"):
         return ("a LoRA file; load it with load_lora_weights() / --lora, not as the model")
     if has("control_model.", "controlnet_cond_embedding", "input_hint_block"):
-        return ("a ControlNet; load it with maxdiff.models.controlnet.load_controlnet "
-                "(pipelines do not take ControlNets yet)")
+        return ("a ControlNet; give it to a pipeline as controlnet= (the CLI's --controlnet, "
+                "the serve arg controlnets), or load it with maxdiff.loaders.load_controlnet")
     if has("joint_blocks."):
         return "a Stable Diffusion 3 model, which maxdiff does not load"
     if has("double_blocks.", "single_blocks."):

@@ -10,7 +10,7 @@ Build it with ``ControlNetPipeline.from_pipe(pipe, controlnet=...)`` or
 ``from_pretrained(path, controlnet=...)``; ``controlnet`` is a diffusers ControlNet folder, a
 single ``.safetensors`` file (diffusers keys or the original layout; without its config.json it
 takes the config made from this model's UNet, as diffusers' ``ControlNetModel.from_unet``), a
-``(module, params)`` pair from :func:`maxdiff.models.controlnet.load_controlnet`, or a list of
+``(module, params)`` pair from :func:`maxdiff.loaders.load_controlnet`, or a list of
 them (loaded in the parent's dtype, on its mesh).
 
 Calling it preprocesses the control images on the host (diffusers' control image processor:
@@ -47,7 +47,8 @@ import numpy as np
 
 from maxdiff import hub
 from maxdiff import mesh as meshlib
-from maxdiff.models.controlnet import ControlNetModel, load_controlnet
+from maxdiff.loaders import load_controlnet
+from maxdiff.models.controlnet import ControlNetModel
 from pipelines.composed import ComposedPipeline
 from pipelines.conditioned_requests import ControlImage
 from pipelines.images import image_list, is_image, size_of

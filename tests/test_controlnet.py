@@ -17,7 +17,8 @@ import torch
 
 from maxdiff import single_file
 from maxdiff.checkpoint import CheckpointError, _flatten, save_safetensors
-from maxdiff.models.controlnet import ControlNetConfig, config_from_unet, load_controlnet
+from maxdiff.loaders import config_from_unet, load_controlnet
+from maxdiff.models.controlnet import ControlNetConfig
 from maxdiff.models.unet import load_unet
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -293,7 +294,8 @@ def test_single_files(sdxl, tmp_path):
     _original_layout(folder, tmp_path / "bare.safetensors", "")
     _assert_same(load_controlnet(tmp_path / "bare.safetensors", config=config)[1], want)
 
-    with pytest.raises(CheckpointError, match="a ControlNet; load it with maxdiff.models.controlnet"):
+    with pytest.raises(CheckpointError, match="a ControlNet; give it to a pipeline as "
+                                              "controlnet=.*maxdiff.loaders.load_controlnet"):
         single_file.inspect(tmp_path / "control.safetensors")  # e.g. passed as a whole model
     with pytest.raises(CheckpointError, match="needs a config: config= .* or unet_config="):
         load_controlnet(tmp_path / "control.safetensors")

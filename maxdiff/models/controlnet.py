@@ -22,7 +22,6 @@ every value): scalars, or one value per batch row (B,).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,13 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxdiff import checkpoint, single_file
+from maxdiff import checkpoint
 from maxdiff.models.attention import DEFAULT_CHUNK, KERNELS
 from maxdiff.models.layers import conv
 from maxdiff.models.unet import EncoderConfig, UNetEncoder, param_shapes
 
 __all__ = ["ControlNetConfig", "ControlNetModel", "ControlNetConditioningEmbedding",
-           "config_from_unet", "load_controlnet", "param_shapes"]
+           "load_controlnet", "param_shapes"]
 
 CHANNEL_ORDERS = ("rgb", "bgr")
 
@@ -187,83 +186,22 @@ class ControlNetModel(UNetEncoder):
         return args
 
 
-def _hint_channels(source: checkpoint.WeightSource) -> tuple[int, tuple[int, ...]] | None:
-    """(conditioning_channels, conditioning_embedding_out_channels) read off a ControlNet
-    file's conditioning encoder (diffusers' ``controlnet_cond_embedding.*`` or the original
-    ``input_hint_block.*``), or None when it has neither."""
-    keys = set(source.keys())
-
-    def out_in(key: str) -> tuple[int, int]:
-        shape = source.lazy(key).shape  # from the file's header; nothing read
-        return int(shape[0]), int(shape[1])
-
-    first = "controlnet_cond_embedding.conv_in.weight"
-    if first in keys:  # blocks 2i: ch[i] -> ch[i]; blocks 2i+1: ch[i] -> ch[i+1]
-        out, cond = out_in(first)
-        ch = [out]
-        while (k := f"controlnet_cond_embedding.blocks.{2 * len(ch) - 1}.weight") in keys:
-            ch.append(out_in(k)[0])
-        return cond, tuple(ch)
-    for prefix in (single_file.CONTROLNET, ""):
-        first = f"{prefix}input_hint_block.0.weight"
-        if first in keys:  # convolutions at 0, 2, ..., 4 * steps + 2 (SiLUs between)
-            convs = sum(k.startswith(f"{prefix}input_hint_block.") and k.endswith(".weight")
-                        for k in keys)
-            out, cond = out_in(first)
-            steps = (convs - 2) // 2
-            return cond, (out, *(out_in(f"{prefix}input_hint_block.{4 * i + 4}.weight")[0]
-                                 for i in range(steps)))
-    return None
-
-
-def config_from_unet(path: str | os.PathLike, unet_config: Any) -> dict:
-    """The diffusers config of a single-file ControlNet that ships without one, for the model
-    whose UNet config is ``unet_config`` (a dict or a :class:`maxdiff.models.unet.UNetConfig`):
-    the UNet fields diffusers' ``ControlNetModel.from_unet`` copies (how the released full-size
-    ControlNets were made), with the conditioning encoder's channels read off the file. A file
-    made otherwise (a smaller ControlNet) fails to load naming the first weight whose shape
-    differs; pass its own ``config=`` then."""
-    fields = [f.name for f in dataclasses.fields(EncoderConfig)]
-    if dataclasses.is_dataclass(unet_config):
-        unet_config = {k: getattr(unet_config, k) for k in fields}
-    config = {k: unet_config[k] for k in fields if k in unet_config}
-    found = _hint_channels(checkpoint.WeightSource.from_files([path]))
-    if found is not None:
-        config["conditioning_channels"], config["conditioning_embedding_out_channels"] = found
-    return config
-
-
 def load_controlnet(path: str | os.PathLike, dtype: Any = "float32", *, config: dict | None = None,
-                    unet_config: Any = None, attention_kernel: str = "auto",
-                    attention_chunk: int = DEFAULT_CHUNK, put=None,
-                    variant: str | None = None) -> tuple[ControlNetModel, dict]:
+                    source: checkpoint.WeightSource | None = None,
+                    attention_kernel: str = "auto", attention_chunk: int = DEFAULT_CHUNK,
+                    put=None, variant: str | None = None) -> tuple[ControlNetModel, dict]:
     """Load a ControlNet from a diffusers folder (``config.json`` and
     ``diffusion_pytorch_model[.fp16].safetensors``, single or sharded; ``variant`` picks one),
-    or from a single ``.safetensors`` file: diffusers keys, or the original layout
-    (``control_model.*`` or bare ``input_hint_block.*`` / ``zero_convs.*`` keys, as
-    lllyasviel's files ship). A single file's config is ``config`` (the diffusers
-    ``config.json`` of the same ControlNet, as a dict), or, without one, made from
-    ``unet_config``, the config of the UNet it was made for (:func:`config_from_unet`).
-
-    Returns ``(module, params)``; params are cast to ``dtype`` tensor by tensor.
-    """
+    or from an opened weight ``source`` with its diffusers ``config`` (single files:
+    :func:`maxdiff.loaders.load_controlnet`). Returns ``(module, params)``; params are cast to
+    ``dtype`` tensor by tensor."""
     path = Path(path)
-    if config is None:
-        if path.is_file():
-            if unet_config is None:
-                raise checkpoint.CheckpointError(
-                    f"{path}: a single-file ControlNet needs a config: config= (the config.json "
-                    "of the same ControlNet in the diffusers layout) or unet_config= (the "
-                    "config of the UNet it was made for)")
-            config = config_from_unet(path, unet_config)
-        else:
-            config = checkpoint.read_config(path)
+    config = checkpoint.read_config(path) if config is None else config
     if attention_kernel not in KERNELS:
         raise ValueError(f"attention_kernel={attention_kernel!r}; use one of {', '.join(KERNELS)}")
     cfg = ControlNetConfig.from_dict(config)
     np_dtype = checkpoint.resolve_dtype(dtype)
     model = ControlNetModel(cfg, attention_kernel, attention_chunk, jnp.dtype(np_dtype))
-    source = (single_file.controlnet_source(path, config) if path.is_file()
-              else checkpoint.open_weights(path, variant))
+    source = checkpoint.open_weights(path, variant) if source is None else source
     params = checkpoint.load_params(param_shapes(model), source, np_dtype, put=put)
     return model, params
