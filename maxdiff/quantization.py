@@ -35,7 +35,7 @@ pipeline's dtype, and why:
   weight matmuls (the rules name the Dense modules only, so the attention module's own einsums
   are never intercepted).
 - the text encoders and the VAE: they run once per image, not once per step; they keep the
-  pipeline's dtype in this first step (issue #29).
+  pipeline's dtype.
 
 The quantized weights are computed from the float weights at load (:func:`quantize`), tensor
 by tensor; the float UNet weights are dropped once quantized. LoRA adapters (fused or per
