@@ -277,31 +277,33 @@ def unet_call(pipe, rows: int, height: int, width: int, shallow: bool = False):
     ``shallow``: DeepCache's shallow branch on cached deep features instead (the steps between
     full ones with ``deepcache_interval``). Records like any program (:func:`recording`)."""
 
+    from maxdiff.family import Cond
     from pipelines import program as program_lib
 
     f = pipe.vae_scale_factor
-    unet, cfg = pipe.unet, pipe.unet.config
+    unet, cfg, family = pipe.unet, pipe.unet.config, pipe.family
     rows_on = meshlib.batch_sharded(pipe.mesh)
     dtype = jax.tree.leaves(pipe.params["unet"])[0].dtype
-    pooled = pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None else 0
-    n_ids = pipe.family.n_time_ids
+    # the pooled embedding: the last text encoder's projection, where the family takes one
+    pooled = getattr(pipe, family.encoders[-1]).config.projection_dim if family.pooled else 0
 
     def arg(*shape, dt=dtype):
         return jax.ShapeDtypeStruct(shape, dt, sharding=rows_on)
 
-    def call(p, x, t, emb, pooled, time_ids, *feats):
+    def call(p, x, t, cond, *feats):
         if shallow:
-            return unet.apply({"params": p}, x, t, emb, pooled, time_ids, deep_cache=feats[0],
-                              return_deep_cache=True)[0]
-        return unet.apply({"params": p}, x, t, emb, pooled, time_ids)
+            return family.denoise(unet, p, cond, x, t, deep_cache=feats[0],
+                                  return_deep_cache=True)[0]
+        return family.denoise(unet, p, cond, x, t)
 
+    cond = Cond(arg(rows, 77, cfg.cross_attention_dim), arg(rows, pooled),
+                arg(rows, family.n_time_ids, dt="float32"))
     args = [pipe.params["unet"], arg(rows, height // f, width // f, cfg.in_channels,
-                                     dt="float32"),
-            arg(rows, dt="float32"), arg(rows, 77, cfg.cross_attention_dim),
-            arg(rows, pooled), arg(rows, n_ids, dt="float32")]
+                                     dt="float32"), arg(rows, dt="float32"), cond]
     if shallow:  # the deep features' shape, from the full call that caches them
-        feats = jax.eval_shape(lambda *a: unet.apply({"params": a[0]}, *a[1:],
-                                                     return_deep_cache=True)[1], *args)
+        feats = jax.eval_shape(lambda p, x, t, c: family.denoise(unet, p, c, x, t,
+                                                                 return_deep_cache=True)[1],
+                               *args)
         args.append(arg(*feats.shape, dt=feats.dtype))
     return program_lib.jit(pipe.mesh, call)(*args)
 
