@@ -17,7 +17,7 @@ import numpy as np
 
 from pipelines.control_limits import control_scale_problem, control_window_problems
 from pipelines.limits import STRENGTH, cfg_on, describe, strength_problem, within
-from pipelines.requests import GenerationRequest
+from pipelines.requests import GenerationRequest, describe_shape
 
 
 # ---------------------------------------------------------------------------------- editing
@@ -40,6 +40,10 @@ class EditKey(NamedTuple):
     def __str__(self) -> str:
         return (f"{self.kind}:{self.width}x{self.height}:{self.steps}:"
                 f"{'cfg' if self.cfg else 'nocfg'}:s{self.strength:g}")
+
+    def describe(self) -> str:
+        """The batch's shape in words (the CLI's progress bar)."""
+        return f"{self.kind} (strength {self.strength:g}) {describe_shape(self)}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,6 +126,10 @@ class ControlKey(NamedTuple):
     def __str__(self) -> str:
         return (f"controlnet[{'+'.join(self.controlnets)}]:{self.width}x{self.height}:"
                 f"{self.steps}:{'cfg' if self.cfg else 'nocfg'}")
+
+    def describe(self) -> str:
+        """The batch's shape in words (the CLI's progress bar)."""
+        return f"{len(self.controlnets)} ControlNet(s), {describe_shape(self)}"
 
 
 @dataclass(frozen=True, eq=False)

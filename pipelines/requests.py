@@ -104,6 +104,16 @@ class ShapeKey(NamedTuple):
         tail = "" if self.hires is None else f":{self.hires}"
         return f"{self.width}x{self.height}:{self.steps}:{'cfg' if self.cfg else 'nocfg'}{tail}"
 
+    def describe(self) -> str:
+        """The batch's shape in words (the CLI's progress bar)."""
+        tail = "" if self.hires is None else f", {self.hires}"
+        return f"{describe_shape(self)}{tail}"
+
+
+def describe_shape(key) -> str:
+    """``WxH, N step(s), guidance on|off`` of any batch key (its height, width, steps, cfg)."""
+    return f"{key.width}x{key.height}, {key.steps} step(s), guidance {'on' if key.cfg else 'off'}"
+
 
 # ---------------------------------------------------------------------------------- seeds
 def image_seeds(seed: int | None, n: int) -> list[int | None]:

@@ -164,3 +164,18 @@ def test_prompt_items_fan_out_prompts_seeds_and_sizes():
     assert one[0].negative_size is None and one[0].seed == 7 and one[0].guidance_scale == 3.0
     with pytest.raises(ValueError, match="negative_prompt has 3 entries but prompt has 2"):
         prompt_items(["a", "b"], None, ["x", "y", "z"], None, 1, None, guidance_scale=None)
+
+
+def test_batch_keys_describe_their_shape():
+    """What the CLI's progress bar says of a batch, for every kind of key."""
+    from pipelines.conditioned_requests import ControlKey, EditKey
+    from pipelines.requests import HiresFix, ShapeKey
+
+    assert ShapeKey.of(32, 48, 2, 5.0).describe() == "48x32, 2 step(s), guidance on"
+    hires = HiresFix(2.0, 0.5)
+    assert ShapeKey.of(32, 48, 2, 1.0, hires).describe() == \
+        f"48x32, 2 step(s), guidance off, {hires}"
+    assert EditKey("inpaint", 32, 48, 3, True, 0.5).describe() == \
+        "inpaint (strength 0.5) 48x32, 3 step(s), guidance on"
+    assert ControlKey(("canny", "depth"), 32, 48, 3, False).describe() == \
+        "2 ControlNet(s), 48x32, 3 step(s), guidance off"

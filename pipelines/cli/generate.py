@@ -143,16 +143,9 @@ def cmd_generate(args) -> int:
                                                        pipe.mesh.size):
             edit = isinstance(batch_shape, EditKey)
             control = isinstance(batch_shape, ControlKey)
-            h, w, steps, cfg_on = batch_shape[1:5] if edit or control else batch_shape[:4]
             if batch_shape != shape:
                 shape = batch_shape
-                desc = f"{w}x{h}, {steps} step(s), guidance {'on' if cfg_on else 'off'}"
-                if not (edit or control) and batch_shape.hires is not None:
-                    desc = f"{desc}, {batch_shape.hires}"
-                if edit:
-                    desc = f"{batch_shape.kind} (strength {batch_shape.strength:g}) {desc}"
-                if control:
-                    desc = f"{len(batch_shape.controlnets)} ControlNet(s), {desc}"
+                desc = batch_shape.describe()
                 bar.set_postfix_str(desc)
                 if args.quiet:
                     n = sum(j.shape == shape for j in todo)
