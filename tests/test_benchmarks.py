@@ -758,3 +758,29 @@ def test_published_v6e_task_fits_come_from_their_rows():
     assert (f"image-to-image and inpainting {edit['hbm_gib']:.1f} GiB of 32 (weights "
             f"{edit['weights_gib']:.1f} GiB, temporaries {edit['temp_gib']:.1f} GiB), 0 "
             f"collectives; ControlNet {net['hbm_gib']:.1f} GiB, the same 1") in perf
+
+
+def test_every_data_parallel_program_costs_a_v5e_8_chip_what_it_costs_a_v5e_4_chip():
+    """docs/results/tpu-2026-12-07d/tiny-64: every served program compiled for v5e:2x2 and
+    v5e:2x4 on the embedded model. The data-parallel ones keep their collectives (none;
+    ControlNet's one flag) and their per-chip HBM (within 2 KiB), flops and bytes (within
+    0.01 %) on twice the chips; the step engine, which moves slots between chips, does not."""
+    rows = [json.loads(line) for line in
+            (ROOT / "docs/results/tpu-2026-12-07d/tiny-64/report.jsonl").read_text().splitlines()]
+    by = {(r["program"], r["topology"]): r for r in rows}
+    assert {p for p, _ in by} == {"lightning", "base", "img2img", "inpaint", "controlnet", "step"}
+    for program in ("lightning", "base", "img2img", "inpaint", "controlnet"):
+        four, eight = by[program, "v5e:2x2"], by[program, "v5e:2x4"]
+        assert (four["chips"], eight["chips"]) == (4, 8) and four["compiled"] and eight["compiled"]
+        assert four["collectives"] == eight["collectives"] == by[program, "v6e:2x2"]["collectives"]
+        assert eight["collective_ops"] == (1 if program == "controlnet" else 0), program
+        for key in ("hbm_gib", "weights_gib", "temp_gib"):
+            assert abs(eight[key] - four[key]) * 2**30 <= 2048, (program, key)
+        for key in ("tflop_per_image", "gbytes_per_image", "hbm_gbytes_per_image"):
+            if key in four:
+                assert eight[key] == pytest.approx(four[key], rel=1e-4), (program, key)
+    step4, step8 = by["step", "v5e:2x2"], by["step", "v5e:2x4"]
+    assert step4["collective_ops"] != step8["collective_ops"]  # slots move between chips
+    perf = " ".join((ROOT / "docs/performance.md").read_text().split())
+    assert (f"({step4['collective_ops']} collectives on four chips, {step8['collective_ops']} on "
+            "eight)") in perf
