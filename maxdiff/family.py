@@ -89,8 +89,10 @@ class Family:
         """Whether the denoiser takes a pooled text embedding (the last encoder's projection)."""
         return self.n_time_ids > 0
 
-    def encode(self, encoders: Mapping[str, Any], params: Mapping, text, ad=None, aidx=None):
-        """A batch's prompts -> (context (B, T, D), pooled (B, P)). ``text``: a
+    def encode(self, encoders: Mapping[str, Any], params: Mapping, text, ad=None,
+               aidx=None) -> Cond:
+        """A batch's prompts -> their :class:`Cond`: context (B, T, D) and pooled (B, P), no
+        time ids (the request's, added by the caller). ``text``: a
         :class:`maxdiff.prompts.Text` (long and weighted prompts), or token ids (2, B, L) (row
         k: tokenizer k's ids; one tokenizer: its ids twice). SDXL: both encoders' penultimate
         states side by side and encoder 2's pooled projection; the refiner: encoder 2's alone;
@@ -132,13 +134,13 @@ class Family:
                 z = z.reshape(b, size, z.shape[-1])
             outs.append(z)
         if not self.pooled:
-            return outs[-1], jnp.zeros((b, 0), outs[-1].dtype)
+            return Cond(outs[-1], jnp.zeros((b, 0), outs[-1].dtype), None)
         if text.own_pooled:
             last = self.encoders[-1]
             with adapterlib.applied(ad.get(last), aidx):
                 pooled = encoders[last].apply({"params": params[last]},
                                               text.pooled_ids).text_embeds
-        return jnp.concatenate(outs, axis=-1), pooled
+        return Cond(jnp.concatenate(outs, axis=-1), pooled, None)
 
     def denoise(self, unet, params: Mapping, cond: Cond, x, t, **extras):
         """The denoiser's prediction for latents ``x`` at timesteps ``t`` (``extras``: e.g.

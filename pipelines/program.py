@@ -273,14 +273,16 @@ def conditioning(family, encoders, params, inputs: HostInputs, ad=None, aidx=Non
 
         tokens, utokens = ipa.image_tokens(ip_adapter, params["ip_adapter"], inputs.ip_pixels,
                                            inputs.cfg)
-    emb, pooled = family.encode(encoders, params, inputs.text, ad, aidx)
-    cond = Cond(emb, pooled, inputs.time_ids, tokens, inputs.ip_scale)
+    cond = dataclasses.replace(family.encode(encoders, params, inputs.text, ad, aidx),
+                               time_ids=inputs.time_ids, image_tokens=tokens,
+                               image_scale=inputs.ip_scale)
     if not inputs.cfg:
         return cond, aidx
-    nemb, npooled = family.encode(encoders, params, inputs.neg_text, ad, aidx)
+    neg = family.encode(encoders, params, inputs.neg_text, ad, aidx)
     zero = inputs.zero_negative
-    uncond = Cond(jnp.where(zero[:, None, None], 0.0, nemb), jnp.where(zero[:, None], 0.0, npooled),
-                  inputs.neg_time_ids, utokens, inputs.ip_scale)
+    uncond = Cond(jnp.where(zero[:, None, None], 0.0, neg.context),
+                  jnp.where(zero[:, None], 0.0, neg.pooled), inputs.neg_time_ids, utokens,
+                  inputs.ip_scale)
     return (jax.tree.map(cfg_rows, uncond, cond),
             cfg_rows(aidx, aidx))  # the unconditional rows use the image's adapter too
 

@@ -86,9 +86,10 @@ class StepRunner:
         p = self.pipe
         tokens = (p.tokenizer or p.tokenizer_2).model_max_length
         encoders = {name: getattr(p, name) for name in p.family.encoders}
-        emb, pooled = jax.eval_shape(
+        text = jax.eval_shape(
             lambda prm, ids: p.family.encode(encoders, prm, ids), p.params,
             jax.ShapeDtypeStruct((2, 1, tokens), jnp.int32))
+        emb, pooled = text.context, text.pooled
         sched, _ = self.schedule(1)
         state = {
             "x": np.zeros(lat, np.float32), "x0": np.zeros(lat, np.float32),

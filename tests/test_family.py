@@ -60,12 +60,14 @@ def test_encode_is_each_familys_text_conditioning(sdxl_dir, refiner_dir, sd_dirs
     projection; the refiner: encoder 2's alone; SD: the last state, no pooled."""
     ids = np.arange(2 * 3 * 77, dtype=np.int32).reshape(2, 3, 77) % 50
     cases = [(sdxl_dir, FAMILIES["sdxl-base"]), (refiner_dir, folder_family(refiner_dir)),
-             (sd_dirs["sd1"], FAMILIES["sd1"])]
+             (sd_dirs["sd1"], FAMILIES["sd1"]), (sd_dirs["sd2"], FAMILIES["sd2"])]
     for folder, family in cases:
         loaded = {name: load_text_encoder(folder / name) for name in family.encoders}
         modules = {name: m for name, (m, _) in loaded.items()}
         params = {name: p for name, (_, p) in loaded.items()}
-        context, pooled = family.encode(modules, params, jnp.asarray(ids))
+        cond = family.encode(modules, params, jnp.asarray(ids))
+        context, pooled = cond.context, cond.pooled
+        assert cond.time_ids is None and cond.image_tokens is None
         outs = [modules[n].apply({"params": params[n]}, jnp.asarray(ids[k if len(loaded) > 1
                                                                       else int(n[-1] == "2")]))
                 for k, n in enumerate(family.encoders)]

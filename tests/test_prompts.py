@@ -62,7 +62,8 @@ def _encode(pipe, items):
 
     text, _ = prompting.texts(pipe, items)
     encoders = {n: getattr(pipe, n) for n in pipe.family.encoders}
-    ctx, pooled = jax.jit(lambda prm, t: pipe.family.encode(encoders, prm, t))(pipe.params, text)
+    cond = jax.jit(lambda prm, t: pipe.family.encode(encoders, prm, t))(pipe.params, text)
+    ctx, pooled = cond.context, cond.pooled
     return np.asarray(ctx), np.asarray(pooled), text
 
 
