@@ -496,7 +496,8 @@ def test_the_deployment_pages_tpu_table_is_the_compiled_rows():
             "v6e inpaint": row("tpu-2026-12-07c/v6e-inpaint/report.jsonl")},
         "ControlNet (1)": {"v5e": row("tpu-2026-12-07/report.jsonl", 1),
                            "v6e": row("tpu-2026-12-07c/v6e-controlnet/report.jsonl")},
-        "base + refiner (1)": {"v5e": row("tpu-2026-12-07b/refiner/report.jsonl"),
+        "base + refiner (1)": {"v5e-4": row("tpu-2026-12-07b/refiner/report.jsonl"),
+                               "v5e-8": row("tpu-2026-12-07d/v5e-2x4-refiner/report.jsonl"),
                                "v6e": row("tpu-2026-12-07b/v6e-refiner/report.jsonl")},
         "step engine, one slot a chip": {"v5e": row("tpu-2026-12-07/report.jsonl", 2)},
     }
@@ -784,3 +785,10 @@ def test_every_data_parallel_program_costs_a_v5e_8_chip_what_it_costs_a_v5e_4_ch
     perf = " ".join((ROOT / "docs/performance.md").read_text().split())
     assert (f"({step4['collective_ops']} collectives on four chips, {step8['collective_ops']} on "
             "eight)") in perf
+    # at full size, the program with the least room on a v5e chip: base + refiner
+    full = [json.loads((ROOT / "docs/results" / path / "report.jsonl").read_text().splitlines()[0])
+            for path in ("tpu-2026-12-07b/refiner", "tpu-2026-12-07d/v5e-2x4-refiner")]
+    assert [r["chips"] for r in full] == [4, 8] and all(r["program"] == "refiner" for r in full)
+    for key in ("hbm_gib", "weights_gib", "temp_gib", "collective_ops"):
+        assert full[0][key] == full[1][key], key
+    assert f"base + refiner at full size compiled for v5e:2x4: {full[1]['hbm_gib']:.2f} GiB" in perf
