@@ -491,6 +491,7 @@ def test_the_deployment_pages_tpu_table_is_the_compiled_rows():
         "SDXL base, 20 steps, CFG 8 (2)": base,
         "image-to-image, inpainting (1)": {
             "v5e": row("tpu-2026-12-06/report.jsonl"),
+            "v5e-8": row("tpu-2026-12-07d/v5e-2x4-img2img/report.jsonl"),
             "v5e inpaint": row("tpu-2026-12-07/report.jsonl"),
             "v6e": row("tpu-2026-12-07c/v6e-img2img/report.jsonl"),
             "v6e inpaint": row("tpu-2026-12-07c/v6e-inpaint/report.jsonl")},
@@ -787,8 +788,11 @@ def test_every_data_parallel_program_costs_a_v5e_8_chip_what_it_costs_a_v5e_4_ch
             "eight)") in perf
     # at full size, the program with the least room on a v5e chip: base + refiner
     full = [json.loads((ROOT / "docs/results" / path / "report.jsonl").read_text().splitlines()[0])
-            for path in ("tpu-2026-12-07b/refiner", "tpu-2026-12-07d/v5e-2x4-refiner")]
-    assert [r["chips"] for r in full] == [4, 8] and all(r["program"] == "refiner" for r in full)
-    for key in ("hbm_gib", "weights_gib", "temp_gib", "collective_ops"):
-        assert full[0][key] == full[1][key], key
+            for path in ("tpu-2026-12-07b/refiner", "tpu-2026-12-07d/v5e-2x4-refiner",
+                         "tpu-2026-12-06", "tpu-2026-12-07d/v5e-2x4-img2img")]
+    for four, eight, program in ((full[0], full[1], "refiner"), (full[2], full[3], "img2img")):
+        assert (four["chips"], eight["chips"]) == (4, 8), program
+        assert four["program"] == eight["program"] == program
+        for key in ("hbm_gib", "weights_gib", "temp_gib", "collective_ops"):
+            assert four[key] == eight[key], (program, key)
     assert f"base + refiner at full size compiled for v5e:2x4: {full[1]['hbm_gib']:.2f} GiB" in perf
