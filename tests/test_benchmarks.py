@@ -493,6 +493,7 @@ def test_the_deployment_pages_tpu_table_is_the_compiled_rows():
             "v5e": row("tpu-2026-12-06/report.jsonl"),
             "v5e-8": row("tpu-2026-12-07d/v5e-2x4-img2img/report.jsonl"),
             "v5e inpaint": row("tpu-2026-12-07/report.jsonl"),
+            "v5e-8 inpaint": row("tpu-2026-12-07d/v5e-2x4-inpaint/report.jsonl"),
             "v6e": row("tpu-2026-12-07c/v6e-img2img/report.jsonl"),
             "v6e inpaint": row("tpu-2026-12-07c/v6e-inpaint/report.jsonl")},
         "ControlNet (1)": {"v5e": row("tpu-2026-12-07/report.jsonl", 1),
@@ -789,8 +790,10 @@ def test_every_data_parallel_program_costs_a_v5e_8_chip_what_it_costs_a_v5e_4_ch
     # at full size, the program with the least room on a v5e chip: base + refiner
     full = [json.loads((ROOT / "docs/results" / path / "report.jsonl").read_text().splitlines()[0])
             for path in ("tpu-2026-12-07b/refiner", "tpu-2026-12-07d/v5e-2x4-refiner",
-                         "tpu-2026-12-06", "tpu-2026-12-07d/v5e-2x4-img2img")]
-    for four, eight, program in ((full[0], full[1], "refiner"), (full[2], full[3], "img2img")):
+                         "tpu-2026-12-06", "tpu-2026-12-07d/v5e-2x4-img2img",
+                         "tpu-2026-12-07", "tpu-2026-12-07d/v5e-2x4-inpaint")]
+    for four, eight, program in ((full[0], full[1], "refiner"), (full[2], full[3], "img2img"),
+                                 (full[4], full[5], "inpaint")):
         assert (four["chips"], eight["chips"]) == (4, 8), program
         assert four["program"] == eight["program"] == program
         for key in ("hbm_gib", "weights_gib", "temp_gib", "collective_ops"):
