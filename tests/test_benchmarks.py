@@ -497,6 +497,7 @@ def test_the_deployment_pages_tpu_table_is_the_compiled_rows():
             "v6e": row("tpu-2026-12-07c/v6e-img2img/report.jsonl"),
             "v6e inpaint": row("tpu-2026-12-07c/v6e-inpaint/report.jsonl")},
         "ControlNet (1)": {"v5e": row("tpu-2026-12-07/report.jsonl", 1),
+                           "v5e-8": row("tpu-2026-12-07d/v5e-2x4-controlnet/report.jsonl"),
                            "v6e": row("tpu-2026-12-07c/v6e-controlnet/report.jsonl")},
         "base + refiner (1)": {"v5e-4": row("tpu-2026-12-07b/refiner/report.jsonl"),
                                "v5e-8": row("tpu-2026-12-07d/v5e-2x4-refiner/report.jsonl"),
@@ -787,15 +788,21 @@ def test_every_data_parallel_program_costs_a_v5e_8_chip_what_it_costs_a_v5e_4_ch
     perf = " ".join((ROOT / "docs/performance.md").read_text().split())
     assert (f"({step4['collective_ops']} collectives on four chips, {step8['collective_ops']} on "
             "eight)") in perf
-    # at full size, the program with the least room on a v5e chip: base + refiner
-    full = [json.loads((ROOT / "docs/results" / path / "report.jsonl").read_text().splitlines()[0])
-            for path in ("tpu-2026-12-07b/refiner", "tpu-2026-12-07d/v5e-2x4-refiner",
-                         "tpu-2026-12-06", "tpu-2026-12-07d/v5e-2x4-img2img",
-                         "tpu-2026-12-07", "tpu-2026-12-07d/v5e-2x4-inpaint")]
+
+    # at full size, every data-parallel program compiled for both (base + refiner: the one
+    # with the least room on a v5e chip)
+    def first(path, n=0):
+        return json.loads((ROOT / "docs/results" / path / "report.jsonl").read_text()
+                          .splitlines()[n])
+    full = [first(path, n) for path, n in (
+        ("tpu-2026-12-07b/refiner", 0), ("tpu-2026-12-07d/v5e-2x4-refiner", 0),
+        ("tpu-2026-12-06", 0), ("tpu-2026-12-07d/v5e-2x4-img2img", 0),
+        ("tpu-2026-12-07", 0), ("tpu-2026-12-07d/v5e-2x4-inpaint", 0),
+        ("tpu-2026-12-07", 1), ("tpu-2026-12-07d/v5e-2x4-controlnet", 0))]
     for four, eight, program in ((full[0], full[1], "refiner"), (full[2], full[3], "img2img"),
-                                 (full[4], full[5], "inpaint")):
+                                 (full[4], full[5], "inpaint"), (full[6], full[7], "controlnet")):
         assert (four["chips"], eight["chips"]) == (4, 8), program
         assert four["program"] == eight["program"] == program
-        for key in ("hbm_gib", "weights_gib", "temp_gib", "collective_ops"):
+        for key in ("hbm_gib", "weights_gib", "temp_gib", "collectives"):
             assert four[key] == eight[key], (program, key)
     assert f"base + refiner at full size compiled for v5e:2x4: {full[1]['hbm_gib']:.2f} GiB" in perf
