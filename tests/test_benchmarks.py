@@ -504,6 +504,7 @@ def test_the_deployment_pages_tpu_table_is_the_compiled_rows():
                                "v6e": row("tpu-2026-12-07b/v6e-refiner/report.jsonl")},
         "step engine, one slot a chip": {"v5e": row("tpu-2026-12-07/report.jsonl", 2)},
     }
+    step8 = row("tpu-2026-12-07d/v5e-2x4-step/report.jsonl")  # its collectives change
     lines = {line.split("|")[1].strip(): line for line in
              (ROOT / "docs/deployment.md").read_text().splitlines() if line.startswith("| ")}
     for label, rows in cells.items():
@@ -514,6 +515,10 @@ def test_the_deployment_pages_tpu_table_is_the_compiled_rows():
             assert f"{r['hbm_gib']:.2f} GiB" in line, (label, name)
             chip = name.split()[0].split("-")[0]  # tpu-2026-12-06b/whole.json names none
             assert r.get("chip", chip) == chip and r.get("compiled", True), (label, name)
+
+    assert step8["chips"] == 8 and step8["program"] == "step"
+    assert (f"(v5e-8: {step8['hbm_gib']:.2f} GiB)" in lines["step engine, one slot a chip"]
+            and f"; {step8['collective_ops']} on v5e-8)" in lines["step engine, one slot a chip"])
 
     def roofline(r):
         return f"{r['images_per_s_per_chip']:.2f}-{r['hbm_images_per_s_per_chip']:.2f}"
@@ -806,3 +811,11 @@ def test_every_data_parallel_program_costs_a_v5e_8_chip_what_it_costs_a_v5e_4_ch
         for key in ("hbm_gib", "weights_gib", "temp_gib", "collectives"):
             assert four[key] == eight[key], (program, key)
     assert f"base + refiner at full size compiled for v5e:2x4: {full[1]['hbm_gib']:.2f} GiB" in perf
+    # the step engine at full size: its collectives and temporaries change with the chips
+    four, eight = first("tpu-2026-12-07", 2), first("tpu-2026-12-07d/v5e-2x4-step")
+    assert four["program"] == eight["program"] == "step" and (four["chips"], eight["chips"]) == (4, 8)
+    assert four["weights_gib"] == eight["weights_gib"] and four["temp_gib"] < eight["temp_gib"]
+    assert (f"{eight['collective_ops']} collectives on eight chips against "
+            f"{four['collective_ops']} on four, and "
+            f"{round((eight['temp_gib'] - four['temp_gib']) * 1024)} MiB more temporaries a chip "
+            f"({eight['hbm_gib']:.2f} GiB") in perf
