@@ -484,6 +484,7 @@ def test_the_deployment_pages_tpu_table_is_the_compiled_rows():
                  "v5e-8": row("tpu-2026-12-07b/v5e-2x4-lightning/report.jsonl"),
                  "v6e": row("tpu-2026-12-07b/v6e-lightning/report.jsonl")}
     base = {"v5e": row("tpu-2026-12-07b/v5e-base/report.jsonl"),
+            "v5e-8": row("tpu-2026-12-07d/v5e-2x4-base/report.jsonl"),
             "v6e": json.loads((res / "tpu-2026-12-06b/whole.json").read_text())}
     cells = {  # table row label -> the committed rows its HBM cells come from
         "SDXL-Lightning, 4 steps (2)": lightning,
@@ -803,9 +804,11 @@ def test_every_data_parallel_program_costs_a_v5e_8_chip_what_it_costs_a_v5e_4_ch
         ("tpu-2026-12-07b/refiner", 0), ("tpu-2026-12-07d/v5e-2x4-refiner", 0),
         ("tpu-2026-12-06", 0), ("tpu-2026-12-07d/v5e-2x4-img2img", 0),
         ("tpu-2026-12-07", 0), ("tpu-2026-12-07d/v5e-2x4-inpaint", 0),
-        ("tpu-2026-12-07", 1), ("tpu-2026-12-07d/v5e-2x4-controlnet", 0))]
+        ("tpu-2026-12-07", 1), ("tpu-2026-12-07d/v5e-2x4-controlnet", 0),
+        ("tpu-2026-12-07b/v5e-base", 0), ("tpu-2026-12-07d/v5e-2x4-base", 0))]
     for four, eight, program in ((full[0], full[1], "refiner"), (full[2], full[3], "img2img"),
-                                 (full[4], full[5], "inpaint"), (full[6], full[7], "controlnet")):
+                                 (full[4], full[5], "inpaint"), (full[6], full[7], "controlnet"),
+                                 (full[8], full[9], "base")):
         assert (four["chips"], eight["chips"]) == (4, 8), program
         assert four["program"] == eight["program"] == program
         for key in ("hbm_gib", "weights_gib", "temp_gib", "collectives"):
