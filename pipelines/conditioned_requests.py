@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -66,6 +67,17 @@ class EditRequest(GenerationRequest):
         return EditKey(self.kind, self.height, self.width, self.steps,
                        cfg_on(self.guidance_scale), float(self.strength))
 
+    def batch_extra(self) -> tuple:
+        """Each image's (image, mask) as PIL images (the mask None for image-to-image),
+        resized by the pipeline as diffusers resizes them when the size differs."""
+        from PIL import Image
+
+        return (Image.fromarray(self.image),
+                None if self.mask is None else Image.fromarray(self.mask, mode="L"))
+
+    def file_settings(self) -> dict[str, str]:
+        return {"mode": self.kind, "strength": f"{self.strength:g}"}
+
     def validate(self) -> None:
         super().validate()
         if (p := strength_problem(self.strength, self.steps)) is not None:
@@ -107,6 +119,13 @@ class ControlImage:
                             *control_window_problems(self.start, self.end, which)] if p]
 
 
+def describe_controls(controls: Iterable[tuple[str, float, float, float, bool]]) -> str:
+    """``NAME:SCALE[START-END][ guess]; ...``: the ControlNets and their settings as image
+    files record them (``controls``: (name, scale, start, end, guess mode) each)."""
+    return "; ".join(f"{name}:{scale:g}[{start:g}-{end:g}]{' guess' if guess else ''}"
+                     for name, scale, start, end, guess in controls)
+
+
 class ControlKey(NamedTuple):
     """What one batch of ControlNet jobs shares: the ControlNets (their names, in the order
     the request gives its control images) and the compiled program's shape. Control images,
@@ -146,13 +165,17 @@ class ControlRequest(GenerationRequest):
     def controlnets(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.controls)
 
-    def pipeline_controls(self) -> list[ControlImage]:
+    def batch_extra(self) -> list[ControlImage]:
         """The controls as the ControlNet pipeline and the step engine take them: each image a
         PIL image, so it is resized (to the output size) as diffusers resizes an uploaded one."""
         from PIL import Image
 
         return [ControlImage(Image.fromarray(c.image), c.scale, c.start, c.end, c.guess_mode)
                 for _, c in self.controls]
+
+    def file_settings(self) -> dict[str, str]:
+        return {"mode": "controlnet", "controlnet": describe_controls(
+            (name, c.scale, c.start, c.end, c.guess_mode) for name, c in self.controls)}
 
     @property
     def key(self) -> ControlKey:  # type: ignore[override]

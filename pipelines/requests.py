@@ -95,6 +95,11 @@ class ShapeKey(NamedTuple):
     cfg: bool
     hires: HiresFix | None = None
 
+    @property
+    def program(self) -> tuple:
+        """The compiled program's part of the key (every batch key has one)."""
+        return tuple(self)
+
     @classmethod
     def of(cls, height: int, width: int, steps: int, guidance: float,
            hires: HiresFix | None = None) -> ShapeKey:
@@ -296,6 +301,23 @@ class GenerationRequest:
                              safety_checker=self.safety_checker, cfg_cutoff=self.cfg_cutoff,
                              deepcache_interval=self.deepcache_interval)
                 for s in image_seeds(self.seed, self.n)]
+
+    # What a request's kind adds, for every way in (the CLI, both serving engines): each
+    # subclass (pipelines.conditioned_requests) answers for its own, so no front door tests
+    # request classes.
+    @property
+    def controlnets(self) -> tuple[str, ...]:
+        """The ControlNets that condition this request, in order (none: text-to-image)."""
+        return ()
+
+    def batch_extra(self) -> Any:
+        """What this request's kind adds to each of its images in a device batch (the extras
+        :meth:`pipelines.dispatch.Pipelines.generate` takes): nothing for text-to-image."""
+        return None
+
+    def file_settings(self) -> dict[str, str]:
+        """What this request's kind adds to the settings its image files record."""
+        return {}
 
     def validate(self) -> None:
         if (p := n_problem(self.n)) is not None:

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import numpy as np
 from ray import serve
 
-from pipelines.conditioned_requests import ControlRequest, EditKey, EditRequest
+from pipelines.conditioned_requests import EditKey
 from pipelines.requests import GenerationRequest, ShapeKey, bucket_size, pad_to, plan_batches
 from serving.backend import Backend, partial_steps, past_deadline
 from serving.schemas import JobResult
@@ -64,7 +64,7 @@ class BatchBackend(Backend):
             one = dataclasses.replace(job, n=b)
             self._device_batch(one.key, self._items(one))
             self._compiled.add((*one.key, b))
-        if isinstance(job, ControlRequest):
+        if job.controlnets:
             return str(job.key)
         return f"{job.width}x{job.height}:{job.steps}:{job.guidance_scale:g}"
 
@@ -132,19 +132,9 @@ class BatchBackend(Backend):
         return fn
 
     def _items(self, job: GenerationRequest) -> list[tuple]:
-        """One device batch entry per image: (ImageRequest, what its kind adds: None; for an
-        edit (image, mask) as PIL images, resized by the pipeline as diffusers does when the
-        size differs; with ControlNets one ControlImage per ControlNet, its image a PIL
-        image)."""
-        from PIL import Image
-
-        if isinstance(job, ControlRequest):
-            extra = job.pipeline_controls()
-        elif isinstance(job, EditRequest):
-            extra = (Image.fromarray(job.image),
-                     None if job.mask is None else Image.fromarray(job.mask, mode="L"))
-        else:
-            extra = None
+        """One device batch entry per image: (ImageRequest, what the job's kind adds:
+        ``job.batch_extra()``)."""
+        extra = job.batch_extra()
         return [(item, extra) for item in job.images()]
 
     def _device_batch(self, key: tuple, items: list, watchers: dict | None = None):
@@ -177,7 +167,7 @@ class BatchBackend(Backend):
             if not part:
                 continue
             bucket = bucket_size(len(part), self.pipe.mesh.size)  # every one is warmed up
-            program = (*(key.program if isinstance(key, EditKey) else key), bucket)
+            program = (*key.program, bucket)
             # A program not compiled yet compiles (seconds to minutes) without holding the
             # devices, so batches of compiled shapes keep running meanwhile.
             lock = self._device_lock if program in self._compiled else contextlib.nullcontext()

@@ -191,7 +191,7 @@ class LoadedModel:
             if stream and job.n != 1:
                 raise ValueError("streaming returns one image; ask for one")
             step = self.backend_for(job).name == "step"
-            if job.scheduler is not None and (step or isinstance(job, ControlRequest)):
+            if job.scheduler is not None and (step or job.controlnets):
                 raise ValueError(f"scheduler: this server runs {self.info()['scheduler']!r} for "
                                  f"{'every request on engine=step' if step else 'ControlNet'}; "
                                  "a sampler per request runs text-to-image on engine=batch")
@@ -208,9 +208,8 @@ class LoadedModel:
             prompting.check_prompts(self.pipe, job.images()[:1], 1 if step else None,
                                     "engine=step holds one 75-token chunk per image")
             self.pipe.adapter_index(job.images()[:1])  # an adapter this model added
-            if isinstance(job, ControlRequest):  # ControlNets this model loaded
-                check([controlnet_problem(name, self.controlnets) for name in job.controlnets],
-                      "native")
+            check([controlnet_problem(name, self.controlnets)  # ControlNets this model loaded
+                   for name in job.controlnets], "native")
         except ValueError as e:
             raise InvalidJob(str(e)) from None
 

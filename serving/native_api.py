@@ -335,12 +335,7 @@ async def edit_job(s: ServeSettings, info: dict, body: EditBody) -> EditRequest:
 def image_settings(job: GenerationRequest, seeds, info: dict, model_id: str) -> list[dict]:
     """What each image's file records (PNG text chunks, EXIF): the settings that redraw it
     through ``/v1/generate`` (its seed among them), one dict per seed."""
-    mode = {"mode": job.kind, "strength": f"{job.strength:g}"} \
-        if isinstance(job, EditRequest) else {}
-    if isinstance(job, ControlRequest):
-        mode = {"mode": "controlnet", "controlnet": "; ".join(
-            f"{name}:{c.scale:g}[{c.start:g}-{c.end:g}]{' guess' if c.guess_mode else ''}"
-            for name, c in job.controls)}
+    mode = job.file_settings()  # the request's kind: an edit's mode, the ControlNets
     if job.ip_adapter_image is not None:  # an image prompt: its scale (the image is the caller's)
         scale = info["ip_adapter"]["scale"] if job.ip_adapter_scale is None \
             else job.ip_adapter_scale
@@ -392,7 +387,7 @@ async def response(job: GenerationRequest, fmt: str, result: JobResult, info: di
                 output_format=fmt, timings=timings)
     if not edit:
         data["lora"] = job.adapter
-    if isinstance(job, ControlRequest):
+    if job.controlnets:
         data["controlnets"] = list(job.controlnets)
     return data, blobs
 

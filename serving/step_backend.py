@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.conditioned_requests import ControlRequest
 from pipelines.requests import GenerationRequest
 from serving.backend import Backend, partial_steps, past_deadline
 from serving.schemas import JobResult
@@ -67,8 +66,7 @@ class StepBackend(Backend):
     # ------------------------------------------------------------------ engines
     @staticmethod
     def _key(job: GenerationRequest) -> tuple[int, int, tuple]:
-        return (job.height, job.width,
-                job.controlnets if isinstance(job, ControlRequest) else ())
+        return job.height, job.width, job.controlnets
 
     def _new_engine(self, key: tuple[int, int, tuple]):
         """A step engine of a size (not compiled; over the ControlNet pipeline of its
@@ -212,7 +210,7 @@ class StepBackend(Backend):
                       ) -> list[_Image]:
         eng = await self._ready_engine(self._key(job))
         loop = asyncio.get_running_loop()
-        controls = job.pipeline_controls() if isinstance(job, ControlRequest) else None
+        controls = job.batch_extra()  # (text-to-image: None; ControlNet: its controls)
         images = []
         for item in job.images():
             h = eng.submit(item, job.steps, on_progress, previews, controls, job.priority)

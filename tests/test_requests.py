@@ -179,3 +179,42 @@ def test_batch_keys_describe_their_shape():
         "inpaint (strength 0.5) 48x32, 3 step(s), guidance on"
     assert ControlKey(("canny", "depth"), 32, 48, 3, False).describe() == \
         "2 ControlNet(s), 48x32, 3 step(s), guidance off"
+
+
+def test_each_request_kind_answers_for_what_it_adds():
+    """The front doors ask a request, never its class, what its kind adds: the ControlNets, each
+    image's device-batch extra (dispatch's), the settings its files record, the program key."""
+    from pipelines.conditioned_requests import ControlImage, ControlRequest, EditRequest
+    from pipelines.requests import GenerationRequest
+
+    base = dict(prompt="a", negative_prompt=None, seed=1, n=2, width=48, height=32, steps=3,
+                guidance_scale=5.0)
+    text = GenerationRequest(**base)
+    assert text.controlnets == () and text.batch_extra() is None and text.file_settings() == {}
+    assert text.key.program == tuple(text.key)
+
+    rgb = np.zeros((32, 48, 3), np.uint8)
+    rgb[..., 1] = 200
+    mask = np.zeros((32, 48), np.uint8)
+    mask[4:9] = 255
+    for m, kind in ((None, "img2img"), (mask, "inpaint")):
+        edit = EditRequest(**base, strength=0.25, image=rgb, mask=m)
+        image, pil_mask = edit.batch_extra()
+        assert edit.controlnets == () and np.array_equal(np.asarray(image), rgb)
+        assert (pil_mask is None) == (m is None)
+        if m is not None:
+            assert pil_mask.mode == "L" and np.array_equal(np.asarray(pil_mask), mask)
+        assert edit.file_settings() == {"mode": kind, "strength": "0.25"}
+        assert edit.key.program == (kind, 32, 48, 3, True)
+
+    control = ControlRequest(**base, controls=(
+        ("canny", ControlImage(rgb, 0.5, 0.0, 0.8)),
+        ("depth", ControlImage(rgb, 1.0, 0.1, 1.0, guess_mode=True))))
+    assert control.controlnets == ("canny", "depth")
+    extra = control.batch_extra()
+    assert [(c.scale, c.start, c.end, c.guess_mode) for c in extra] == \
+        [(0.5, 0.0, 0.8, False), (1.0, 0.1, 1.0, True)]
+    assert all(np.array_equal(np.asarray(c.image), rgb) for c in extra)
+    assert control.file_settings() == {
+        "mode": "controlnet", "controlnet": "canny:0.5[0-0.8]; depth:1[0.1-1] guess"}
+    assert control.key.program == (("canny", "depth"), 32, 48, 3, True)

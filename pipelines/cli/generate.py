@@ -12,12 +12,10 @@ import time
 from pathlib import Path
 
 from pipelines.cli.common import _log, _run_config, _step_limit, _usage_errors, _vae_factor
-from pipelines.cli.controls import load_control_image
 from pipelines.cli.jobs import RunSettings, plan_jobs
 from pipelines.cli.lines import InputError, check_size
 from pipelines.cli.output import METADATA, OutputDir
-from pipelines.cli.prompts import load_edit_inputs, read_prompts
-from pipelines.conditioned_requests import ControlImage, ControlKey, EditKey
+from pipelines.cli.prompts import read_prompts
 from pipelines.limits import (
     MAX_SEED,
     steps_problem,
@@ -31,8 +29,7 @@ def _pipelines(pipe, jobs):
     ControlNet that cannot be loaded, or is made for another model, is exit status 2."""
     from pipelines.dispatch import Pipelines
 
-    paths = dict.fromkeys(p for j in jobs if isinstance(j.shape, ControlKey)
-                          for p in j.shape.controlnets)
+    paths = dict.fromkeys(c.controlnet for j in jobs for c in j.line.controls or ())
     loaded = {}
     if paths:
         from pipelines.controlnet import ControlNetPipeline
@@ -141,8 +138,6 @@ def cmd_generate(args) -> int:
     try:
         for batch_shape, group, bucket in plan_batches(todo, lambda j: j.shape, args.batch_size,
                                                        pipe.mesh.size):
-            edit = isinstance(batch_shape, EditKey)
-            control = isinstance(batch_shape, ControlKey)
             if batch_shape != shape:
                 shape = batch_shape
                 desc = batch_shape.describe()
@@ -151,19 +146,8 @@ def cmd_generate(args) -> int:
                     n = sum(j.shape == shape for j in todo)
                     _log(f"{desc}: {n} image(s), device batch {bucket} (first batch compiles)")
             items = pad_to([j.request() for j in group], bucket)  # one program per group
-            if edit:
-                extras = [load_edit_inputs(j.line.image, j.line.mask)
-                          for j in pad_to(group, bucket)]
-            elif control:
-                files: dict[str, object] = {}  # each control image file read once a batch
-                for j in group:
-                    for c in j.line.controls:
-                        if c.image not in files:
-                            files[c.image] = load_control_image(c.image)
-                extras = [[ControlImage(files[c.image], c.scale, c.start, c.end, c.guess_mode)
-                           for c in j.line.controls] for j in pad_to(group, bucket)]
-            else:
-                extras = [None] * len(items)
+            files: dict[str, object] = {}  # each control image file read once a batch
+            extras = [j.batch_extra(files) for j in pad_to(group, bucket)]
             result = pipes.generate(batch_shape, items, extras)
             batch_s = result.timings["prepare_s"] + result.timings["generate_s"]
             seconds = round(batch_s / len(group), 4)

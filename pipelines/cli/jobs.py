@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipelines.cli.controls import load_control_image
 from pipelines.cli.lines import InputError, PromptLine
-from pipelines.cli.prompts import edit_strength
-from pipelines.conditioned_requests import ControlKey, EditKey
+from pipelines.cli.prompts import edit_strength, load_edit_inputs
+from pipelines.conditioned_requests import ControlImage, ControlKey, EditKey, describe_controls
 from pipelines.image_files import image_info
 from pipelines.limits import (
     cfg_on,
@@ -99,6 +100,21 @@ class ImageJob:
                            self.steps, cfg_on(self.guidance), self.strength)
         return ShapeKey.of(self.height, self.width, self.steps, self.guidance, self.hires)
 
+    def batch_extra(self, files: dict[str, Any]) -> Any:
+        """What this job's kind adds in its device batch (as
+        :meth:`pipelines.requests.GenerationRequest.batch_extra`), read from the line's files:
+        None for text-to-image, (image, mask) for an edit, the line's ControlImages;
+        ``files``: control image path -> image, each file read once a batch."""
+        if self.line.controls:
+            for c in self.line.controls:
+                if c.image not in files:
+                    files[c.image] = load_control_image(c.image)
+            return [ControlImage(files[c.image], c.scale, c.start, c.end, c.guess_mode)
+                    for c in self.line.controls]
+        if self.line.image is not None:
+            return load_edit_inputs(self.line.image, self.line.mask)
+        return None
+
     def request(self) -> ImageRequest:
         image = None
         if self.line.ip_adapter_image is not None:
@@ -124,11 +140,8 @@ class ImageJob:
 
     def image_info(self) -> dict[str, str]:
         """The settings stored inside the image file (no time or path, so files reproduce)."""
-        controlnet = None
-        if self.line.controls:  # "FOLDER:SCALE[START-END]; ..."
-            controlnet = "; ".join(f"{c.controlnet}:{c.scale:g}[{c.start:g}-{c.end:g}]"
-                                   f"{' guess' if c.guess_mode else ''}"
-                                   for c in self.line.controls)
+        controlnet = describe_controls((c.controlnet, c.scale, c.start, c.end, c.guess_mode)
+                                       for c in self.line.controls or ()) or None
         return image_info(**self.record(), controlnet=controlnet)
 
     def record(self, **extra: Any) -> dict[str, Any]:
