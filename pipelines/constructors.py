@@ -81,7 +81,7 @@ class Constructors:
         refiner folder (``StableDiffusionXLImg2ImgPipeline``, loaded with this call's dtype,
         devices and compile cache) or a loaded pipeline; calls then run the base to
         ``denoising_end`` (default ``high_noise_frac``, 0.8) and the refiner from there, in one
-        compiled program (:mod:`pipelines.refiner`). A refiner folder itself loads here too
+        compiled program (:mod:`pipelines.tasks.refine`). A refiner folder itself loads here too
         (text_encoder_2 only, aesthetic-score time ids): use it with
         :class:`pipelines.ImageToImagePipeline`.
         """

@@ -20,7 +20,7 @@ pipeline's own :attr:`programs`; :attr:`num_compiled` counts their compilations.
 input images are encoded tile by tile before the program (diffusers' tiled encode, whose moments the
 program samples from) and the output decoded tile by tile after it.
 
-The SDXL refiner (:mod:`pipelines.refiner`): image-to-image also starts from latents (a base's
+The SDXL refiner (:mod:`pipelines.tasks.refine`): image-to-image also starts from latents (a base's
 ``output_type="latent"``) instead of a picture, and ``denoising_start`` (diffusers' rule: the
 timesteps below ``round(T - denoising_start * T)``, no noise added) replaces the strength; the
 start latents, the start step and whether noise is added are program inputs and keys, and the

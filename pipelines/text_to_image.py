@@ -39,7 +39,6 @@ from maxdiff.models.vae_tiling import (
 from maxdiff.schedulers import max_inference_steps
 from pipelines import program as program_lib
 from pipelines import prompting
-from pipelines import refiner as refiner_lib
 from pipelines.adapting import LoraAdapters
 from pipelines.constructors import Constructors
 from pipelines.embeddings import TextualInversion
@@ -92,7 +91,7 @@ class TextToImagePipeline(Constructors, LoraAdapters, TextualInversion, ImagePro
                                              is None else force_zeros_for_empty_prompt)
         # an SDXL refiner (a pipeline, or an image-to-image pipeline over one) that finishes
         # every image from ``high_noise_frac`` of the schedule, base and refiner in one
-        # program (:mod:`pipelines.refiner`); None: no refiner
+        # program (:mod:`pipelines.tasks.refine`); None: no refiner
         self.refiner = None
         self.high_noise_frac = HIGH_NOISE_FRAC
         self.default_steps = family.steps if default_steps is None else default_steps
@@ -289,7 +288,7 @@ class TextToImagePipeline(Constructors, LoraAdapters, TextualInversion, ImagePro
         and step count. Classifier-free guidance runs when any item's guidance is > 1 (items at
         <= 1 then get exactly the text-conditioned prediction). The serving batcher and the CLI
         fill batches across prompts with this. With a :attr:`refiner`, ``denoising_end`` or
-        ``output_type="latent"`` the two-stage program runs (:mod:`pipelines.refiner`).
+        ``output_type="latent"`` the two-stage program runs (:mod:`pipelines.tasks.refine`).
         ``on_step(step, timestep, latents (N, C, H/f, W/f))`` and ``progress``: see
         :meth:`__call__` (text-to-image; the two-stage program reports no steps); with
         ``denoised`` ``on_step`` gets each step's estimate of the clean latents instead (what
@@ -297,7 +296,7 @@ class TextToImagePipeline(Constructors, LoraAdapters, TextualInversion, ImagePro
         ``hires_scale``).
         """
         t0 = time.perf_counter()
-        if hires is not None:
+        if hires is not None:  # the tasks that are more than one pass
             from pipelines.tasks import hires as hires_task
 
             if latents is not None or denoising_end is not None:
@@ -308,7 +307,9 @@ class TextToImagePipeline(Constructors, LoraAdapters, TextualInversion, ImagePro
                                        output_type=output_type, on_step=on_step,
                                        progress=progress, denoised=denoised)
         if self.refiner is not None or denoising_end is not None or output_type not in ("pil", "np"):
-            return refiner_lib.generate(
+            from pipelines.tasks import refine
+
+            return refine.generate(
                 self, items, height=height, width=width, num_inference_steps=num_inference_steps,
                 latents=latents, output_type=output_type, denoising_end=denoising_end)
         items, steps, height, width = checked_items(self, items, num_inference_steps, height,
