@@ -257,6 +257,16 @@ def conditional_half(tree):
     return jax.tree.map(lambda a: None if a is None else cfg_halves(a)[1], tree)
 
 
+def denoiser_weights(params, cond):
+    """The UNet's weights for a call on ``cond``: ``params["unet"]``, with the IP-Adapter's
+    cross-attention layers (``params["ip_adapter"]``) where ``cond`` carries image tokens."""
+    if cond.image_tokens is None:
+        return params["unet"]
+    from maxdiff.ip_adapter import with_layers
+
+    return with_layers(params["unet"], params["ip_adapter"]["layers"])
+
+
 def conditioning(family, encoders, params, inputs: HostInputs, ad=None, aidx=None,
                  ip_adapter=None):
     """(:class:`maxdiff.family.Cond`, per-row adapter index) for the denoiser: the family's

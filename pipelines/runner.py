@@ -117,12 +117,7 @@ class Ctx:
         """``model(xin, t, i)``: the family's denoiser on the batch's conditioning (per-image
         adapters applied), with ``extras`` (ControlNet residuals, from :meth:`Task.model`)."""
         pipe = self.pipe
-
-        unet_params = self.params["unet"]
-        if self.cond.image_tokens is not None:  # an IP-Adapter's cross-attention layers
-            from maxdiff.ip_adapter import with_layers
-
-            unet_params = with_layers(unet_params, self.params["ip_adapter"]["layers"])
+        unet_params = program_lib.denoiser_weights(self.params, self.cond)
 
         def model(xin, t, i, **more):
             with adapterlib.applied((self.ad or {}).get("unet"), self.uidx):

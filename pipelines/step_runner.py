@@ -15,12 +15,11 @@ import numpy as np
 from maxdiff import adapters as adapterlib
 from maxdiff import mesh as meshlib
 from maxdiff.family import Cond
-from maxdiff.ip_adapter import with_layers
 from pipelines import program as program_lib
 from pipelines.limits import cfg_on, guided_steps
 from pipelines.requests import ImageRequest, bucket_size
 from pipelines.step_scheduler import Handle, StepPlan, step_shapes
-from pipelines.tasks.controlnet import control_inputs, control_residuals
+from pipelines.tasks.controlnet import control_inputs, control_residuals, guided_controls
 
 __all__ = ["StepRunner", "TABLES"]
 
@@ -216,34 +215,31 @@ class StepRunner:
             emb, pooled, tids = state["emb"], state["pooled"], state["time_ids"]
             aidx = state["aidx"]
             itok = iscale = None
-            unet_params = params["unet"]
-            if ip is not None:  # image prompts: the adapter's layers and each row's tokens
+            if ip is not None:  # image prompts: each row's tokens and scale
                 itok, iscale = state["itok"], state["iscale"]
-                unet_params = with_layers(unet_params, params["ip_adapter"]["layers"])
             if nets:  # this step's scale of each row for each ControlNet (0 for idle rows)
                 scale = jnp.take_along_axis(state["cscale"], index[:, None, None], axis=2)[..., 0]
                 scale = scale * active[:, None]
                 guess, images = state["cguess"], state["cimg"]
             if g:  # negative rows first, for the first g rows (the guided ones)
-                xin, t = jnp.concatenate([xin[:g], xin]), jnp.concatenate([t[:g], t])
-                emb = jnp.concatenate([state["nemb"][:g], emb])
-                pooled = jnp.concatenate([state["npooled"][:g], pooled])
-                tids = jnp.concatenate([state["ntime_ids"][:g], tids])
-                aidx = jnp.concatenate([aidx[:g], aidx])
+                def rows(uncond, cond):
+                    return jnp.concatenate([uncond[:g], cond])
+
+                xin, t, aidx = rows(xin, xin), rows(t, t), rows(aidx, aidx)
+                emb, pooled = rows(state["nemb"], emb), rows(state["npooled"], pooled)
+                tids = rows(state["ntime_ids"], tids)
                 if ip is not None:
-                    itok = jnp.concatenate([state["nitok"][:g], itok])
-                    iscale = jnp.concatenate([iscale[:g], iscale])
-                if nets:  # guess mode: the negative rows get no residuals
-                    scale = jnp.concatenate([jnp.where(guess[:g], 0.0, scale[:g]), scale])
-                    guess = jnp.concatenate([guess[:g], guess])
-                    images = tuple(jnp.concatenate([im[:g], im]) for im in images)
+                    itok, iscale = rows(state["nitok"], itok), rows(iscale, iscale)
+                if nets:
+                    images, scale, guess = guided_controls(images, scale, guess, rows)
             cond = Cond(emb, pooled, tids, itok, iscale)
             down = mid = None
             if nets:
                 down, mid = control_residuals(nets, params["controlnets"], xin, t, cond, images,
                                               scale, guess)
             with adapterlib.applied((ad or {}).get("unet"), aidx):
-                out = p.family.denoise(unet, unet_params, cond, xin, t,
+                out = p.family.denoise(unet, program_lib.denoiser_weights(params, cond), cond,
+                                       xin, t,
                                        down_block_additional_residuals=down,
                                        mid_block_additional_residual=mid)
             out = out.astype(jnp.float32)

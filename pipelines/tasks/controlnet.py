@@ -21,7 +21,8 @@ from pipelines.conditioned_requests import ControlImage
 from pipelines.images import image_pixels
 from pipelines.runner import Ctx, Task
 
-__all__ = ["CONTROLNET", "control_keep", "control_inputs", "control_residuals"]
+__all__ = ["CONTROLNET", "control_keep", "control_inputs", "control_residuals",
+           "guided_controls"]
 
 
 def control_keep(calls: int, start: float, end: float) -> np.ndarray:
@@ -57,6 +58,17 @@ def control_residuals(nets, cps, x, t, cond, images, scales, guess):
     return down, mid
 
 
+def guided_controls(images, scales, guess, rows):
+    """The ControlNet inputs of a guided model call whose unconditional rows come before the
+    conditional ones as ``rows(uncond, cond)`` lays them out (:func:`pipelines.program.cfg_rows`
+    for a batch; the step engine's guided rows): ``images`` one batch per ControlNet,
+    ``scales`` (B, K, ...), ``guess`` (B, K). Guess mode gives the unconditional rows scale 0
+    (diffusers runs the ControlNet on the conditional half only and adds zeros to the other:
+    the same zeros). Returns (images, scales, guess) of the guided call."""
+    off = jnp.where(guess.reshape(guess.shape + (1,) * (scales.ndim - guess.ndim)), 0.0, scales)
+    return [rows(im, im) for im in images], rows(off, scales), rows(guess, guess)
+
+
 def control_inputs(nets, controls: Sequence[Sequence[ControlImage]], height: int, width: int,
                    calls: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     """The host side of :func:`control_residuals` for images of ``height`` x ``width`` and a
@@ -88,10 +100,8 @@ class ControlNet(Task):
     def model(self, ctx: Ctx):
         nets, rows = ctx.pipe.controlnets, ctx.rows
         images, scales, guess = rows["images"], rows["scales"], rows["guess"]
-        if ctx.inputs.cfg:  # rows [unconditional, conditional]; guess mode: none for the first
-            images = [program_lib.cfg_rows(im, im) for im in images]
-            scales = program_lib.cfg_rows(jnp.where(guess[..., None], 0.0, scales), scales)
-            guess = program_lib.cfg_rows(guess, guess)
+        if ctx.inputs.cfg:
+            images, scales, guess = guided_controls(images, scales, guess, program_lib.cfg_rows)
         denoiser = ctx.denoiser()
 
         def model(xin, t, i, **more):
