@@ -48,7 +48,7 @@ class BatchBackend(Backend):
                  batch_ids: Iterator[int] | None = None):
         super().__init__(*parts, controlnets=controlnets, batch_ids=batch_ids)
         self._batchers: dict[tuple, object] = {}
-        self._compiled: set[tuple] = set()  # (height, width, steps, cfg, padded batch) run so far
+        self._compiled: set[tuple] = set()  # (*key.program, padded batch) run so far
 
     def batch_sizes(self) -> list[int]:
         """The padded batch sizes warm-up compiles (every size a batch can have)."""
@@ -63,7 +63,7 @@ class BatchBackend(Backend):
         for b in self.batch_sizes():
             one = dataclasses.replace(job, n=b)
             self._device_batch(one.key, self._items(one))
-            self._compiled.add((*one.key, b))
+            self._compiled.add((*one.key.program, b))
         if job.controlnets:
             return str(job.key)
         return f"{job.width}x{job.height}:{job.steps}:{job.guidance_scale:g}"
