@@ -800,20 +800,19 @@ def test_every_data_parallel_program_costs_a_v5e_8_chip_what_it_costs_a_v5e_4_ch
     def first(path, n=0):
         return json.loads((ROOT / "docs/results" / path / "report.jsonl").read_text()
                           .splitlines()[n])
-    full = [first(path, n) for path, n in (
-        ("tpu-2026-12-07b/refiner", 0), ("tpu-2026-12-07d/v5e-2x4-refiner", 0),
-        ("tpu-2026-12-06", 0), ("tpu-2026-12-07d/v5e-2x4-img2img", 0),
-        ("tpu-2026-12-07", 0), ("tpu-2026-12-07d/v5e-2x4-inpaint", 0),
-        ("tpu-2026-12-07", 1), ("tpu-2026-12-07d/v5e-2x4-controlnet", 0),
-        ("tpu-2026-12-07b/v5e-base", 0), ("tpu-2026-12-07d/v5e-2x4-base", 0))]
-    for four, eight, program in ((full[0], full[1], "refiner"), (full[2], full[3], "img2img"),
-                                 (full[4], full[5], "inpaint"), (full[6], full[7], "controlnet"),
-                                 (full[8], full[9], "base")):
+    pairs = {  # program -> (its v5e:2x2 row, its v5e:2x4 row)
+        "refiner": (first("tpu-2026-12-07b/refiner"), first("tpu-2026-12-07d/v5e-2x4-refiner")),
+        "img2img": (first("tpu-2026-12-06"), first("tpu-2026-12-07d/v5e-2x4-img2img")),
+        "inpaint": (first("tpu-2026-12-07"), first("tpu-2026-12-07d/v5e-2x4-inpaint")),
+        "controlnet": (first("tpu-2026-12-07", 1), first("tpu-2026-12-07d/v5e-2x4-controlnet")),
+        "base": (first("tpu-2026-12-07b/v5e-base"), first("tpu-2026-12-07d/v5e-2x4-base"))}
+    for program, (four, eight) in pairs.items():
         assert (four["chips"], eight["chips"]) == (4, 8), program
         assert four["program"] == eight["program"] == program
         for key in ("hbm_gib", "weights_gib", "temp_gib", "collectives"):
             assert four[key] == eight[key], (program, key)
-    assert f"base + refiner at full size compiled for v5e:2x4: {full[1]['hbm_gib']:.2f} GiB" in perf
+    refiner8 = pairs["refiner"][1]
+    assert f"base + refiner at full size compiled for v5e:2x4: {refiner8['hbm_gib']:.2f} GiB" in perf
     # the step engine at full size: its collectives and temporaries change with the chips
     four, eight = first("tpu-2026-12-07", 2), first("tpu-2026-12-07d/v5e-2x4-step")
     assert four["program"] == eight["program"] == "step" and (four["chips"], eight["chips"]) == (4, 8)
