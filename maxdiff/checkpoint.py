@@ -435,7 +435,10 @@ def init_shapes(module, *inputs, **named) -> dict:
         key = None
     tree = _SHAPES.get(key) if key is not None else None
     if tree is None:
-        tree = jax.eval_shape(module.init, jax.random.key(0), *inputs, **named)["params"]
+        from maxdiff.models.params import shapes_only
+
+        with shapes_only():
+            tree = jax.eval_shape(module.init, jax.random.key(0), *inputs, **named)["params"]
         if key is not None:
             while len(_SHAPES) >= _SHAPES_KEPT:
                 _SHAPES.pop(next(iter(_SHAPES)))

@@ -47,6 +47,7 @@ import numpy as np
 from maxdiff import checkpoint
 from maxdiff.checkpoint import CheckpointError
 from maxdiff.models.layers import dense
+from maxdiff.models.params import FromTree
 from maxdiff.models.transformer import _layer_norm
 
 __all__ = ["ImageContext", "IPAdapterWeights", "read_ip_adapter", "cross_attention_paths",
@@ -96,7 +97,7 @@ class FullProjection(nn.Module):
         return _layer_norm("proj.3", self.dtype)(h)
 
 
-class PlusProjection(nn.Module):
+class PlusProjection(FromTree, nn.Module):
     """The perceiver resampler: hidden states (B, L, E) -> (B, queries, dim)."""
 
     dim: int

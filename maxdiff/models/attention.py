@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 from maxdiff import target
 from maxdiff.mesh import DATA
+from maxdiff.models.params import Dense
 
 logger = logging.getLogger(__name__)
 KERNELS = ("auto", "chunked", "xla", "dot_product", "splash")
@@ -235,8 +236,8 @@ class Attention(nn.Module):
         ctx = x if context is None else context
 
         def proj(name, t, bias=self.qkv_bias):
-            y = nn.Dense(inner, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype,
-                         name=name)(t)
+            y = Dense(inner, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype,
+                      name=name)(t)
             return y.reshape(*y.shape[:-1], self.heads, self.dim_head)
 
         q, k, v = proj("to_q", x), proj("to_k", ctx), proj("to_v", ctx)
@@ -247,5 +248,5 @@ class Attention(nn.Module):
             io = attention(q, ik, iv, self.kernel, self.chunk_size)
             o = o + image.scale.astype(o.dtype)[:, None, None, None] * io
         o = o.reshape(*o.shape[:-2], inner)
-        return nn.Dense(self.query_dim, dtype=self.dtype, param_dtype=self.dtype,
-                        name="to_out.0")(o)
+        return Dense(self.query_dim, dtype=self.dtype, param_dtype=self.dtype,
+                     name="to_out.0")(o)

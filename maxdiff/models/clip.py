@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from maxdiff import checkpoint
+from maxdiff.models.params import Dense, Embed, LayerNorm
 
 __all__ = [
     "CLIPTextConfig",
@@ -181,8 +182,8 @@ class CLIPTextOutput:
 
 def _layer_norm(x: jax.Array, eps: float, name: str) -> jax.Array:
     """torch.nn.LayerNorm over the last axis, computed in float32, returned in x's dtype."""
-    ln = nn.LayerNorm(epsilon=eps, dtype=jnp.float32, param_dtype=jnp.float32,
-                      use_fast_variance=False, name=name)
+    ln = LayerNorm(epsilon=eps, dtype=jnp.float32, param_dtype=jnp.float32,
+                   use_fast_variance=False, name=name)
     return ln(x.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -198,7 +199,7 @@ class CLIPAttention(nn.Module):
         b, n, _ = x.shape
 
         def proj(name):
-            y = nn.Dense(c.hidden_size, dtype=self.dtype, name=name)(x)
+            y = Dense(c.hidden_size, dtype=self.dtype, name=name)(x)
             return y.reshape(b, n, c.num_attention_heads, c.head_dim)
 
         q, k, v = proj("q_proj"), proj("k_proj"), proj("v_proj")
@@ -206,7 +207,7 @@ class CLIPAttention(nn.Module):
         scores = scores * (c.head_dim ** -0.5) + bias
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, n, c.hidden_size)
-        return nn.Dense(c.hidden_size, dtype=self.dtype, name="out_proj")(out)
+        return Dense(c.hidden_size, dtype=self.dtype, name="out_proj")(out)
 
 
 class CLIPMLP(nn.Module):
@@ -216,9 +217,9 @@ class CLIPMLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
-        h = nn.Dense(c.intermediate_size, dtype=self.dtype, name="fc1")(x)
+        h = Dense(c.intermediate_size, dtype=self.dtype, name="fc1")(x)
         h = _ACTIVATIONS[c.hidden_act](h)
-        return nn.Dense(c.hidden_size, dtype=self.dtype, name="fc2")(h)
+        return Dense(c.hidden_size, dtype=self.dtype, name="fc2")(h)
 
 
 class CLIPEncoderLayer(nn.Module):
@@ -242,9 +243,9 @@ class CLIPTextEmbeddings(nn.Module):
     @nn.compact
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         c = self.config
-        tok = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, name="token_embedding")
-        pos = nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype,
-                       name="position_embedding")
+        tok = Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, name="token_embedding")
+        pos = Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype,
+                    name="position_embedding")
         return tok(input_ids) + pos(jnp.arange(input_ids.shape[-1]))[None]
 
 
@@ -326,8 +327,8 @@ class CLIPTextModelWithProjection(nn.Module):
                  output_hidden_states: bool = True) -> CLIPTextOutput:
         out = CLIPTextTransformer(self.config, self.dtype, name="text_model")(
             input_ids, attention_mask, output_hidden_states)
-        embeds = nn.Dense(self.config.projection_dim, use_bias=False, dtype=self.dtype,
-                          name="text_projection")(out.pooler_output)
+        embeds = Dense(self.config.projection_dim, use_bias=False, dtype=self.dtype,
+                       name="text_projection")(out.pooler_output)
         return out.replace(text_embeds=embeds)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from maxdiff import checkpoint
 from maxdiff.models.clip import CLIPEncoder, _layer_norm, check_tower_config, config_from_dict
+from maxdiff.models.params import Conv, Dense, Embed, FromTree
 
 __all__ = ["CLIPVisionConfig", "CLIPVisionModel", "CLIPVisionModelWithProjection",
            "CLIPVisionOutput", "load_image_encoder", "preprocess", "CLIP_MEAN", "CLIP_STD"]
@@ -81,23 +82,23 @@ class CLIPVisionOutput:
     image_embeds: jax.Array | None = None
 
 
-class CLIPVisionEmbeddings(nn.Module):
+class CLIPVisionEmbeddings(FromTree, nn.Module):
     config: CLIPVisionConfig
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, pixels: jax.Array) -> jax.Array:
         c = self.config
-        patches = nn.Conv(c.hidden_size, (c.patch_size, c.patch_size),
-                          strides=(c.patch_size, c.patch_size), padding="VALID", use_bias=False,
-                          dtype=self.dtype, name="patch_embedding")(pixels.astype(self.dtype))
+        patches = Conv(c.hidden_size, (c.patch_size, c.patch_size),
+                       strides=(c.patch_size, c.patch_size), padding="VALID", use_bias=False,
+                       dtype=self.dtype, name="patch_embedding")(pixels.astype(self.dtype))
         b = patches.shape[0]
         patches = patches.reshape(b, -1, c.hidden_size)
         cls = self.param("class_embedding", nn.initializers.normal(0.02), (c.hidden_size,))
         x = jnp.concatenate([jnp.broadcast_to(cls.astype(self.dtype), (b, 1, c.hidden_size)),
                              patches], axis=1)
-        pos = nn.Embed(c.num_positions, c.hidden_size, dtype=self.dtype,
-                       name="position_embedding")(jnp.arange(x.shape[1]))
+        pos = Embed(c.num_positions, c.hidden_size, dtype=self.dtype,
+                    name="position_embedding")(jnp.arange(x.shape[1]))
         return x + pos[None]
 
 
@@ -145,8 +146,8 @@ class CLIPVisionModelWithProjection(nn.Module):
     def __call__(self, pixels: jax.Array, output_hidden_states: bool = True) -> CLIPVisionOutput:
         out = CLIPVisionTransformer(self.config, self.dtype, name="vision_model")(
             pixels, output_hidden_states)
-        embeds = nn.Dense(self.config.projection_dim, use_bias=False, dtype=self.dtype,
-                          name="visual_projection")(out.pooler_output)
+        embeds = Dense(self.config.projection_dim, use_bias=False, dtype=self.dtype,
+                       name="visual_projection")(out.pooler_output)
         return out.replace(image_embeds=embeds)
 
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxdiff import target
+from maxdiff.models.params import FromTree
 
 WINOGRAD_MIN_CHANNELS = 256
 WINOGRAD_MIN_PIXELS = 1024  # h * w below which the loop overhead outweighs the gain (measured)
@@ -224,7 +225,7 @@ def upsample2x_conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, h // rows, band, out0)
 
 
-class Conv(nn.Module):
+class Conv(FromTree, nn.Module):
     """``flax.linen.Conv`` for NHWC with torch-style padding pairs, choosing its algorithm.
 
     ``__call__(x, upsample=False)``: with ``upsample=True`` the input is first nearest-neighbour

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from maxdiff.models.conv import Conv
+from maxdiff.models.params import Dense, FromTree
 
 
-class GroupNorm(nn.Module):
+class GroupNorm(FromTree, nn.Module):
     """torch.nn.GroupNorm over the channel (last) axis; statistics in float32, two-pass.
 
     Parameters ``scale`` and ``bias`` (C,), as flax's ``nn.GroupNorm``. The sums run per
@@ -72,7 +73,7 @@ def conv(features: int, name: str, dtype: Any, kernel: int = 3, stride: int = 1,
 
 
 def dense(features: int, name: str, dtype: Any, use_bias: bool = True) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
+    return Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
 
 
 class ResnetBlock2D(nn.Module):

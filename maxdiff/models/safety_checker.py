@@ -29,11 +29,12 @@ from maxdiff.models.clip_vision import (
     CLIPVisionModel,
     CLIPVisionTransformer,
 )
+from maxdiff.models.params import Dense, FromTree
 
 __all__ = ["SafetyCheckerModel", "SafetyChecker", "load_safety_checker"]
 
 
-class SafetyCheckerModel(nn.Module):
+class SafetyCheckerModel(FromTree, nn.Module):
     """pixels (B, S, S, 3) -> (cosine with each special-care concept (B, n_special), with each
     concept (B, n_concepts)); the thresholds are parameters too (``*_weights``)."""
 
@@ -49,8 +50,8 @@ class SafetyCheckerModel(nn.Module):
         tower = CLIPVisionModel if self.nested else CLIPVisionTransformer
         pooled = tower(self.config, self.dtype, name="vision_model")(
             pixels, output_hidden_states=False).pooler_output
-        emb = nn.Dense(self.projection_dim, use_bias=False, dtype=self.dtype,
-                       name="visual_projection")(pooled).astype(jnp.float32)
+        emb = Dense(self.projection_dim, use_bias=False, dtype=self.dtype,
+                    name="visual_projection")(pooled).astype(jnp.float32)
         ones = nn.initializers.ones
         concepts = self.param("concept_embeds", ones, (self.n_concepts, self.projection_dim))
         special = self.param("special_care_embeds", ones, (self.n_special, self.projection_dim))

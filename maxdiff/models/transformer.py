@@ -14,10 +14,11 @@ import jax.numpy as jnp
 
 from maxdiff.models.attention import DEFAULT_CHUNK, Attention
 from maxdiff.models.layers import conv, dense, group_norm
+from maxdiff.models.params import LayerNorm
 
 
 def _layer_norm(name: str, dtype: Any) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=1e-5, dtype=dtype, param_dtype=dtype, name=name)
+    return LayerNorm(epsilon=1e-5, dtype=dtype, param_dtype=dtype, name=name)
 
 
 class FeedForward(nn.Module):
