@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.maxdiff-installed
 
-.PHONY: venv lint test test-slow demo serve train-demo train-demo-captions train-demo-v2 clean
+.PHONY: venv lint test test-slow test-all demo serve train-demo train-demo-captions train-demo-v2 clean
 
 # make demo installs the package and what it imports (JAX, Flax, transformers' tokenizers, ...)
 # and nothing else: no torch, diffusers, Ray or playwright (tests/test_readme.py checks a fresh
@@ -49,6 +49,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(XDIST) --durations=10
+
+# Both suites in one session (what CI runs): a module's slow tests share its compiled pipelines,
+# and the service's slow tests its Ray cluster and applications, instead of building them again
+test-all: $(STAMP)
+	$(PY) -m pytest -q $(XDIST) --durations=30
 
 demo: $(DEMO_STAMP)
 	$(PY) -m pipelines.demo

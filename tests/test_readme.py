@@ -86,7 +86,8 @@ NOT_RUN = {
 NOT_RUN_LINES = {
     "make test": "it is this test suite",
     "make test-slow": "it is this test suite (the slow part)",
-    "bash .ci/run": "CI: make lint and both suites, this test among them",
+    "make test-all": "it is this test suite (both parts in one session)",
+    "bash .ci/run": "CI: make lint and make test-all, this test among them",
 }
 
 

@@ -4,8 +4,8 @@ PyTorch reference) are built once. Every module is its own group; ``tests/servic
 groups, each sharing the package's fixtures (one Ray cluster per worker, the applications its
 modules use): :data:`SERVICE_STEP`'s modules use the engine=step and multi-model applications,
 the others the main, guarded and ControlNet ones. :data:`HEAVY` goes first, so the long groups
-start at once and the short ones fill the other worker (the groups over 80 worker-seconds in
-the last timed default-suite run, docs/development.md, longest first). ``tests/conftest.py``
+start at once and the short ones fill the other worker (the groups over 150 worker-seconds,
+slow tests included as ``make test-all`` runs them, longest first). ``tests/conftest.py``
 registers these hooks."""
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import pytest
 
 SERVICE_STEP = ("test_step_serving", "test_multi_model", "test_cost", "test_metrics",
                 "test_step_priority")
-HEAVY = ("service-step", "service", "test_demo_model", "test_readme", "test_pipeline",
-         "test_quantization", "test_cli", "test_controlnet_pipeline", "test_sd_pipeline",
-         "test_ip_adapter")
+HEAVY = ("service", "service-step", "test_readme", "test_tpu", "test_step_engine", "test_pipeline",
+         "test_feature_cache", "test_cli", "test_controlnet_pipeline", "test_quantization",
+         "test_demo_model", "test_edit", "test_sd_pipeline", "test_ip_adapter", "test_benchmarks",
+         "test_refiner", "test_hires")
 
 
 def group(nodeid: str) -> str:
