@@ -2,8 +2,8 @@
 
 Flax's ``param`` checks an existing parameter's shape by tracing its initializer
 (``jax.eval_shape`` once per parameter, every time a model is traced): about a quarter of the
-time it takes to trace a tiny pipeline, and one trace per parameter of SDXL's 2,500 on every
-new shape a server compiles. :class:`FromTree` compares the shape the initializer is given
+time it takes to trace a tiny pipeline, and one trace per parameter array of SDXL's (1,680 in
+its UNet alone) on every new shape a server compiles. :class:`FromTree` compares the shape the initializer is given
 with the loaded array's instead; a module still being initialized (no parameter yet) goes
 through flax unchanged, except inside :func:`shapes_only` (``checkpoint.init_shapes``), where
 a parameter's initializer is replaced by zeros of its shape: only the shapes are kept, and
