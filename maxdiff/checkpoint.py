@@ -37,6 +37,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from maxdiff.models.params import zero_init
+
 __all__ = [
     "CheckpointError",
     "SafetensorsFile",
@@ -435,9 +437,7 @@ def init_shapes(module, *inputs, **named) -> dict:
         key = None
     tree = _SHAPES.get(key) if key is not None else None
     if tree is None:
-        from maxdiff.models.params import shapes_only
-
-        with shapes_only():
+        with zero_init():
             tree = jax.eval_shape(module.init, jax.random.key(0), *inputs, **named)["params"]
         if key is not None:
             while len(_SHAPES) >= _SHAPES_KEPT:
