@@ -53,13 +53,12 @@ class FromTree:
                 init_fn = _zeros
             return super().param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
         value = self.get_variable("params", name)
-        if sized:
-            got = np.shape(meta.unbox(value))
-            if tuple(got) != tuple(shape):
-                where = "/".join(self.scope.path) if self.scope is not None else ""
-                raise ValueError(f"parameter {where}/{name} has shape {tuple(got)}; "
-                                 f"this module expects {tuple(shape)}")
-        return meta.unbox(value) if unbox else value
+        array = meta.unbox(value)
+        if sized and tuple(np.shape(array)) != tuple(shape):
+            where = "/".join(self.scope.path) if self.scope is not None else ""
+            raise ValueError(f"parameter {where}/{name} has shape {tuple(np.shape(array))}; "
+                             f"this module expects {tuple(shape)}")
+        return array if unbox else value
 
 
 class Dense(FromTree, nn.Dense):
