@@ -90,6 +90,7 @@ class ControlNetPipeline(ComposedPipeline):
     image, or one per ControlNet)."""
 
     kind = "controlnet"
+    task = CONTROLNET
 
     def __init__(self, pipe: TextToImagePipeline, controlnet: Any = None):
         super().__init__(pipe)

@@ -85,6 +85,7 @@ class _EditPipeline(ComposedPipeline):
     (:mod:`pipelines.tasks.edit`)."""
 
     kind = "img2img"
+    task = EDIT
 
     def _call(self, prompt, image, mask_image, *, strength, prompt_2, negative_prompt,
               negative_prompt_2, num_inference_steps, guidance_scale, guidance_rescale, height,

@@ -79,11 +79,14 @@ class ImagePrompts:
         """Forget the IP-Adapter (its weights are freed once no program holds them)."""
         self.ip_adapter, self.ip_adapter_scale = None, 1.0
 
-    def image_prompt_inputs(self, items) -> tuple[Any, Any]:
+    def image_prompt_inputs(self, items, every_row: bool = False) -> tuple[Any, Any]:
         """(CLIP pixels (N, S, S, 3), scales (N,)) of a batch's image prompts, or (None, None)
         when no item has one (the batch runs without the adapter). An item without an image
-        gets zeros at scale 0: exactly the model without the adapter."""
-        if not any(it.ip_adapter_image is not None for it in items):
+        gets zeros at scale 0: exactly the model without the adapter. ``every_row``: with an
+        adapter loaded, the arrays even when no item has an image (a program that holds every
+        image's conditioning in one layout: the step engine's slots)."""
+        if not any(it.ip_adapter_image is not None for it in items) and not (
+                every_row and self.ip_adapter is not None):
             return None, None
         if self.ip_adapter is None:
             raise ValueError("ip_adapter_image: this pipeline has no IP-Adapter; load one with "
@@ -99,6 +102,13 @@ class ImagePrompts:
                 scales[k] = (self.ip_adapter_scale if it.ip_adapter_scale is None
                              else it.ip_adapter_scale)
         return pixels, scales
+
+    def program_weights(self, image_prompts: bool) -> dict:
+        """The weights a program of this pipeline takes: :attr:`params`, and the IP-Adapter's
+        (``"ip_adapter"``) when the program runs ``image_prompts``."""
+        if not image_prompts:
+            return self.params
+        return {**self.params, "ip_adapter": self.ip_adapter.params}
 
 
 def _leaves(tree):

@@ -165,6 +165,40 @@ class Task:
         (the program then takes their latents): none for text-to-image."""
         return rows
 
+    # The step engine (pipelines.step_runner): what a task adds to every slot beside the
+    # slot's latents, schedule and conditioning. A task without a step program says so here.
+    steps_in_slots = True
+
+    def slot_extra(self, pipe, extra):
+        """A submitted image's task input (``StepEngine.submit``'s ``controls``), checked:
+        text-to-image takes none."""
+        if extra is not None:
+            raise ValueError("controls: this engine has no ControlNets; make it over a "
+                             "ControlNetPipeline to give control images")
+        return None
+
+    def slot_weights(self, pipe) -> dict:
+        """Weights the step programs take beside the pipeline's (``params`` entries)."""
+        return {}
+
+    def slot_state(self, pipe, slots: int, height: int, width: int, max_steps: int) -> dict:
+        """Every slot's state of this task, zeros (numpy; the slot is the leading axis)."""
+        return {}
+
+    def slot_rows(self, pipe, extras: list, height: int, width: int, steps: list[int],
+                  max_steps: int) -> dict:
+        """The admitted images' rows of :meth:`slot_state` on the host, from each image's
+        checked extra and step count (tables padded at the front to ``max_steps``, like the
+        schedules); ``extras`` empty: one warm-up row."""
+        return {}
+
+    def slot_model(self, pipe, params, state: dict, index, active, pair):
+        """``extras(xin, t, cond) -> denoiser keyword arguments`` for one step of the gathered
+        slot ``state`` (each row at its own step ``index``; ``active`` False for padding rows),
+        or None: nothing beside the conditioning. ``pair(neg, pos)``: the model call's rows of
+        a per-slot value (negative rows first for the guided slots), or None without any."""
+        return None
+
 
 TEXT = Task()  # text-to-image: every default
 
@@ -317,11 +351,8 @@ def run(job: Job) -> program_lib.PipelineOutput:
     rows = put.tree(job.rows)
     if tiled:
         rows = job.task.encode_tiled(job, rows)
-    params, ip = pipe.params, None
-    if inputs.ip_pixels is not None:  # image prompts: the IP-Adapter's weights go in too
-        ip = pipe.ip_adapter
-        params = {**params, "ip_adapter": ip.params}
-    args = [params, job.weights, put.tree(inputs), rows,
+    ip = pipe.ip_adapter if inputs.ip_pixels is not None else None  # image prompts
+    args = [pipe.program_weights(ip is not None), job.weights, put.tree(inputs), rows,
             *(_placed(tree, latent_shape, put.rows, rep) for tree in (scalars, state))]
     if aidx is not None:
         args += [pipe.adapter_tables.as_tree(), put(aidx)]

@@ -158,15 +158,7 @@ class StepEngine:
         prompting.check_prompts(self.pipe, [request], max_chunks=1,
                                 why="the step engine holds one 75-token chunk per image; "
                                     "engine=batch runs longer prompts")
-        if self.runner.nets:
-            if controls is None:
-                raise ValueError("controls is required: this engine runs ControlNets; give one "
-                                 f"ControlImage per ControlNet ({len(self.runner.nets)})")
-            controls = list(controls) if isinstance(controls, (list, tuple)) else controls
-            self.pipe.check_controls(controls)
-        elif controls is not None:
-            raise ValueError("controls: this engine has no ControlNets; make it over a "
-                             "ControlNetPipeline to give control images")
+        controls = self.runner.task.slot_extra(self.pipe, controls)
         if self.pipe.adapter_index([request]) is None and request.adapter is not None:
             raise ValueError(f"adapter={request.adapter!r} is not added; no adapters are added")
         if not self.cfg and cfg_on(request.guidance_scale):

@@ -14,12 +14,10 @@ import numpy as np
 
 from maxdiff import adapters as adapterlib
 from maxdiff import mesh as meshlib
-from maxdiff.family import Cond
 from pipelines import program as program_lib
 from pipelines.limits import cfg_on, guided_steps
 from pipelines.requests import ImageRequest, bucket_size
 from pipelines.step_scheduler import Handle, StepPlan, step_shapes
-from pipelines.tasks.controlnet import control_inputs, control_residuals, guided_controls
 
 __all__ = ["StepRunner", "TABLES"]
 
@@ -44,12 +42,14 @@ class StepRunner:
         self.lh, self.lw, self.channels = height // f, width // f, pipe.latent_channels
         self.sched = pipe.scheduler
         self.stochastic = self.sched.stochastic
-        # ControlNets (a ControlNetPipeline): each slot also holds its control images, its
-        # scale table (per ControlNet, padded at the front like the schedules) and guess mode
-        self.nets = getattr(pipe, "controlnets", ())
-        # an IP-Adapter loaded when the engine is made: each slot also holds its image tokens
-        # (and the negative rows') and its scale (0: no image prompt)
-        self.ip = getattr(pipe, "ip_adapter", None)
+        # the pipeline's task (text-to-image, ControlNet) adds its own state to every slot
+        self.task = pipe.task
+        if not self.task.steps_in_slots:
+            raise ValueError(f"the step engine does not run the {self.task.name} task of "
+                             f"{type(pipe).__name__}; run it on the pipeline (engine=batch)")
+        # an IP-Adapter loaded when the engine is made: every slot's conditioning holds image
+        # tokens and a scale (0: no image prompt)
+        self.ip = pipe.ip_adapter
         self.tiled = pipe.uses_vae_tiling(height, width)  # the pipeline's vae_tiling rule
         self._sharded = meshlib.batch_sharded(pipe.mesh)
         self._schedules: dict[int, tuple] = {}
@@ -80,41 +80,44 @@ class StepRunner:
         return type(state)(**fields), init_sigma
 
     def _empty_state(self) -> dict:
-        """Every slot's device state, zeros (the leading axis of every leaf is the slot)."""
+        """Every slot's device state, zeros (the leading axis of every leaf is the slot): its
+        latents and denoised estimate, scheduler state, step noise key, conditioning (a
+        :class:`maxdiff.family.Cond`; ``ncond``: the negative rows', with CFG), guidance,
+        rescale, whether and how many steps it is guided, adapter index, and the task's own."""
         s, lat = self.slots, (self.slots, self.lh, self.lw, self.channels)
         p = self.pipe
-        tokens = (p.tokenizer or p.tokenizer_2).model_max_length
-        encoders = {name: getattr(p, name) for name in p.family.encoders}
-        text = jax.eval_shape(
-            lambda prm, ids: p.family.encode(encoders, prm, ids), p.params,
-            jax.ShapeDtypeStruct((2, 1, tokens), jnp.int32))
-        emb, pooled = text.context, text.pooled
+        cond = jax.eval_shape(self._conditioning, p.program_weights(self.ip is not None),
+                              self._host_inputs([self._idle_item()]))
+        cond = jax.tree.map(lambda a: np.zeros((s, *a.shape[1:]), np.float32), cond)
         sched, _ = self.schedule(1)
         state = {
             "x": np.zeros(lat, np.float32), "x0": np.zeros(lat, np.float32),
             "sched": jax.tree.map(lambda a: np.zeros((s, *a.shape), a.dtype), sched),
             "keys": np.zeros((s, *jax.random.key_data(jax.random.key(0)).shape), np.uint32),
-            "emb": np.zeros((s, *emb.shape[1:]), np.float32),
-            "pooled": np.zeros((s, *pooled.shape[1:]), np.float32),
-            "time_ids": np.zeros((s, p.family.n_time_ids), np.float32),
-            "g": np.ones(s, np.float32), "r": np.zeros(s, np.float32), "cfg": np.zeros(s, bool),
-            "cut": np.zeros(s, np.int32), "aidx": np.zeros(s, np.int32),
+            "cond": cond, "g": np.ones(s, np.float32), "r": np.zeros(s, np.float32),
+            "cfg": np.zeros(s, bool), "cut": np.zeros(s, np.int32), "aidx": np.zeros(s, np.int32),
+            **self.task.slot_state(p, s, self.height, self.width, self.max_steps),
         }
-        if self.ip is not None:
-            tok = np.zeros((s, self.ip.tokens, p.unet.config.cross_attention_dim), np.float32)
-            state.update(itok=tok, iscale=np.zeros(s, np.float32))
-            if self.cfg:
-                state["nitok"] = np.zeros_like(tok)
-        if self.nets:
-            k = len(self.nets)
-            state.update(
-                cimg=tuple(np.zeros((s, self.height, self.width, 3), np.float32)
-                           for _ in self.nets),
-                cscale=np.zeros((s, k, self.max_steps), np.float32), cguess=np.zeros((s, k), bool))
         if self.cfg:
-            state.update(nemb=np.zeros_like(state["emb"]), npooled=np.zeros_like(state["pooled"]),
-                         ntime_ids=np.zeros_like(state["time_ids"]))
+            state["ncond"] = jax.tree.map(np.zeros_like, cond)
         return meshlib.place(state, self._sharded)
+
+    @staticmethod
+    def _idle_item() -> ImageRequest:
+        return ImageRequest(prompt="", guidance_scale=0.0, seed=0)
+
+    def _host_inputs(self, items):
+        """The pipeline's host inputs of ``items`` as the slots hold them: the engine's CFG
+        whatever the items ask, image prompts in every row where an IP-Adapter is loaded."""
+        return dataclasses.replace(
+            self.pipe.host_inputs(items, self.height, self.width, every_row=True), cfg=self.cfg)
+
+    def _conditioning(self, params, inputs, ad=None, aidx=None):
+        """The admitted images' conditioning (the pipeline's; rows [negative, positive] with
+        CFG) and adapter index."""
+        p = self.pipe
+        encoders = {name: getattr(p, name) for name in p.family.encoders}
+        return program_lib.conditioning(p.family, encoders, params, inputs, ad, aidx, self.ip)[0]
 
     # ------------------------------------------------------------------ programs
     def _program(self, kind: str, *key):
@@ -163,36 +166,25 @@ class StepRunner:
         return len(self.all_programs)
 
     def _build_admit(self):
-        p = self.pipe
-        encoders = {name: getattr(p, name) for name in p.family.encoders}
         lh, lw, ch = self.lh, self.lw, self.channels
         cfg_engine = self.cfg
-        ip = self.ip
 
-        def admit(params, state, slot, inputs, init_sigma, cfg, cut, sched, aidx, control,
+        def admit(params, state, slot, inputs, init_sigma, cfg, cut, sched, aidx, rows,
                   ad=None):
             # the pipeline's conditioning and noise, for a batch of new images; rows for slot
             # index == slots are padding and are dropped by the scatter
-            cond, _ = program_lib.conditioning(p.family, encoders, params, inputs, ad,
-                                               None if ad is None else aidx, ip)
+            cond = self._conditioning(params, inputs, ad, None if ad is None else aidx)
             init_keys, step_keys = program_lib.image_keys(inputs.seeds)
             x = program_lib.normal(init_keys, (lh, lw, ch))
             x = x.astype(jnp.float32) * init_sigma[:, None, None, None]
             new = {"x": x, "x0": jnp.zeros_like(x), "sched": sched,
                    "keys": jax.random.key_data(step_keys), "g": inputs.guidance,
-                   "r": inputs.rescale, "cfg": cfg, "cut": cut, "aidx": aidx, **control}
+                   "r": inputs.rescale, "cfg": cfg, "cut": cut, "aidx": aidx, **rows}
             if cfg_engine:
-                (new["nemb"], new["emb"]) = program_lib.cfg_halves(cond.context)
-                (new["npooled"], new["pooled"]) = program_lib.cfg_halves(cond.pooled)
-                (new["ntime_ids"], new["time_ids"]) = program_lib.cfg_halves(cond.time_ids)
+                new["ncond"] = jax.tree.map(lambda a: program_lib.cfg_halves(a)[0], cond)
+                new["cond"] = program_lib.conditional_half(cond)
             else:
-                new.update(emb=cond.context, pooled=cond.pooled, time_ids=cond.time_ids)
-            if ip is not None:
-                new["iscale"] = inputs.ip_scale
-                if cfg_engine:
-                    (new["nitok"], new["itok"]) = program_lib.cfg_halves(cond.image_tokens)
-                else:
-                    new["itok"] = cond.image_tokens
+                new["cond"] = cond
             return jax.tree.map(lambda old, v: old.at[slot].set(v.astype(old.dtype), mode="drop"),
                                 state, new)
 
@@ -205,43 +197,25 @@ class StepRunner:
         lh, lw, ch = self.lh, self.lw, self.channels
         stochastic = self.stochastic
         variants = sched.step_variants()
-        nets = self.nets
-        ip = self.ip
+        task = self.task
 
         def step(params, state, active, index, local, variant, ad=None):
             s, x = state["sched"], state["x"]
             xin = jax.vmap(sched.scale_model_input)(s, x, index)
             t = jax.vmap(sched.timestep_for_model)(s, index)
-            emb, pooled, tids = state["emb"], state["pooled"], state["time_ids"]
-            aidx = state["aidx"]
-            itok = iscale = None
-            if ip is not None:  # image prompts: each row's tokens and scale
-                itok, iscale = state["itok"], state["iscale"]
-            if nets:  # this step's scale of each row for each ControlNet (0 for idle rows)
-                scale = jnp.take_along_axis(state["cscale"], index[:, None, None], axis=2)[..., 0]
-                scale = scale * active[:, None]
-                guess, images = state["cguess"], state["cimg"]
+            cond, aidx = state["cond"], state["aidx"]
+            pair = None
             if g:  # negative rows first, for the first g rows (the guided ones)
-                def rows(uncond, cond):
+                def pair(uncond, cond):
                     return jnp.concatenate([uncond[:g], cond])
 
-                xin, t, aidx = rows(xin, xin), rows(t, t), rows(aidx, aidx)
-                emb, pooled = rows(state["nemb"], emb), rows(state["npooled"], pooled)
-                tids = rows(state["ntime_ids"], tids)
-                if ip is not None:
-                    itok, iscale = rows(state["nitok"], itok), rows(iscale, iscale)
-                if nets:
-                    images, scale, guess = guided_controls(images, scale, guess, rows)
-            cond = Cond(emb, pooled, tids, itok, iscale)
-            down = mid = None
-            if nets:
-                down, mid = control_residuals(nets, params["controlnets"], xin, t, cond, images,
-                                              scale, guess)
+                xin, t, aidx = pair(xin, xin), pair(t, t), pair(aidx, aidx)
+                cond = jax.tree.map(pair, state["ncond"], cond)
+            extras = task.slot_model(p, params, state, index, active, pair)
+            extras = {} if extras is None else extras(xin, t, cond)
             with adapterlib.applied((ad or {}).get("unet"), aidx):
                 out = p.family.denoise(unet, program_lib.denoiser_weights(params, cond), cond,
-                                       xin, t,
-                                       down_block_additional_residuals=down,
-                                       mid_block_additional_residual=mid)
+                                       xin, t, **extras)
             out = out.astype(jnp.float32)
             if g:  # a first-g row is guided if its image is, before its cfg_cutoff (a row
                 # past it, or unguided, can be there as padding of g: its text pass alone)
@@ -311,12 +285,10 @@ class StepRunner:
         return () if tables is None else (tables.as_tree(),)
 
     def _params(self):
-        """The programs' weights: the pipeline's (live: a LoRA fused later is used), and the
-        ControlNets' when there are any."""
-        p = self.pipe.params
-        if self.ip is not None:
-            p = dict(p, ip_adapter=self.ip.params)
-        return dict(p, controlnets=self.pipe.controlnet_params) if self.nets else p
+        """The programs' weights: the pipeline's (live: a LoRA fused later is used), an
+        IP-Adapter's, the task's (ControlNets)."""
+        return {**self.pipe.program_weights(self.ip is not None),
+                **self.task.slot_weights(self.pipe)}
 
     # ------------------------------------------------------------------ running
     def admit(self, take: list[Handle], free: list[int], b: int) -> None:
@@ -325,14 +297,8 @@ class StepRunner:
         ``cfg_cutoff``), initial latents from their seeds and scheduler tables. Sets each
         handle's ``seed`` (drawn here when the request has none)."""
         p, n = self.pipe, len(take)
-        items = [h.request for h in take] or [ImageRequest(prompt="", guidance_scale=0.0, seed=0)]
-        inputs = dataclasses.replace(p.host_inputs(items, self.height, self.width),
-                                     cfg=self.cfg)  # the engine's rows, whatever the items ask
-        if self.ip is not None and inputs.ip_pixels is None:  # no image prompt: scale 0
-            size = self.ip.image_size
-            inputs = dataclasses.replace(
-                inputs, ip_pixels=np.zeros((len(items), size, size, 3), np.float32),
-                ip_scale=np.zeros(len(items), np.float32))
+        items = [h.request for h in take] or [self._idle_item()]
+        inputs = self._host_inputs(items)
         for h, sd in zip(take, inputs.seeds):
             h.seed = int(sd)
         cfg = np.array([cfg_on(it.guidance_scale) for it in items])
@@ -345,31 +311,14 @@ class StepRunner:
         aidx = p.adapter_index(items)
         aidx = np.zeros(len(items), np.int32) if aidx is None else aidx
         slot = np.array(free + [self.slots] * (b - n), np.int32)  # padding rows are dropped
+        rows = self.task.slot_rows(p, [h.controls for h in take], self.height, self.width,
+                                   steps, self.max_steps)
 
         put = program_lib.BatchPut(p.mesh, b)
         args = (put(slot), put.tree(inputs), put(init_sigma), put(cfg), put(cut), put.tree(sched),
-                put(aidx), put.tree(self._control_rows(take, steps)))
+                put(aidx), put.tree(rows))
         self._state = self._program("admit", b)(self._params(), self._state, *args,
                                                 *self._adapter_args())
-
-    def _control_rows(self, take: list[Handle], steps: list[int]) -> dict:
-        """The admitted images' ControlNet state (none without ControlNets): control images
-        resized as the ControlNet pipeline resizes them, scale tables (``scale`` x
-        :func:`pipelines.controlnet.control_keep` over each image's own steps, padded at the
-        front to ``max_steps`` like the schedules) and guess mode."""
-        if not self.nets:
-            return {}
-        k, n = len(self.nets), self.max_steps
-        if not take:  # warm-up: one empty row
-            return {"cimg": tuple(np.zeros((1, self.height, self.width, 3), np.float32)
-                                  for _ in self.nets),
-                    "cscale": np.zeros((1, k, n), np.float32), "cguess": np.zeros((1, k), bool)}
-        rows = [control_inputs(self.nets, [h.controls], self.height, self.width, st)
-                for h, st in zip(take, steps)]
-        return {"cimg": tuple(np.concatenate([r[0][j] for r in rows]) for j in range(k)),
-                "cscale": np.concatenate([np.pad(sc, ((0, 0), (0, 0), (n - sc.shape[2], 0)))
-                                          for _, sc, _ in rows]),
-                "cguess": np.concatenate([gs for _, _, gs in rows])}
 
     def step(self, plan: StepPlan):
         """Queue one step of ``plan``'s rows; returns the device array of each row's step count

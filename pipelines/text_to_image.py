@@ -71,6 +71,8 @@ class TextToImagePipeline(Constructors, LoraAdapters, TextualInversion, ImagePro
     ``StableDiffusionXLPipeline``. ``family``: the model family (:mod:`maxdiff.family`; default
     SDXL base, or SD 1.x without ``text_encoder_2``)."""
 
+    task = TEXT  # the task its calls and step engines run (pipelines.runner.Task)
+
     def __init__(self, *, tokenizer, tokenizer_2, text_encoder, text_encoder_2, unet, vae,
                  scheduler, params: dict, mesh, force_zeros_for_empty_prompt: bool | None = None,
                  default_steps: int | None = None, default_guidance: float | None = None,
@@ -332,17 +334,19 @@ class TextToImagePipeline(Constructors, LoraAdapters, TextualInversion, ImagePro
                              f"{width}x{height} it must be {want} (N, C, H/{f}, W/{f})")
         return latents.transpose(0, 2, 3, 1)
 
-    def host_inputs(self, items: Sequence[ImageRequest], height: int, width: int) -> HostInputs:
+    def host_inputs(self, items: Sequence[ImageRequest], height: int, width: int, *,
+                    every_row: bool = False) -> HostInputs:
         """The per-image program inputs made on the host (:class:`pipelines.program.HostInputs`):
         seeds (random where an item has none), token ids of the prompts and negatives, which
-        negatives are zeros, the family's time ids, guidance (1 where CFG is off for that image)
-        and guidance rescale."""
+        negatives are zeros, the family's time ids, guidance (1 where CFG is off for that image),
+        guidance rescale and image prompts (``every_row``: see
+        :meth:`~pipelines.ip_adapting.ImagePrompts.image_prompt_inputs`)."""
         seeds = [it.seed if it.seed is not None else secrets.randbelow(MAX_SEED + 1)
                  for it in items]
         text, neg_text = prompting.texts(self, items)
         pairs = [self.family.time_ids(it, height, width) for it in items]
         n_ids = self.family.n_time_ids
-        ip_pixels, ip_scale = self.image_prompt_inputs(items)
+        ip_pixels, ip_scale = self.image_prompt_inputs(items, every_row)
         return HostInputs(
             seeds=np.asarray(seeds, np.uint32), text=text, neg_text=neg_text,
             zero_negative=np.array([it.negative_prompt is None

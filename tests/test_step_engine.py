@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tiny
 
-from pipelines import TextToImagePipeline
+from pipelines import ImageToImagePipeline, TextToImagePipeline
 from pipelines.requests import ImageRequest
 from pipelines.step_engine import StepEngine
 
@@ -228,6 +228,12 @@ def test_bad_submissions(engines):
         eng.submit(ImageRequest("x", deepcache_interval=2), 2)
     with pytest.raises(ValueError, match="cfg_cutoff=0"):
         eng.submit(ImageRequest("x", cfg_cutoff=0.0), 2)
+    with pytest.raises(ValueError, match="controls: this engine has no ControlNets"):
+        eng.submit(ImageRequest("x"), 2, controls=[])
+    # a task whose images start from given images has no step program
+    with pytest.raises(ValueError, match="does not run the edit task of ImageToImagePipeline; "
+                                         r"run it on the pipeline \(engine=batch\)"):
+        StepEngine(ImageToImagePipeline.from_pipe(eng.pipe), SIZE, SIZE, slots=2)
 
 
 def test_cfg_cutoff_equals_the_pipeline(engines):

@@ -111,5 +111,52 @@ class ControlNet(Task):
                             mid_block_additional_residual=mid, **more)
         return model
 
+    # the step engine: each slot holds its control images, its scale table (per ControlNet,
+    # padded at the front like the schedules) and guess mode
+    def slot_extra(self, pipe, extra):
+        if extra is None:
+            raise ValueError("controls is required: this engine runs ControlNets; give one "
+                             f"ControlImage per ControlNet ({len(pipe.controlnets)})")
+        extra = list(extra) if isinstance(extra, (list, tuple)) else extra
+        pipe.check_controls(extra)
+        return extra
+
+    def slot_weights(self, pipe):
+        return {"controlnets": pipe.controlnet_params}
+
+    def slot_state(self, pipe, slots, height, width, max_steps):
+        k = len(pipe.controlnets)
+        return {"cimg": tuple(np.zeros((slots, height, width, 3), np.float32)
+                              for _ in range(k)),
+                "cscale": np.zeros((slots, k, max_steps), np.float32),
+                "cguess": np.zeros((slots, k), bool)}
+
+    def slot_rows(self, pipe, extras, height, width, steps, max_steps):
+        """Control images resized as the ControlNet pipeline resizes them, scale tables over
+        each image's own steps, guess mode (:func:`control_inputs`)."""
+        if not extras:
+            return self.slot_state(pipe, 1, height, width, max_steps)
+        nets, k = pipe.controlnets, len(pipe.controlnets)
+        rows = [control_inputs(nets, [controls], height, width, st)
+                for controls, st in zip(extras, steps)]
+        return {"cimg": tuple(np.concatenate([r[0][j] for r in rows]) for j in range(k)),
+                "cscale": np.concatenate([np.pad(sc, ((0, 0), (0, 0), (max_steps - sc.shape[2], 0)))
+                                          for _, sc, _ in rows]),
+                "cguess": np.concatenate([gs for _, _, gs in rows])}
+
+    def slot_model(self, pipe, params, state, index, active, pair):
+        # this step's scale of each row for each ControlNet (0 for idle rows)
+        scale = jnp.take_along_axis(state["cscale"], index[:, None, None], axis=2)[..., 0]
+        scale = scale * active[:, None]
+        images, guess = state["cimg"], state["cguess"]
+        if pair is not None:
+            images, scale, guess = guided_controls(images, scale, guess, pair)
+
+        def extras(xin, t, cond):
+            down, mid = control_residuals(pipe.controlnets, params["controlnets"], xin, t, cond,
+                                          images, scale, guess)
+            return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+        return extras
+
 
 CONTROLNET = ControlNet()

@@ -26,6 +26,7 @@ class Edit(Task):
     name = "edit"
     n_keys = 4  # add-noise noise, posterior draw, masked image's posterior draw, step noise
     adapters = False
+    steps_in_slots = False  # the step engine runs text-to-image and ControlNet images
 
     @staticmethod
     def _to_latents(ctx: Ctx, images, eps):
