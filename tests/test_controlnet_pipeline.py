@@ -377,3 +377,22 @@ def test_the_step_engine_runs_controlnets_like_the_pipeline(multi):
         eng.submit(jobs[0][0], 2, controls=controls[0][:1])
     with pytest.raises(ValueError, match=r"controls: this engine has no ControlNets"):
         StepEngine(multi.pipe, SIZE, SIZE, slots=2).submit(jobs[0][0], 2, controls=controls[0])
+
+
+def test_the_controlnet_tasks_slot_rows_are_each_images_own(multi):
+    """The ControlNet task's step-engine rows, on the host: control images resized to the
+    engine's size, each image's scale table its own steps' (scale x ``control_keep``) padded at
+    the front to the engine's ``max_steps`` (row i of a k-step image reads its own step), guess
+    mode per ControlNet; without images, one zero row (the warm-up's)."""
+    controls = [[ControlImage(_control(1), 0.5, 0.0, 0.5),
+                 ControlImage(_control(2), 2.0, guess_mode=True)],
+                [ControlImage(_control(3, (16, 24)), 1.5, 0.5, 1.0), ControlImage(_control(4), 0.0)]]
+    rows = multi.task.slot_rows(multi, controls, SIZE, SIZE, [2, 4], 6)
+    assert [im.shape for im in rows["cimg"]] == [(2, SIZE, SIZE, 3)] * 2
+    np.testing.assert_array_equal(rows["cscale"], [[[0, 0, 0, 0, 0.5, 0], [0, 0, 0, 0, 2, 2]],
+                                                   [[0, 0, 0, 0, 1.5, 1.5], [0] * 6]])
+    np.testing.assert_array_equal(rows["cguess"], [[False, True], [False, False]])
+    idle = multi.task.slot_rows(multi, [], SIZE, SIZE, [], 6)
+    assert idle["cscale"].shape == (1, 2, 6) and not idle["cscale"].any()
+    assert jax.tree.map(np.shape, idle) == jax.tree.map(
+        lambda a: (1, *a.shape[1:]), multi.task.slot_state(multi, 3, SIZE, SIZE, 6))
