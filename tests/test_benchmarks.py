@@ -503,7 +503,8 @@ def test_the_deployment_pages_tpu_table_is_the_compiled_rows():
         "base + refiner (1)": {"v5e-4": row("tpu-2026-12-07b/refiner/report.jsonl"),
                                "v5e-8": row("tpu-2026-12-07d/v5e-2x4-refiner/report.jsonl"),
                                "v6e": row("tpu-2026-12-07b/v6e-refiner/report.jsonl")},
-        "step engine, one slot a chip": {"v5e": row("tpu-2026-12-07/report.jsonl", 2)},
+        "step engine, one slot a chip": {"v5e": row("tpu-2026-12-07/report.jsonl", 2),
+                                         "v6e": row("tpu-2026-12-07d/v6e-step/report.jsonl")},
     }
     step8 = row("tpu-2026-12-07d/v5e-2x4-step/report.jsonl")  # its collectives change
     lines = {line.split("|")[1].strip(): line for line in
