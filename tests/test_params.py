@@ -52,3 +52,41 @@ def test_a_parameter_of_the_wrong_shape_is_named():
     with pytest.raises(ValueError, match=r"text_projection/kernel has shape \(\d+, \d+\); this "
                                          r"module expects \(\d+, \d+\)"):
         text.apply({"params": params}, ids)
+
+
+def test_every_module_that_holds_parameters_reads_them_from_the_tree():
+    """Every module that holds parameters of its own in the UNet, the VAE and a text encoder is
+    a ``FromTree`` one (a flax layer used directly, ``nn.Dense(...)`` say, would trace its
+    initializer per parameter on every trace, and ``zero_init`` would not reach it): recorded
+    from the modules that run in an ``apply`` (flax's ``intercept_methods``)."""
+    from collections.abc import Mapping
+
+    import flax.linen as nn
+
+    from maxdiff.models.params import FromTree
+
+    held, plain = set(), set()
+
+    def record(next_fun, args, kwargs, context):
+        mod = context.module
+        own = mod.scope is not None and any(
+            not isinstance(v, Mapping) for v in mod.variables.get("params", {}).values())
+        if own:
+            path = "/".join(mod.scope.path)
+            held.add(path)
+            if not isinstance(mod, FromTree):
+                plain.add(f"{path} ({type(mod).__module__}.{type(mod).__name__})")
+        return next_fun(*args, **kwargs)
+
+    model = unet.unet_module(tiny.SDXL_UNET)
+    auto = vae.AutoencoderKL(vae.AutoencoderKLConfig.from_dict(tiny.VAE))
+    text = _text_encoder()
+    ids = jax.ShapeDtypeStruct((1, text.config.max_position_embeddings), jnp.int32)
+    with nn.intercept_methods(record):
+        jax.eval_shape(lambda p, kw: model.apply({"params": p}, **kw), unet.param_shapes(model),
+                       model.dummy_inputs())
+        jax.eval_shape(lambda p, x: auto.apply({"params": p}, x), vae.param_shapes(auto),
+                       jax.ShapeDtypeStruct((1, 2, 2, 3), jnp.float32))
+        jax.eval_shape(lambda p, i: text.apply({"params": p}, i), clip.param_shapes(text), ids)
+    assert len(held) > 100  # the check saw the models' layers
+    assert not plain, sorted(plain)
