@@ -114,7 +114,7 @@ class StepRunner:
 
     def _conditioning(self, params, inputs, ad=None, aidx=None):
         """The admitted images' conditioning (the pipeline's; rows [negative, positive] with
-        CFG) and adapter index."""
+        CFG)."""
         p = self.pipe
         encoders = {name: getattr(p, name) for name in p.family.encoders}
         return program_lib.conditioning(p.family, encoders, params, inputs, ad, aidx, self.ip)[0]
